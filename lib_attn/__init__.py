@@ -1,0 +1,57 @@
+"""lib_attn: one attention call, run on the fastest kernel that can take it, with reasons.
+
+    out = lib_attn.attention(q, k, v)                  # (b, h, seq, d) in, same layout out
+    out = lib_attn.attention(q, k, v, layout="bshd")   # (b, seq, h, d), flash-attn's layout
+    print(lib_attn.explain(q, k, v))                   # which backend, and why the others not
+    with lib_attn.use(preference=["flash-attn"]):      # scoped configuration
+        ...
+    with lib_attn.recording() as rec:                  # what ran, per (role, backend)
+        ...
+
+Importing this package imports torch and nothing of any webui, and does not initialise CUDA.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import kernels as _kernels
+from . import dispatch as _dispatch
+from .kernels import BACKEND_IDS
+from .config import Config, configure, use
+from .config import current as config
+from .device import DeviceInfo, device_info
+from .dispatch import AttentionFallbackError, Decision, attention, default_chain, explain
+from .spec import LAYOUTS, ROLES, CallSpec
+from .stats import Recording, last_recording, recording
+
+__all__ = [
+    "attention", "explain", "backends", "configure", "use", "config", "recording", "last_recording",
+    "default_chain", "device_info", "reset", "BACKEND_IDS", "ROLES", "LAYOUTS", "AttentionFallbackError",
+    "BackendInfo", "CallSpec", "Config", "Decision", "DeviceInfo", "Recording",
+]
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """One backend as ``backends()`` lists it: ``reason`` says why not when ``available`` is False."""
+
+    id: str
+    label: str
+    available: bool
+    reason: str
+    version: str
+
+
+def backends() -> list[BackendInfo]:
+    """Every backend, in registry order, with its probe result (probes run once, on first use)."""
+    out = []
+    for bid in BACKEND_IDS:
+        st = _kernels.status(bid)
+        out.append(BackendInfo(bid, _kernels.REGISTRY[bid].label, st.available, st.reason, st.version))
+    return out
+
+
+def reset() -> None:
+    """Back to a fresh state: default configuration, no cached decision or demotion (tests)."""
+    configure(preference="auto", fp32="cast", strict=False)
+    _dispatch.reset()

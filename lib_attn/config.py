@@ -1,0 +1,102 @@
+"""The engine's configuration: preference chains per role, fp32 policy, strict mode."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from .kernels import BACKEND_IDS
+from .spec import ROLES
+
+FP32_POLICIES = ("cast", "keep")
+
+
+@dataclass(frozen=True)
+class Config:
+    """``preference`` maps each role to a tuple of backend ids, or None for the default chain."""
+
+    preference: dict = field(default_factory=lambda: {role: None for role in ROLES})
+    fp32: str = "cast"
+    strict: bool = False
+
+
+_config = Config()
+_listeners: list = []
+
+
+def _check_ids(ids, where: str) -> tuple:
+    if isinstance(ids, str):
+        ids = [part.strip() for part in ids.split(",") if part.strip()]
+    ids = tuple(ids)
+    unknown = [i for i in ids if i not in BACKEND_IDS]
+    if unknown:
+        raise ValueError(f"unknown backend id {', '.join(map(repr, unknown))} in {where}; valid ids: {', '.join(BACKEND_IDS)}")
+    return ids
+
+
+def _chain(value, where: str):
+    if value is None or value == "auto" or (not isinstance(value, str) and len(value) == 0):
+        return None
+    return _check_ids(value, where) or None
+
+
+def normalise_preference(preference) -> dict:
+    """``"auto"``, a list of ids for every role, or a dict role -> ids, as a dict over every role.
+
+    A list for every role leaves ``sage`` out of the VAE's chain: SageAttention is for the denoiser,
+    and reaches the VAE only when the VAE's chain names it.
+    """
+    if preference is None or preference == "auto":
+        return {role: None for role in ROLES}
+    if isinstance(preference, dict):
+        unknown = [r for r in preference if r not in ROLES]
+        if unknown:
+            raise ValueError(f"unknown role {', '.join(map(repr, unknown))} in preference; valid roles: {', '.join(ROLES)}")
+        return {role: _chain(preference.get(role), f"preference[{role!r}]") for role in ROLES}
+    chain = _chain(preference, "preference")
+    out = {role: chain for role in ROLES}
+    if chain is not None:
+        out["vae"] = tuple(i for i in chain if i != "sage") or None
+    return out
+
+
+def current() -> Config:
+    return _config
+
+
+def configure(preference=None, fp32=None, strict=None) -> Config:
+    """Change the configuration; an argument left at None keeps its current value.
+
+    ``preference``: ``"auto"``, a list of backend ids for every role, or a dict role -> list
+    (``"auto"`` or ``[]`` for the default chain). ``fp32``: ``"cast"`` (fp32 inputs are cast to
+    bf16/fp16 for half-only kernels, output cast back) or ``"keep"`` (only fp32-capable kernels).
+    ``strict``: when True, every fallback raises ``AttentionFallbackError``.
+    """
+    global _config
+    pref = _config.preference if preference is None else normalise_preference(preference)
+    if fp32 is not None and fp32 not in FP32_POLICIES:
+        raise ValueError(f"fp32 policy {fp32!r} is not one of {', '.join(FP32_POLICIES)}")
+    if strict is not None and not isinstance(strict, bool):
+        raise ValueError(f"strict must be a bool, got {type(strict).__name__}")
+    _config = Config(pref, _config.fp32 if fp32 is None else fp32, _config.strict if strict is None else strict)
+    for listener in _listeners:
+        listener()
+    return _config
+
+
+@contextlib.contextmanager
+def use(preference=None, fp32=None, strict=None):
+    """``configure`` for the duration of a ``with`` block; the previous state returns on exit."""
+    global _config
+    saved = _config
+    configure(preference, fp32, strict)
+    try:
+        yield _config
+    finally:
+        _config = saved
+        for listener in _listeners:
+            listener()
+
+
+def on_change(listener) -> None:
+    """Call ``listener()`` after every configuration change (the dispatcher drops its decisions)."""
+    _listeners.append(listener)

@@ -1,0 +1,321 @@
+"""The dispatcher: a pure chain over the backends, decided once per call signature.
+
+``decide`` walks a role's chain and returns the first backend whose reasons list is empty, keeping
+every rejection. ``attention`` caches that decision under the call's metadata, so the hot path does a
+dict lookup, one counter increment and the kernel call: no probing and no reason strings.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from . import config as _config
+from . import stats
+from .kernels import REGISTRY, Status, status
+from .kernels.base import failure_text
+from .device import DeviceInfo
+from .spec import CallSpec, spec_of, validate
+
+log = logging.getLogger("lib_attn")
+
+
+class AttentionFallbackError(RuntimeError):
+    """Raised in strict mode when a call would not run on the backend the configuration put first."""
+
+
+#: Default chains, fastest first, from published kernel measurements (see the README). The last
+#: entry of every chain is ``math``, which takes every valid call.
+_HOPPER_FIRST = ("sdpa-cudnn", "sdpa-flash", "xformers", "sdpa-efficient", "sdpa")
+_AMPERE_FIRST = ("sdpa-flash", "sdpa-cudnn", "xformers", "sdpa-efficient", "sdpa")
+_OLDER_GPU = ("xformers", "sdpa-efficient", "sdpa")
+_GPU_VAE = ("sdpa-efficient", "xformers", "sdpa")
+_OTHER_DEVICE = ("sdpa",)
+
+
+def default_chain(role: str, device: DeviceInfo, fa3: bool | None = None) -> tuple:
+    """The backends tried for ``role`` on ``device`` when the user chose none, in order.
+
+    On Hopper, cuDNN and FlashAttention-3 are the fastest fused kernels, so flash-attn leads there only
+    when its FA3 build is installed (``fa3``; looked up when None). SageAttention is never in a
+    default chain: it is opt-in, because its 8-bit QK^T changes images on some models.
+    """
+    if device.type != "cuda":
+        chain = _OTHER_DEVICE
+    elif role == "vae":
+        chain = _GPU_VAE
+    elif (device.sm or 0) >= 90:
+        if fa3 is None:
+            fa3 = status("flash-attn").available and REGISTRY["flash-attn"].fa3 is not None
+        chain = ("flash-attn",) + _HOPPER_FIRST if fa3 else _HOPPER_FIRST[:1] + ("flash-attn",) + _HOPPER_FIRST[1:]
+    elif (device.sm or 0) >= 80:
+        chain = ("flash-attn",) + _AMPERE_FIRST
+    else:
+        chain = _OLDER_GPU
+    return chain + ("math",)
+
+
+def _dedupe(ids) -> tuple:
+    seen: dict = {}
+    for i in ids:
+        seen.setdefault(i, None)
+    return tuple(seen)
+
+
+def chain_for(role: str, device: DeviceInfo, backend: str | None, cfg) -> tuple[tuple, bool]:
+    """The chain for one call and whether its head was named by the user (per call or configured)."""
+    explicit = cfg.preference.get(role)
+    head = ((backend,) if backend else ()) + (explicit or ())
+    return _dedupe(head + default_chain(role, device)), bool(head)
+
+
+@dataclass
+class Decision:
+    """What runs for a call signature. ``backend``: the id that runs; ``rejected``: (id, reasons) for
+    every backend ahead of it in the chain; ``variant``: the package's kernel (e.g. "FA3");
+    ``cast``: the dtype fp32 inputs are cast to, or None; ``preferred``: the backend the configuration
+    put first (the first available one for a default chain)."""
+
+    backend: str
+    rejected: list = field(default_factory=list)
+    variant: str = ""
+    cast: torch.dtype | None = None
+    preferred: str | None = None
+    spec: CallSpec | None = None
+    run: object = field(default=None, repr=False)
+    count_key: tuple = ()
+    fallback_key: tuple | None = None
+
+    @property
+    def fallback(self) -> bool:
+        return self.fallback_key is not None
+
+    def reasons_for(self, backend_id: str) -> list:
+        for bid, reasons in self.rejected:
+            if bid == backend_id:
+                return reasons
+        return []
+
+    def __str__(self) -> str:
+        lines = [f"{self.backend}{f' ({self.variant})' if self.variant else ''}"
+                 f"{f', inputs cast to {self.cast}' if self.cast else ''}"]
+        lines += [f"  passed over {bid}: {'; '.join(reasons)}" for bid, reasons in self.rejected]
+        return "\n".join(lines)
+
+
+def decide(spec: CallSpec, chain, statuses: dict | None = None, fp32: str = "cast", explicit: bool = False,
+           failed: dict | None = None) -> Decision:
+    """Walk ``chain`` for ``spec`` and return the first backend that takes it.
+
+    ``statuses`` maps ids to probe results (the real probes when None); ``explicit`` says the chain's
+    head was named by the user, so its first entry is the preferred one even when not installed;
+    ``failed`` maps ids to a run-time failure that demoted them for this signature.
+    """
+    rejected = []
+    preferred = chain[0] if explicit else None
+    for bid in chain:
+        st: Status = statuses[bid] if statuses is not None else status(bid)
+        if not st.available:
+            rejected.append((bid, [f"not available: {st.reason}"]))
+            continue
+        if preferred is None:
+            preferred = bid
+        if failed and bid in failed:
+            rejected.append((bid, [f"failed at run time: {failed[bid]}"]))
+            continue
+        backend = REGISTRY[bid]
+        cast, run_spec = None, spec
+        if spec.dtype == torch.float32 and fp32 == "cast" and not backend.takes_dtype(torch.float32, spec.device.type):
+            cast = spec.device.half_dtype
+            run_spec = spec.with_dtype(cast)
+        reasons = backend.reasons(run_spec, asked=explicit and bid == chain[0])
+        if fp32 == "keep" and spec.dtype == torch.float32:
+            reasons = [r + " (fp32 policy: keep)" if r.startswith("dtype") else r for r in reasons]
+        if reasons:
+            rejected.append((bid, reasons))
+            continue
+        return _decision(backend, rejected, cast, preferred, spec, run_spec)
+    raise ValueError(f"no backend takes this call ({spec.describe()}): "
+                     + "; ".join(f"{bid}: {', '.join(r)}" for bid, r in rejected))
+
+
+def _decision(backend, rejected, cast, preferred, spec, run_spec) -> Decision:
+    variant = backend.variant(run_spec)
+    run = _wrap(backend.runner(run_spec), spec.layout != backend.layout, cast)
+    fallback_key = None
+    if preferred is not None and preferred != backend.id:
+        reasons = next((r for bid, r in rejected if bid == preferred), [])
+        fallback_key = (spec.role, preferred, "; ".join(reasons))
+    status_version = status(backend.id).version if backend.id in REGISTRY else ""
+    stats.note_kernel(backend.id, " ".join(p for p in (backend.id, status_version, f"({variant})" if variant else "") if p))
+    # The decision outlives the call: it must not keep the call's tensors alive.
+    spec = replace(spec, tensors=None)
+    return Decision(backend.id, rejected, variant, cast, preferred, spec, run, (spec.role, backend.id), fallback_key)
+
+
+def _wrap(run, transpose: bool, cast):
+    """Adapt a backend's kernel call to the caller's layout and dtype; the common case adds nothing."""
+    if not transpose and cast is None:
+        return run
+    if cast is None:
+        def run_transposed(q, k, v, mask, scale):
+            return run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale).transpose(1, 2)
+        return run_transposed
+
+    def run_cast(q, k, v, mask, scale):
+        dtype = q.dtype
+        if transpose:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = run(q.to(cast), k.to(cast), v.to(cast), mask, scale).to(dtype)
+        return out.transpose(1, 2) if transpose else out
+    return run_cast
+
+
+# --- the hot path -----------------------------------------------------------------------------
+
+_cache: dict = {}
+_failed: dict = {}  # signature key -> {backend id: failure text}
+_reported: set = set()
+
+
+def _forget() -> None:
+    _cache.clear()
+
+
+_config.on_change(_forget)
+
+
+def _key(q, k, v, mask, layout, role, backend, fp32):
+    """Everything a decision depends on, read from metadata only (strides are not: every backend
+    takes strided views). ``attention`` inlines the same tuple: keep the two in step."""
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+            None if mask is None else (mask.shape, mask.dtype, mask.device),
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+            layout, role, backend, fp32)
+
+
+def _decide_call(q, k, v, mask, layout, role, backend, fp32, scale) -> Decision:
+    validate(q, k, v, mask, layout, role, scale)
+    if backend is not None and backend not in REGISTRY:
+        raise ValueError(f"unknown backend id {backend!r}; valid ids: {', '.join(REGISTRY)}")
+    if fp32 is not None and fp32 not in _config.FP32_POLICIES:
+        raise ValueError(f"fp32 policy {fp32!r} is not one of {', '.join(_config.FP32_POLICIES)}")
+    cfg = _config.current()
+    spec = spec_of(q, k, v, mask, layout, role)
+    chain, explicit = chain_for(role, spec.device, backend, cfg)
+    key = _key(q, k, v, mask, layout, role, backend, fp32)
+    return decide(spec, chain, fp32=fp32 or cfg.fp32, explicit=explicit, failed=_failed.get(key))
+
+
+def explain(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", backend=None, fp32=None) -> Decision:
+    """The decision ``attention`` would take for this call, without running a kernel."""
+    try:
+        found = _cache.get(_key(q, k, v, mask, layout, role, backend, fp32))
+    except (AttributeError, TypeError, IndexError, RuntimeError):
+        found = None
+    return found or _decide_call(q, k, v, mask, layout, role, backend, fp32, scale)
+
+
+def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", backend=None, fp32=None):
+    """Attention over q, k, v on the fastest backend that takes the call, falling back per call.
+
+    q: (b, h, q_len, d), k and v: (b, h, kv_len, d) in layout ``"bhsd"``; (b, seq, h, d) in ``"bshd"``.
+    Strided views are fine. ``mask`` follows F.scaled_dot_product_attention (bool: True takes part;
+    float: added to the scores), broadcastable to (b, h, q_len, kv_len). ``scale`` defaults to
+    1/sqrt(d). ``role`` (unet, dit, vae, text) selects the chain; ``backend`` puts one id first for
+    this call; ``fp32`` ("cast"/"keep") overrides the fp32 policy for this call.
+    Returns (b, h, q_len, d) or (b, q_len, h, d) as the input, in q's dtype.
+    """
+    try:
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+               None if mask is None else (mask.shape, mask.dtype, mask.device),
+               torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+               layout, role, backend, fp32)
+        dec = _cache.get(key)
+    except (AttributeError, TypeError, IndexError, RuntimeError):
+        dec = None
+        key = None
+    if dec is None:
+        dec = _decide_call(q, k, v, mask, layout, role, backend, fp32, scale)
+        _cache[key] = dec
+    if dec.fallback_key is not None:
+        _on_fallback(dec, dec.fallback_key)
+    try:
+        out = dec.run(q, k, v, mask, scale)
+    except Exception as exc:  # noqa: BLE001 - sorted by _recover: only recoverable kinds fall back
+        return _recover(key, dec, exc, q, k, v, mask, scale)
+    stats.current.calls[dec.count_key] += 1
+    return out
+
+
+def _on_fallback(dec: Decision, fallback_key: tuple) -> None:
+    if _config.current().strict:
+        role, preferred, reasons = fallback_key
+        raise AttentionFallbackError(
+            f"strict mode: {preferred} cannot take this {role} call ({dec.spec.describe()}): {reasons}; "
+            f"it would run on {dec.backend}")
+    stats.current.fallbacks[fallback_key] += 1
+    _report_once(fallback_key, dec.backend)
+
+
+def _report_once(fallback_key: tuple, ran_on: str) -> None:
+    role, preferred, reasons = fallback_key
+    if (preferred, reasons) not in _reported:
+        _reported.add((preferred, reasons))
+        log.warning("attention: %s passed over for %s calls (%s); running %s instead", preferred, role, reasons, ran_on)
+
+
+_STICKY = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address")
+
+
+def _is_oom(exc: BaseException) -> bool:
+    oom = getattr(torch.cuda, "OutOfMemoryError", None)
+    return (oom is not None and isinstance(exc, oom)) or "out of memory" in str(exc).lower()
+
+
+def _recover(key, dec: Decision, exc: Exception, q, k, v, mask, scale):
+    """A kernel failed: demote it for this signature and rerun on the next backend, or re-raise."""
+    if _is_oom(exc):
+        # The VAE's single 512-wide head is the one call whose memory grows with the image: retry it
+        # on the bounded path. Elsewhere an OOM is the host's to handle, as without this extension.
+        if dec.spec.role != "vae" or dec.backend == "math":
+            raise exc
+        fallback_key = (dec.spec.role, dec.backend, "out of memory")
+        if _config.current().strict:
+            raise AttentionFallbackError(f"strict mode: {dec.backend} ran out of memory on a vae call") from exc
+        stats.current.fallbacks[fallback_key] += 1
+        _report_once(fallback_key, "math")
+        out = _wrap(REGISTRY["math"].run, dec.spec.layout != "bhsd", None)(q, k, v, mask, scale)
+        stats.current.calls[(dec.spec.role, "math")] += 1
+        return out
+    sticky = any(s in str(exc) for s in _STICKY)
+    recoverable = isinstance(exc, (RuntimeError, NotImplementedError, ValueError, TypeError, AssertionError))
+    if sticky or not recoverable or dec.backend == "math" or key is None:
+        raise exc
+    text = failure_text(exc)
+    if _config.current().strict:
+        raise AttentionFallbackError(f"strict mode: {dec.backend} failed on {dec.spec.describe()}: {text}") from exc
+    failed = _failed.setdefault(key, {})
+    failed[dec.backend] = text
+    cfg = _config.current()
+    layout, role, backend, fp32 = key[-4:]
+    chain, explicit = chain_for(role, dec.spec.device, backend, cfg)
+    new = decide(dec.spec, chain, fp32=fp32 or cfg.fp32, explicit=explicit, failed=failed)
+    _cache[key] = new
+    if new.fallback_key is not None:
+        stats.current.fallbacks[new.fallback_key] += 1
+        _report_once(new.fallback_key, new.backend)
+    try:
+        out = new.run(q, k, v, mask, scale)
+    except Exception as again:  # noqa: BLE001 - the next backend may fail too; same rules
+        return _recover(key, new, again, q, k, v, mask, scale)
+    stats.current.calls[new.count_key] += 1
+    return out
+
+
+def reset() -> None:
+    """Forget decisions, demotions and the once-only log record (tests)."""
+    _cache.clear()
+    _failed.clear()
+    _reported.clear()

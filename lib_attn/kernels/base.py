@@ -1,0 +1,131 @@
+"""What every backend is: an id, a one-time probe, per-call reasons, and a kernel call.
+
+A backend never raises to say no: ``reasons(spec)`` lists what the call has against what the kernel
+needs, as "what you have vs what is needed" strings, and an empty list means it can take the call.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..spec import DENSE, FLOATS, HALF, KEY_PADDING, NO_MASK, CallSpec
+
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+@dataclass(frozen=True)
+class Status:
+    """The one-time probe: installed and loadable, or the reason (the import error's own text)."""
+
+    available: bool
+    reason: str = ""
+    version: str = ""
+
+
+def failure_text(exc: BaseException) -> str:
+    """An exception as a one-line reason: type and first line of the message."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def new_output(shape, dtype, device) -> torch.Tensor:
+    """Allocate an output a backend fills piece by piece (tests poison it through this one place)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def last_dim_contiguous(*tensors):
+    """Kernels called below PyTorch's own entry point need unit stride along head_dim."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
+def default_scale(scale, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def additive_bias(mask: torch.Tensor, dtype: torch.dtype, shape: tuple, align: int = 1) -> torch.Tensor:
+    """The mask as an additive float bias of ``shape`` = (b, h, q, kv).
+
+    Fused kernels read the bias with vector loads, so its rows start on ``align``-element boundaries:
+    the bias lives in a buffer padded to a multiple of ``align`` and is returned as a view.
+    """
+    if mask.dtype == torch.bool:
+        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    else:
+        bias = mask.to(dtype)
+    bias = bias.expand(shape)
+    kv = shape[-1]
+    if align > 1 and kv % align:
+        padded = torch.empty(shape[:-1] + (kv + align - kv % align,), dtype=dtype, device=mask.device)
+        padded[..., :kv] = bias
+        return padded[..., :kv]
+    return bias
+
+
+class Backend:
+    """Base class. Subclasses set the class attributes and override ``_probe`` and ``run``.
+
+    ``run(q, k, v, mask, scale)`` receives tensors in ``layout``, in a dtype from ``dtypes``, on a
+    device the backend accepted, and returns the output in the same layout and dtype.
+    """
+
+    id = ""
+    label = ""
+    layout = "bhsd"
+    devices: tuple[str, ...] = ("cuda",)
+    dtypes: tuple[torch.dtype, ...] = HALF
+    min_sm: int | None = None
+    max_head_dim: int | None = None
+    head_dim_multiple: int = 1
+    masks: tuple[str, ...] = (NO_MASK, KEY_PADDING, DENSE)
+    backward = True
+
+    def probe(self) -> Status:
+        try:
+            return self._probe()
+        except (ImportError, OSError, RuntimeError, AttributeError) as exc:
+            return Status(False, failure_text(exc))
+
+    def _probe(self) -> Status:
+        raise NotImplementedError
+
+    def takes_dtype(self, dtype: torch.dtype, device: str) -> bool:
+        return dtype in self.dtypes
+
+    def reasons(self, spec: CallSpec, asked: bool = False) -> list[str]:
+        """What ``spec`` has against this backend; ``asked`` is True when the user chose it by name."""
+        out: list[str] = []
+        if spec.device.type not in self.devices:
+            out.append(f"device {spec.device.type} not supported ({'/'.join(self.devices)} only)")
+            return out
+        if not self.takes_dtype(spec.dtype, spec.device.type):
+            allowed = "/".join(DTYPE_NAMES[d] for d in FLOATS if self.takes_dtype(d, spec.device.type))
+            out.append(f"dtype {spec.dtype_name} not supported ({allowed})")
+        if self.min_sm is not None and spec.device.type == "cuda" and (spec.device.sm or 0) < self.min_sm:
+            out.append(f"GPU sm{spec.device.sm} < sm{self.min_sm}")
+        if self.max_head_dim is not None and spec.head_dim > self.max_head_dim:
+            out.append(f"head_dim {spec.head_dim} > {self.max_head_dim}")
+        if spec.head_dim % self.head_dim_multiple:
+            out.append(f"head_dim {spec.head_dim} not a multiple of {self.head_dim_multiple}")
+        if spec.mask not in self.masks:
+            out.append(f"{spec.mask} attention mask not supported")
+        if spec.requires_grad and not self.backward:
+            out.append("no backward pass (inference only)")
+        out.extend(self.extra_reasons(spec, asked))
+        return out
+
+    def extra_reasons(self, spec: CallSpec, asked: bool) -> list[str]:
+        return []
+
+    def variant(self, spec: CallSpec) -> str:
+        """Which kernel of the package serves ``spec`` (e.g. "FA3"), or "" when there is one."""
+        return ""
+
+    def runner(self, spec: CallSpec):
+        """The callable that serves ``spec``; chosen once per call signature."""
+        return self.run
+
+    def run(self, q, k, v, mask, scale):
+        raise NotImplementedError

@@ -1,0 +1,127 @@
+"""The flash-attn package: FlashAttention-2, or FlashAttention-3 (``flash_attn_interface``) on sm90.
+
+flash-attn enforces its limits inside the kernel, so they are restated here from its documentation:
+CUDA, fp16/bf16, head_dim <= 256, no dense mask. Official builds start at sm80; community builds run
+on Volta/Turing (fp16), so on an older GPU a user who asked for flash-attn by name gets one trial call.
+"""
+from __future__ import annotations
+
+import importlib
+from functools import lru_cache
+
+import torch
+
+from ..spec import KEY_PADDING, NO_MASK, CallSpec
+from .base import Backend, Status, default_scale, failure_text
+
+
+def _version_of(module, dist: str) -> str:
+    version = getattr(module, "__version__", "")
+    if version:
+        return str(version)
+    try:
+        from importlib.metadata import version as dist_version
+
+        return dist_version(dist)
+    except Exception:  # noqa: BLE001 - metadata may be absent for a source checkout; the version is cosmetic
+        return ""
+
+
+class FlashAttn(Backend):
+    id = "flash-attn"
+    label = "flash-attn (FlashAttention-2/3)"
+    layout = "bshd"
+    max_head_dim = 256
+    masks = (NO_MASK, KEY_PADDING)
+
+    def __init__(self):
+        self.fa2 = None  # module flash_attn, when it loads
+        self.fa3 = None  # module flash_attn_interface (FA3, Hopper), when it loads
+        self.fa2_error = ""
+        self.fa3_error = ""
+
+    def _probe(self) -> Status:
+        self.fa2 = self.fa3 = None
+        try:
+            module = importlib.import_module("flash_attn")
+            module.flash_attn_func, module.flash_attn_varlen_func  # noqa: B018 - the kernels must resolve
+            self.fa2 = module
+        except (ImportError, OSError, RuntimeError, AttributeError) as exc:
+            self.fa2_error = failure_text(exc)
+        try:
+            self.fa3 = importlib.import_module("flash_attn_interface")
+        except (ImportError, OSError, RuntimeError) as exc:
+            self.fa3_error = failure_text(exc)
+        if self.fa2 is None and self.fa3 is None:
+            return Status(False, self.fa2_error)
+        if self.fa2 is None:
+            return Status(True, version=f"FA3 {_version_of(self.fa3, 'flash_attn_3')}".strip())
+        return Status(True, version=_version_of(self.fa2, "flash-attn"))
+
+    def variant(self, spec: CallSpec) -> str:
+        if self.fa3 is not None and spec.device.sm == 90 and spec.mask == NO_MASK:
+            return "FA3"
+        return "FA2" if self.fa2 is not None else "FA3"
+
+    def extra_reasons(self, spec: CallSpec, asked: bool) -> list[str]:
+        out = []
+        if spec.mask == KEY_PADDING and spec.mask_dtype != torch.bool:
+            out.append("float attention mask not supported (boolean key-padding masks only)")
+        if spec.mask == KEY_PADDING and self.fa2 is None:
+            out.append("key-padding mask needs flash_attn_varlen_func (FA2), which is not installed")
+        if self.fa2 is None and spec.device.sm != 90:
+            out.append(f"only FA3 is installed, which needs sm90 (GPU is sm{spec.device.sm})")
+        if spec.dtype == torch.bfloat16 and (spec.device.sm or 0) < 80:
+            out.append(f"bf16 needs sm80, GPU is sm{spec.device.sm}")
+        sm = spec.device.sm or 0
+        if sm < 80 and not out:
+            if not asked:
+                out.append(f"GPU sm{sm} < sm80")
+            else:
+                trial = self.trial(spec.device.index, spec.dtype)
+                if trial:
+                    out.append(f"GPU sm{sm} < sm80, and a trial call failed: {trial}")
+        return out
+
+    @lru_cache(maxsize=None)
+    def trial(self, index, dtype) -> str:
+        """Run one tiny call on an older GPU; '' when the installed build takes it, else its error."""
+        try:
+            x = torch.randn(1, 8, 1, 64, device=torch.device("cuda", index), dtype=dtype)
+            self.fa2.flash_attn_func(x, x, x)
+            torch.cuda.synchronize(index)
+            return ""
+        except (RuntimeError, ValueError, TypeError) as exc:
+            return failure_text(exc)
+
+    def runner(self, spec: CallSpec):
+        if spec.mask != NO_MASK:
+            return self._run_key_padding
+        return self._run_fa3 if self.variant(spec) == "FA3" else self.run
+
+    def run(self, q, k, v, mask, scale):
+        if mask is not None:
+            return self._run_key_padding(q, k, v, mask, scale)
+        return self.fa2.flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=False)
+
+    def _run_fa3(self, q, k, v, mask, scale):
+        out = self.fa3.flash_attn_func(q, k, v, softmax_scale=scale)
+        return out[0] if isinstance(out, tuple) else out  # some FA3 releases also return the LSE
+
+    def _run_key_padding(self, q, k, v, mask, scale):
+        """Pack the valid keys of each batch row and run the varlen kernel; any padding pattern works."""
+        b, n, h, d = q.shape
+        kv = k.shape[1]
+        keep = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))[:, 0, 0, :].expand(b, kv)
+        counts = keep.sum(dim=1, dtype=torch.int32)
+        cu_k = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
+        torch.cumsum(counts, dim=0, out=cu_k[1:])
+        cu_q = torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=q.device)
+        flat = keep.reshape(-1)
+        k_packed = k.reshape(b * kv, h, d)[flat]
+        v_packed = v.reshape(b * kv, h, d)[flat]
+        out = self.fa2.flash_attn_varlen_func(
+            q.reshape(b * n, h, d), k_packed, v_packed, cu_q, cu_k, n, int(counts.max()),
+            dropout_p=0.0, softmax_scale=default_scale(scale, d), causal=False,
+        )
+        return out.reshape(b, n, h, d)

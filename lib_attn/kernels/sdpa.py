@@ -1,0 +1,199 @@
+"""PyTorch's scaled_dot_product_attention: let PyTorch choose (``sdpa``), or one kernel pinned.
+
+A pinned kernel is called as its aten operator. Entering ``torch.nn.attention.sdpa_kernel`` would pin
+it too, but costs several microseconds per call, more than the engine's whole budget; the operator
+call costs what SDPA's own dispatch costs. When PyTorch's own choice for the call already is the
+pinned kernel, the public function runs instead.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from .. import _compat
+from ..spec import DENSE, FLOATS, HALF, KEY_PADDING, NO_MASK, CallSpec
+from .base import Backend, Status, additive_bias, default_scale, last_dim_contiguous
+
+
+def _run_public(q, k, v, mask, scale):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _same_dtype_mask(mask, dtype):
+    if mask is None or mask.dtype == torch.bool or mask.dtype == dtype:
+        return mask
+    return mask.to(dtype)
+
+
+class Sdpa(Backend):
+    id = "sdpa"
+    label = "PyTorch SDPA (PyTorch picks the kernel)"
+    devices = ("cuda", "cpu", "mps", "xpu")
+    dtypes = FLOATS
+
+    def _probe(self) -> Status:
+        if not _compat.HAS_SDPA:
+            return Status(False, f"torch {_compat.TORCH_VERSION_TEXT} < 2.1 (no scaled_dot_product_attention with scale)")
+        return Status(True, version=f"torch {_compat.TORCH_VERSION_TEXT}")
+
+    def run(self, q, k, v, mask, scale):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_same_dtype_mask(mask, q.dtype), scale=scale)
+
+
+class _PinnedSdpa(Sdpa):
+    """One SDPA kernel. ``kernel`` names PyTorch's check (``can_use_<kernel>_attention``)."""
+
+    kernel = ""
+    choice = ""
+    op = None
+
+    def _probe(self) -> Status:
+        base = super()._probe()
+        if not base.available:
+            return base
+        if self.op is None:
+            return Status(False, f"torch {_compat.TORCH_VERSION_TEXT} has no {self.kernel} attention operator")
+        return base
+
+    def torch_reasons(self, spec: CallSpec) -> list[str]:
+        """PyTorch's own verdict on the real tensors, its warnings turned into reasons."""
+        check = _compat.CAN_USE.get(self.kernel)
+        if spec.tensors is None or spec.device.type != "cuda" or check is None or _compat.SDPA_PARAMS is None:
+            return []
+        q, k, v, mask = spec.tensors
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ok = check(_compat.sdpa_params(q, k, v, mask), True)
+        if ok:
+            return []
+        found = [str(w.message).strip() for w in caught if str(w.message).strip()]
+        return found or [f"PyTorch's {self.kernel} check refuses this call"]
+
+    def reasons(self, spec, asked=False):
+        # PyTorch's check runs last: it needs the real tensors, and ours already explain the rest.
+        return super().reasons(spec, asked) or self.torch_reasons(spec)
+
+    def chosen_by_pytorch(self, spec: CallSpec) -> bool:
+        """Whether plain F.scaled_dot_product_attention would run this kernel for the call."""
+        if spec.tensors is None or _compat.FUSED_SDP_CHOICE is None or self.choice not in _compat.SDP_BACKEND:
+            return False
+        q, k, v, mask = spec.tensors
+        try:
+            return _compat.FUSED_SDP_CHOICE(q, k, v, mask) == _compat.SDP_BACKEND[self.choice]
+        except (RuntimeError, TypeError):
+            return False
+
+    def runner(self, spec: CallSpec):
+        return _run_public if self.chosen_by_pytorch(spec) else self.run
+
+
+class SdpaFlash(_PinnedSdpa):
+    id = "sdpa-flash"
+    label = "PyTorch SDPA flash kernel"
+    kernel, choice, op = "flash", "FLASH_ATTENTION", _compat.FLASH_OP
+    devices = ("cuda", "cpu")
+    min_sm = 80
+    max_head_dim = 256
+    head_dim_multiple = 8
+
+    def takes_dtype(self, dtype, device):
+        # PyTorch's CPU flash kernel takes every float type; its CUDA one fp16/bf16 only.
+        return dtype in (FLOATS if device == "cpu" else HALF)
+
+    def reasons(self, spec, asked=False):
+        if spec.device.type != "cpu":
+            return super().reasons(spec, asked)
+        # The CPU kernel has no head_dim limit and takes masks; PyTorch's choice is the check.
+        out = [r for r in Backend.reasons(self, spec, asked) if not r.startswith(("head_dim", "GPU"))]
+        if not out and spec.tensors is not None and not self.chosen_by_pytorch(spec):
+            out.append("PyTorch would not run its CPU flash kernel for this call")
+        return out
+
+    def extra_reasons(self, spec, asked):
+        out = []
+        if spec.mask != NO_MASK and spec.device.type != "cpu":
+            out.append(f"{spec.mask} attention mask not supported")
+        if spec.device.type == "cuda" and not _compat.flash_built():
+            out.append(f"torch {_compat.TORCH_VERSION_TEXT} was built without its flash kernel")
+        return out
+
+    def run(self, q, k, v, mask, scale):
+        if q.device.type == "cpu":
+            return _run_public(q, k, v, mask, scale)
+        q, k, v = last_dim_contiguous(q, k, v)
+        return self.op(q, k, v, 0.0, False, False, scale=scale)[0]
+
+
+class SdpaEfficient(_PinnedSdpa):
+    id = "sdpa-efficient"
+    label = "PyTorch SDPA memory-efficient kernel"
+    kernel, choice, op = "efficient", "EFFICIENT_ATTENTION", _compat.EFFICIENT_OP
+    devices = ("cuda",)
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    min_sm = 50
+    head_dim_multiple = 4
+
+    def extra_reasons(self, spec, asked):
+        out = []
+        if spec.dtype == torch.bfloat16 and (spec.device.sm or 0) < 80:
+            out.append(f"bf16 needs sm80, GPU is sm{spec.device.sm}")
+        if spec.mask != NO_MASK and not _compat.EFFICIENT_OP_TAKES_BIAS:
+            out.append(f"torch {_compat.TORCH_VERSION_TEXT}'s efficient kernel takes no mask")
+        return out
+
+    def run(self, q, k, v, mask, scale):
+        q, k, v = last_dim_contiguous(q, k, v)
+        bias = None if mask is None else additive_bias(mask, q.dtype, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), 16)
+        return self.op(q, k, v, bias, False, 0.0, False, scale=scale)[0]
+
+
+class SdpaCudnn(_PinnedSdpa):
+    id = "sdpa-cudnn"
+    label = "PyTorch SDPA cuDNN kernel"
+    kernel, choice, op = "cudnn", "CUDNN_ATTENTION", _compat.CUDNN_OP
+    devices = ("cuda",)
+    dtypes = HALF
+    min_sm = 80
+    head_dim_multiple = 8
+
+    @property
+    def masks(self):
+        return (NO_MASK, KEY_PADDING, DENSE) if _compat.CUDNN_OP_TAKES_BIAS else (NO_MASK,)
+
+    def _probe(self) -> Status:
+        status = super()._probe()
+        if status.available and not torch.backends.cudnn.is_available():
+            return Status(False, "cuDNN is not available in this torch build")
+        return status
+
+    def extra_reasons(self, spec, asked):
+        out = []
+        switched_off = _compat.cudnn_sdpa_switched_off()
+        if switched_off:
+            out.append(switched_off)
+        limit = 256 if (spec.device.sm or 0) >= 90 else 128
+        if spec.head_dim > limit:
+            out.append(f"head_dim {spec.head_dim} > {limit}")
+        return out
+
+    def run(self, q, k, v, mask, scale):
+        q, k, v = last_dim_contiguous(q, k, v)
+        if _compat.CUDNN_OP_TAKES_BIAS:
+            bias = None if mask is None else additive_bias(mask, q.dtype, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), 16)
+            return self.op(q, k, v, bias, False, 0.0, False, False, scale=scale)[0]
+        return self.op(q, k, v, 0.0, False, False, scale=scale)[0]
+
+
+class SdpaMath(_PinnedSdpa):
+    id = "sdpa-math"
+    label = "PyTorch SDPA math kernel (full score matrix)"
+    kernel, choice, op = "math", "MATH", _compat.MATH_OP
+    devices = ("cuda", "cpu", "mps", "xpu")
+    dtypes = FLOATS
+
+    def run(self, q, k, v, mask, scale):
+        # Below F.scaled_dot_product_attention a mask is additive: PyTorch converts bool ones above it.
+        bias = None if mask is None else additive_bias(mask, q.dtype, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+        return self.op(q, k, v, bias, scale=default_scale(scale, q.shape[-1]))[0]

@@ -1,0 +1,62 @@
+"""xformers' ``memory_efficient_attention``; its own operator dispatch explains a refusal."""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from ..spec import CallSpec
+from .base import Backend, Status, additive_bias, failure_text
+from .flash import _version_of
+
+
+class Xformers(Backend):
+    id = "xformers"
+    label = "xformers memory_efficient_attention"
+    layout = "bshd"
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    min_sm = 50
+
+    def __init__(self):
+        self.ops = None
+
+    def _probe(self) -> Status:
+        self.ops = None
+        module = importlib.import_module("xformers")
+        ops = importlib.import_module("xformers.ops")
+        ops.memory_efficient_attention  # noqa: B018 - the entry point must resolve
+        if getattr(module, "_has_cpp_library", True) is False:
+            return Status(False, "xformers is installed but its C++/CUDA extension did not load (built for another torch?)")
+        self.ops = ops
+        return Status(True, version=_version_of(module, "xformers"))
+
+    def extra_reasons(self, spec: CallSpec, asked: bool) -> list[str]:
+        out = []
+        if spec.dtype == torch.bfloat16 and (spec.device.sm or 0) < 80:
+            out.append(f"bf16 needs sm80, GPU is sm{spec.device.sm}")
+        if not out and spec.tensors is not None and self.ops is not None:
+            out.extend(self._own_reasons(spec))
+        return out
+
+    def _own_reasons(self, spec: CallSpec) -> list[str]:
+        """Ask xformers' dispatcher whether any of its operators takes the call."""
+        try:
+            fmha = importlib.import_module("xformers.ops.fmha")
+        except ImportError:
+            return []
+        q, k, v = (t.transpose(1, 2) for t in spec.tensors[:3])
+        mask = spec.tensors[3]
+        bias = None if mask is None else additive_bias(mask, q.dtype, (q.shape[0], q.shape[2], q.shape[1], k.shape[1]), 16)
+        try:
+            fmha.dispatch._dispatch_fw(fmha.Inputs(query=q, key=k, value=v, attn_bias=bias), False)
+        except NotImplementedError as exc:
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip().startswith("`")]
+            return lines or [failure_text(exc)]
+        except (AttributeError, TypeError):
+            return []  # a release without this private API: the kernel call itself decides
+        return []
+
+    def run(self, q, k, v, mask, scale):
+        bias = None if mask is None else additive_bias(mask, q.dtype, (q.shape[0], q.shape[2], q.shape[1], k.shape[1]), 16)
+        return self.ops.memory_efficient_attention(q, k, v, attn_bias=bias, scale=scale)
+

@@ -1,0 +1,53 @@
+"""Shared helpers for the engine's tests: a float64 reference and relative errors."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def reference(q, k, v, mask=None, scale=None, layout="bhsd"):
+    """softmax(q k^T * scale + mask) v in float64, in the inputs' layout."""
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    q, k, v = (t.double() for t in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.double()
+    out = torch.softmax(scores, dim=-1) @ v
+    return out.transpose(1, 2) if layout == "bshd" else out
+
+
+def naive_same_dtype(q, k, v, mask=None, scale=None, layout="bhsd"):
+    """Plain PyTorch math in the inputs' own dtype: the baseline error a kernel is held to."""
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(scores.dtype)
+    out = torch.softmax(scores, dim=-1) @ v
+    return out.transpose(1, 2) if layout == "bshd" else out
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm())
+
+
+def make_qkv(b, h, n, kv, d, dtype, layout="bhsd", strided=False, seed=None):
+    """Fresh random q, k, v; ``strided`` gives views of a packed qkv buffer, as hosts pass them."""
+    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    if strided:
+        # A (b, seq, 3, h, d) buffer viewed per tensor: non-contiguous, like Flux's permuted qkv.
+        qb = torch.randn(b, n, 3, h, d, generator=gen).to(dtype)
+        kb = torch.randn(b, kv, 3, h, d, generator=gen).to(dtype)
+        q, k, v = qb[:, :, 0], kb[:, :, 1], kb[:, :, 2]
+        if layout == "bhsd":
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return q, k, v
+    shape_q = (b, h, n, d) if layout == "bhsd" else (b, n, h, d)
+    shape_k = (b, h, kv, d) if layout == "bhsd" else (b, kv, h, d)
+    return (torch.randn(shape_q, generator=gen).to(dtype), torch.randn(shape_k, generator=gen).to(dtype),
+            torch.randn(shape_k, generator=gen).to(dtype))
