@@ -43,7 +43,7 @@ def qkv(*shape_kv, d=40, dtype=torch.float32):
 ])
 def test_bad_tensors_raise_value_error_before_any_kernel(mutate, words, monkeypatch):
     for backend in REGISTRY.values():
-        monkeypatch.setattr(backend, "run", lambda *a, **kw: pytest.fail("a kernel ran"))
+        monkeypatch.setattr(backend, "runner", lambda spec: pytest.fail("a kernel was chosen"))
     q, k, v = mutate(*qkv())
     with pytest.raises(ValueError) as err:
         lib_attn.attention(q, k, v)
@@ -175,13 +175,18 @@ def test_configured_backend_that_cannot_take_a_call_falls_back_and_is_counted(ca
     assert len([r for r in caplog.records if "sdpa-efficient" in r.getMessage()]) == 1  # reported once
 
 
+def kernel_fails(monkeypatch, kernel):
+    """Make the ``sdpa`` backend's kernel call ``kernel`` (which raises) for every new decision."""
+    monkeypatch.setattr(REGISTRY["sdpa"], "runner", lambda spec: kernel)
+
+
 def test_run_time_failure_demotes_reruns_and_reports_once(monkeypatch, caplog):
     calls = []
 
     def broken(q, k, v, mask, scale):
         calls.append(1)
         raise RuntimeError("no kernel image is available for execution on the device\nmore detail")
-    monkeypatch.setattr(REGISTRY["sdpa"], "run", broken)
+    kernel_fails(monkeypatch, broken)
     q, k, v = qkv()
     with caplog.at_level(logging.WARNING, logger="lib_attn"), lib_attn.recording() as rec:
         for _ in range(4):
@@ -198,7 +203,7 @@ def test_run_time_failure_demotes_reruns_and_reports_once(monkeypatch, caplog):
 def test_unrecoverable_errors_are_not_swallowed(monkeypatch):
     def sticky(q, k, v, mask, scale):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
-    monkeypatch.setattr(REGISTRY["sdpa"], "run", sticky)
+    kernel_fails(monkeypatch, sticky)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         lib_attn.attention(*qkv())
 
@@ -206,7 +211,7 @@ def test_unrecoverable_errors_are_not_swallowed(monkeypatch):
 def test_out_of_memory_in_the_vae_retries_on_the_bounded_path(monkeypatch):
     def oom(q, k, v, mask, scale):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    monkeypatch.setattr(REGISTRY["sdpa"], "run", oom)
+    kernel_fails(monkeypatch, oom)
     q, k, v = make_qkv(1, 1, 64, 64, 512, torch.float32)
     with lib_attn.recording() as rec:
         out = lib_attn.attention(q, k, v, role="vae")
@@ -224,7 +229,7 @@ def test_strict_mode_raises_instead_of_falling_back(monkeypatch):
             lib_attn.attention(q, k, v)
         assert "not available" in str(err.value)
     lib_attn.attention(q, k, v)  # no longer strict
-    monkeypatch.setattr(REGISTRY["sdpa"], "run", lambda *a: (_ for _ in ()).throw(RuntimeError("bad")))
+    kernel_fails(monkeypatch, lambda *a: (_ for _ in ()).throw(RuntimeError("bad")))
     with lib_attn.use(strict=True), pytest.raises(lib_attn.AttentionFallbackError, match="sdpa failed"):
         lib_attn.attention(q, k, v)
 

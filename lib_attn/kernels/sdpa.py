@@ -38,6 +38,12 @@ class Sdpa(Backend):
             return Status(False, f"torch {_compat.TORCH_VERSION_TEXT} < 2.1 (no scaled_dot_product_attention with scale)")
         return Status(True, version=f"torch {_compat.TORCH_VERSION_TEXT}")
 
+    def runner(self, spec: CallSpec):
+        # The mask dtype is part of the signature: only a float mask of another dtype needs a cast.
+        if spec.mask_dtype in (None, torch.bool, spec.dtype):
+            return _run_public
+        return self.run
+
     def run(self, q, k, v, mask, scale):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=_same_dtype_mask(mask, q.dtype), scale=scale)
 
@@ -86,7 +92,8 @@ class _PinnedSdpa(Sdpa):
             return False
 
     def runner(self, spec: CallSpec):
-        return _run_public if self.chosen_by_pytorch(spec) else self.run
+        public = spec.mask_dtype in (None, torch.bool, spec.dtype) and self.chosen_by_pytorch(spec)
+        return _run_public if public else self.run
 
 
 class SdpaFlash(_PinnedSdpa):
