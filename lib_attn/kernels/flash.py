@@ -7,8 +7,6 @@ on Volta/Turing (fp16), so on an older GPU a user who asked for flash-attn by na
 from __future__ import annotations
 
 import importlib
-from functools import lru_cache
-
 import torch
 
 from ..spec import KEY_PADDING, NO_MASK, CallSpec
@@ -23,7 +21,7 @@ def _version_of(module, dist: str) -> str:
         from importlib.metadata import version as dist_version
 
         return dist_version(dist)
-    except Exception:  # noqa: BLE001 - metadata may be absent for a source checkout; the version is cosmetic
+    except ImportError:  # PackageNotFoundError: a source checkout has no metadata
         return ""
 
 
@@ -39,6 +37,7 @@ class FlashAttn(Backend):
         self.fa3 = None  # module flash_attn_interface (FA3, Hopper), when it loads
         self.fa2_error = ""
         self.fa3_error = ""
+        self.trials: dict = {}
 
     def _probe(self) -> Status:
         self.fa2 = self.fa3 = None
@@ -83,16 +82,18 @@ class FlashAttn(Backend):
                     out.append(f"GPU sm{sm} < sm80, and a trial call failed: {trial}")
         return out
 
-    @lru_cache(maxsize=None)
     def trial(self, index, dtype) -> str:
-        """Run one tiny call on an older GPU; '' when the installed build takes it, else its error."""
-        try:
-            x = torch.randn(1, 8, 1, 64, device=torch.device("cuda", index), dtype=dtype)
-            self.fa2.flash_attn_func(x, x, x)
-            torch.cuda.synchronize(index)
-            return ""
-        except (RuntimeError, ValueError, TypeError) as exc:
-            return failure_text(exc)
+        """Run one tiny call on an older GPU, once per (device, dtype); '' when the installed build
+        takes it, else the kernel's own error."""
+        if (index, dtype) not in self.trials:
+            try:
+                x = torch.randn(1, 8, 1, 64, device=torch.device("cuda", index), dtype=dtype)
+                self.fa2.flash_attn_func(x, x, x)
+                torch.cuda.synchronize(index)
+                self.trials[(index, dtype)] = ""
+            except (RuntimeError, ValueError, TypeError) as exc:
+                self.trials[(index, dtype)] = failure_text(exc)
+        return self.trials[(index, dtype)]
 
     def runner(self, spec: CallSpec):
         if spec.mask != NO_MASK:
