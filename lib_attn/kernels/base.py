@@ -84,9 +84,14 @@ class Backend:
 
     def probe(self) -> Status:
         try:
-            return self._probe()
+            found = self._probe()
         except (ImportError, OSError, RuntimeError, AttributeError) as exc:
             return Status(False, failure_text(exc))
+        if found.available and self.devices == ("cuda",) and not torch.cuda.is_available():
+            # Asking is_available() counts devices without creating a CUDA context.
+            build = "a CPU build of torch" if torch.version.cuda is None else f"torch built for CUDA {torch.version.cuda}"
+            return Status(False, f"no CUDA device ({build})", found.version)
+        return found
 
     def _probe(self) -> Status:
         raise NotImplementedError
