@@ -1,0 +1,59 @@
+"""Command-line flags of sd-webui-flash-attention. The webui loads this file by path before parsing
+its arguments; it imports nothing heavy (no torch) and only adds flags.
+
+Backend ids are checked when the extension loads, where the engine is importable: an unknown id is
+reported with the list of valid ids and the flag is ignored.
+"""
+import argparse
+
+GROUP_TITLE = "sd-webui-flash-attention"
+
+_FALLBACK = ("A call it cannot take falls back to the next backend of the chain (ending in plain PyTorch) "
+             "and is counted; see --attn-strict.")
+
+FLAGS = (
+    ("--opt-flash-attention", dict(
+        action="store_true",
+        help="Use flash-attn (FlashAttention 2/3) for UNet and DiT attention; 'Automatic' picks it when available. "
+             "Head dims above 256 (VAE), fp32 under --attn-fp32 keep, and non-CUDA calls fall back. " + _FALLBACK)),
+    ("--opt-cudnn-attention", dict(
+        action="store_true",
+        help="Use PyTorch's cuDNN attention for UNet and DiT attention; 'Automatic' picks it when available. "
+             + _FALLBACK)),
+    ("--opt-efficient-attention", dict(
+        action="store_true",
+        help="Use PyTorch's memory-efficient attention for UNet and DiT attention; 'Automatic' picks it when "
+             "available. " + _FALLBACK)),
+    ("--opt-sage-attention", dict(
+        action="store_true",
+        help="Use SageAttention (quantised QK) for UNet and DiT attention; 'Automatic' picks it when available. "
+             "Head dims it does not support (SD1.5's 160, the VAE's 512) fall back. " + _FALLBACK)),
+    ("--attn-backend", dict(
+        metavar="ID[,ID...]", default=None,
+        help="Explicit backend chain for UNet and DiT attention, tried in order per call, e.g. "
+             "'flash-attn,sdpa-cudnn', using the engine's backend ids (an unknown id is reported at startup "
+             "with the valid ones, and the flag ignored). Overrides the --opt-*-attention flags. " + _FALLBACK)),
+    ("--attn-vae-backend", dict(
+        metavar="ID[,ID...]", default=None,
+        help="Explicit backend chain for VAE attention (one head of 512 channels), same ids as "
+             "--attn-backend. Without it the VAE uses the engine's default chain. " + _FALLBACK)),
+    ("--attn-fp32", dict(
+        choices=("cast", "keep"), default=None,
+        help="fp32 attention inputs (--no-half, upcast attention): 'cast' runs half-only kernels in "
+             "bf16/fp16 and casts the result back; 'keep' stays fp32 and falls back to a kernel that "
+             "takes fp32. Default: cast, or keep when the webui asks for upcast attention.")),
+    ("--attn-strict", dict(
+        action="store_true",
+        help="Raise an error instead of falling back when the chosen backend cannot take a call "
+             "(for testing a backend; generation stops).")),
+)
+
+
+def preload(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(GROUP_TITLE)
+    for flag, kwargs in FLAGS:
+        try:
+            group.add_argument(flag, **kwargs)
+        except argparse.ArgumentError:
+            # already defined (preload ran twice, or another extension owns the name): keep theirs
+            pass

@@ -1,0 +1,50 @@
+"""Entry script of sd-webui-flash-attention for A1111 and Forge.
+
+The webui imports every file in ``scripts/`` and wipes earlier callback registrations first, so all
+registration happens here, at import. Everything else lives in ``webui_attn``.
+"""
+from modules import script_callbacks, scripts
+
+from webui_attn import host, panel
+
+HOST = host.detect()
+
+if HOST == host.A1111:
+    from webui_attn import a1111
+    a1111.register(script_callbacks)
+elif HOST == host.FORGE:
+    from webui_attn import forge
+    forge.register(script_callbacks)
+else:
+    host.log_once("no-host", "neither A1111 nor Forge recognised: attention is left as the webui set it")
+
+
+def _on_ui_settings():
+    panel.on_ui_settings()
+
+
+def _on_app_started(demo, app):
+    panel.on_app_started(demo, app)
+
+
+script_callbacks.on_ui_settings(_on_ui_settings)
+script_callbacks.on_app_started(_on_app_started)
+
+
+class FlashAttentionScript(scripts.Script):
+    """Always-visible script: its UI and generation hooks are ``webui_attn.panel``'s."""
+
+    def title(self):
+        return panel.title()
+
+    def show(self, is_img2img):
+        return scripts.AlwaysVisible
+
+    def ui(self, is_img2img):
+        return panel.ui(self, is_img2img)
+
+    def process(self, p, *args):
+        panel.process(p, *args)
+
+    def postprocess(self, p, processed, *args):
+        panel.postprocess(p, processed, *args)

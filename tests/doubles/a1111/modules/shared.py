@@ -1,0 +1,43 @@
+"""Double of modules/shared.py: cmd_opts (after every extension's preload), opts with the attention
+settings preloaded, and the module globals an attention extension reads (host-contract D1)."""
+import torch
+
+from modules import options, shared_cmd_options
+from modules.options import OptionInfo, options_section  # noqa: F401  (re-exported as in A1111)
+
+parser = shared_cmd_options.parser
+cmd_opts = shared_cmd_options.cmd_opts
+
+opts = options.Options({
+    "cross_attention_optimization": OptionInfo("Automatic", "Cross attention optimization", None,
+                                               section=("optimizations", "Optimizations"), category_id="sd"),
+    "upcast_attn": OptionInfo(False, "Upcast cross attention layer to float32", section=("sd", "Stable Diffusion")),
+    "memmon_poll_rate": OptionInfo(8, "VRAM usage polls per second during generation.", section=("system", "System")),
+    "training_xattention_optimizations": OptionInfo(False, "Use cross attention optimizations while training",
+                                                    section=("training", "Training")),
+})
+
+device = torch.device("cpu")
+weight_load_location = None
+
+try:
+    # Forge: ``modules.shared`` reports Forge's own xformers decision (host-contract B1)
+    from backend import memory_management as _memory_management
+    xformers_available = _memory_management.xformers_enabled()
+except ImportError:
+    xformers_available = False
+
+loaded_hypernetworks = []
+sd_model = None
+mem_mon = None
+
+
+class State:
+    interrupted = False
+    skipped = False
+    job = ""
+    job_count = 0
+    sampling_step = 0
+
+
+state = State()

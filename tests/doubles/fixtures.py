@@ -1,0 +1,128 @@
+"""Install a webui double (A1111 1.10.1 or Forge) into this process for one test.
+
+Usage, in a test module::
+
+    from tests.doubles.fixtures import webui_factory  # noqa: F401  (pytest finds the fixture)
+
+    def test_something(webui_factory):
+        webui = webui_factory("a1111", argv=["--opt-flash-attention"])   # or "forge"
+        webui.load_scripts()          # imports scripts/flash_attention.py as the webui does (A1111 also
+                                      # rebuilds its optimizer list); returns the script module
+        from modules import shared, sd_hijack
+        ...
+        webui.reload_ui()             # "Reload UI": unload callbacks, then load the scripts again
+
+What it does: puts ``tests/doubles/a1111`` (plus ``tests/doubles/forge`` in front, for Forge) on
+``sys.path``, sets ``sys.argv`` to ``["webui.py", *argv]`` before anything parses it, links this repository
+as the only extension so that its ``preload.py`` adds the flags as the webui would, and imports
+``modules.shared``. In Forge mode ``modules`` is the A1111 double overlaid with Forge's stub
+``sd_hijack`` and empty ``sd_hijack_optimizations``, and ``backend`` (args, memory_management, attention,
+nn.{unet,flux,chroma,vae,t5}, modules.k_model) is Forge's, CPU-only, chosen as Forge chooses on CPU
+(pass ``--attention-pytorch`` to get ``attention_pytorch``). On exit it runs the unload callbacks, drops
+every double module from ``sys.modules``, restores ``sys.path``/``sys.argv`` and resets the engine
+configuration layers. One double at a time.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+A1111_ROOT = os.path.join(HERE, "a1111")
+FORGE_ROOT = os.path.join(HERE, "forge")
+REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
+EXTENSION_NAME = "sd-webui-flash-attention"
+DOUBLE_PACKAGES = ("modules", "ldm", "sgm", "backend", "launch")
+
+_active = []
+
+
+class Webui:
+    """A running double: ``mode`` ("a1111" or "forge"), ``extension_dir`` (this repository)."""
+
+    def __init__(self, mode: str, extension_dir: str):
+        self.mode = mode
+        self.extension_dir = extension_dir
+        self.script_modules = []
+
+    def load_scripts(self):
+        """What webui startup does for scripts: ``initialize_rest`` (load scripts, list optimizers)."""
+        from modules import initialize, scripts
+        initialize.initialize_rest([self.extension_dir])
+        self.script_modules = list(scripts.loaded_modules)
+        return self.script_modules[0] if self.script_modules else None
+
+    def reload_ui(self):
+        """"Reload UI": ``on_script_unloaded`` callbacks, then the scripts again as new module objects."""
+        from modules import script_callbacks
+        script_callbacks.script_unloaded_callback()
+        return self.load_scripts()
+
+    def script_classes(self):
+        from modules import scripts
+        return [cls for cls, *_ in scripts.scripts_data]
+
+
+def _drop_double_modules():
+    for name in list(sys.modules):
+        if name.split(".")[0] in DOUBLE_PACKAGES:
+            del sys.modules[name]
+
+
+@contextlib.contextmanager
+def webui_double(mode: str = "a1111", argv=()):
+    """Context manager behind ``webui_factory``; yields a ``Webui``."""
+    if mode not in ("a1111", "forge"):
+        raise ValueError(f"mode {mode!r} is not 'a1111' or 'forge'")
+    if _active:
+        raise RuntimeError("a webui double is already installed")
+    saved_path, saved_argv = list(sys.path), list(sys.argv)
+    tmp = tempfile.TemporaryDirectory()
+    extensions_dir = os.path.join(tmp.name, "extensions")
+    os.makedirs(extensions_dir)
+    os.symlink(REPO_ROOT, os.path.join(extensions_dir, EXTENSION_NAME))
+    _drop_double_modules()
+    _active.append(mode)
+    try:
+        roots = [FORGE_ROOT, A1111_ROOT] if mode == "forge" else [A1111_ROOT]
+        sys.path[:0] = roots
+        sys.argv = ["webui.py", *argv]
+        import modules
+        if mode == "forge":
+            modules.__path__.insert(0, os.path.join(FORGE_ROOT, "modules"))
+        from modules import paths_internal
+        paths_internal.extensions_dir = extensions_dir
+        import modules.shared  # noqa: F401  (runs preload.py and parses argv)
+        import modules.sd_hijack  # noqa: F401
+        # scripts load from the repository itself, so ``webui_attn`` is one package for every test
+        yield Webui(mode, REPO_ROOT)
+    finally:
+        try:
+            callbacks = sys.modules.get("modules.script_callbacks")
+            if callbacks is not None:
+                callbacks.script_unloaded_callback()
+        finally:
+            _drop_double_modules()
+            sys.path[:] = saved_path
+            sys.argv[:] = saved_argv
+            _active.clear()
+            tmp.cleanup()
+            layers = sys.modules.get("webui_attn.layers")
+            if layers is not None:
+                layers.reset()
+
+
+@pytest.fixture
+def webui_factory():
+    """``webui_factory(mode="a1111"|"forge", argv=())`` -> Webui; uninstalled after the test."""
+    stack = contextlib.ExitStack()
+
+    def make(mode: str = "a1111", argv=()):
+        return stack.enter_context(webui_double(mode, argv))
+
+    with stack:
+        yield make

@@ -1,0 +1,255 @@
+"""A1111 adapter: optimizer entries for Settings > Optimizations, and the class-level forward patches.
+
+``SdOptimization`` is imported only when the entries are built (``on_list_optimizers`` fires), so importing
+this module on Forge, where that class does not exist, raises nothing.
+
+Entries and their titles (what ``config.json`` stores; never change them):
+see ``ENTRIES``. Priorities, against the built-ins (xformers 100, Doggettx 90, sdp-no-mem 80, sdp 70,
+sub-quadratic / InvokeAI up to 1000 on MPS / CPU):
+
+* an entry whose own flag is given ranks above everything (FLAG_PRIORITY + n), so "Automatic" picks it;
+* with no flag, the auto entry ranks AUTO_PRIORITY (above xformers and Doggettx) only when a fused GPU
+  kernel is available that beats what A1111 would pick; otherwise every entry ranks 0 and A1111's own
+  choice stays.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
+
+import lib_attn
+
+from . import flags, forwards, host, layers
+from .patching import Patches
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    name: str
+    label: str
+    cmd_opt: str | None      # flag dest; the auto entry's flag is whichever chain flag was given
+    backend: str | None      # engine id put first for UNet/DiT; None = the configured / default chain
+    rank: int                # order among our own flags when several are given
+
+    @property
+    def title(self) -> str:
+        return f"{self.name} - {self.label}"
+
+
+ENTRIES = (
+    Entry("flash", "flash-attn", "FlashAttention 2/3, falls back per call", "opt_flash_attention", "flash-attn", 4),
+    Entry("cudnn", "sdp-cudnn", "PyTorch cuDNN attention, falls back per call", "opt_cudnn_attention", "sdpa-cudnn", 3),
+    Entry("efficient", "sdp-efficient", "PyTorch memory-efficient attention, falls back per call",
+          "opt_efficient_attention", "sdpa-efficient", 2),
+    Entry("sage", "sage", "SageAttention, falls back per call", "opt_sage_attention", "sage", 1),
+    Entry("auto", "attn-auto", "fastest available per call", None, None, 5),
+)
+ENTRY_BY_KEY = {e.key: e for e in ENTRIES}
+
+FLAG_PRIORITY = 10000   # beats every built-in, sub-quadratic/InvokeAI's 1000 included
+AUTO_PRIORITY = 150     # beats xformers (100) and Doggettx (90) when the auto entry should win
+#: Engine backends that are fused GPU kernels, all faster than Doggettx's sliced einsum.
+FUSED_GPU = frozenset({"flash-attn", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "xformers", "sage"})
+#: Those that also beat xformers' own (cutlass) kernel, which A1111 picks when it is available.
+BEATS_XFORMERS = frozenset({"flash-attn", "sdpa-cudnn"})
+
+patches = Patches("a1111")
+
+
+# --- probes ------------------------------------------------------------------------------------------
+
+def _cmd_opts():
+    from modules import shared
+    return shared.cmd_opts
+
+
+def available_backends() -> dict:
+    """Engine backend id -> BackendInfo, from the engine's own probe."""
+    return {info.id: info for info in lib_attn.backends()}
+
+
+def fused_gpu_kernels() -> set:
+    """Fused GPU kernels usable for the webui's device (empty unless it runs the model on CUDA)."""
+    from modules import shared
+    if getattr(getattr(shared, "device", None), "type", None) != "cuda":
+        return set()
+    return {i for i, info in available_backends().items() if info.available} & FUSED_GPU
+
+
+def a1111_picks_xformers() -> bool:
+    """Whether A1111's "Automatic" would otherwise land on xformers (it is available and ranks 100)."""
+    from modules import shared
+    return bool(getattr(shared, "xformers_available", False)
+                or getattr(_cmd_opts(), "force_enable_xformers", False))
+
+
+def auto_beats_a1111() -> bool:
+    fused = fused_gpu_kernels()
+    if a1111_picks_xformers():
+        return bool(fused & BEATS_XFORMERS)
+    return bool(fused)
+
+
+def flag_given(entry: Entry) -> bool:
+    opts = _cmd_opts()
+    if entry.key == "auto":
+        return flags.given_chain_flag(opts) is not None
+    return bool(getattr(opts, entry.cmd_opt, False))
+
+
+def entry_available(entry: Entry) -> bool:
+    """Whether the entry is offered; the reason it is not is logged once per process."""
+    if entry.backend is None:
+        return True
+    info = available_backends().get(entry.backend)
+    if info is not None and info.available:
+        return True
+    reason = info.reason if info is not None else "the engine does not know this backend"
+    host.log_once(("unavailable", entry.key), f"'{entry.title}' is not offered: {reason}")
+    return False
+
+
+# --- patching ----------------------------------------------------------------------------------------
+
+def _module(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def install() -> None:
+    """Patch the forwards; a second call while patched does nothing."""
+    if patches.active:
+        return
+    for name in ("ldm.modules.attention", "sgm.modules.attention"):
+        module = _module(name)
+        if module is not None and hasattr(module, "CrossAttention"):
+            patches.patch(module.CrossAttention, "forward", forwards.cross_attention_forward)
+    ldm_model = _module("ldm.modules.diffusionmodules.model")
+    if ldm_model is not None:
+        for cls_name in ("AttnBlock", "MemoryEfficientAttnBlock"):
+            cls = getattr(ldm_model, cls_name, None)
+            if cls is not None:
+                patches.patch(cls, "forward", forwards.attnblock_forward)
+    sgm_model = _module("sgm.modules.diffusionmodules.model")
+    if sgm_model is not None and hasattr(sgm_model, "AttnBlock"):
+        patches.patch(sgm_model.AttnBlock, "forward", forwards.attnblock_forward, **_sgm_attnblock_restore(sgm_model))
+    # SD3 binds ``attention`` by name at import; patch only once an SD3 model has imported it
+    mmdit = sys.modules.get("modules.models.sd3.mmdit")
+    if mmdit is not None and hasattr(mmdit, "attention"):
+        patches.patch(mmdit, "attention", forwards.make_heads_function("dit"))
+
+
+def _sgm_attnblock_restore(sgm_model) -> dict:
+    """A1111's ``undo_optimizations()`` leaves ldm's forward on sgm's AttnBlock; undo puts sgm's own back."""
+    sho = sys.modules.get("modules.sd_hijack_optimizations")
+    ldm_original = getattr(sho, "diffusionmodules_model_AttnBlock_forward", None)
+    sgm_original = getattr(sho, "sgm_diffusionmodules_model_AttnBlock_forward", None)
+    current = sgm_model.AttnBlock.__dict__.get("forward")
+    if ldm_original is not None and sgm_original is not None and current is ldm_original:
+        return {"restore_to": sgm_original}
+    return {}
+
+
+def uninstall() -> int:
+    """Restore every patched object and clear the optimizer layer; safe to call again."""
+    count = patches.undo()
+    layers.set_layer("optimizer", None)
+    return count
+
+
+def optimizer_layer(entry: Entry) -> dict | None:
+    """The ``optimizer`` layer for an entry: its backend first for UNet/DiT, other roles as the flags say."""
+    if entry.backend is None:
+        return None  # the auto entry defers to flags and settings, whose default is "fastest per call"
+    base = (layers.get_layer("flags") or {}).get("preference")
+    preference = dict(base) if isinstance(base, dict) else {}
+    for role in flags.DENOISER_ROLES:
+        preference[role] = [entry.backend]
+    return {"preference": preference}
+
+
+def apply_entry(entry: Entry) -> None:
+    layers.set_layer("optimizer", optimizer_layer(entry))
+    install()
+
+
+# --- SdOptimization subclasses, built on first use --------------------------------------------------
+
+_classes: dict = {}
+
+
+def optimizer_classes() -> dict:
+    """Entry key -> SdOptimization subclass (built once per SdOptimization class object)."""
+    from modules.sd_hijack_optimizations import SdOptimization
+
+    built = _classes.get(SdOptimization)
+    if built is None:
+        built = {entry.key: _make_class(SdOptimization, entry) for entry in ENTRIES}
+        _classes.clear()
+        _classes[SdOptimization] = built
+    return built
+
+
+def _make_class(base, entry: Entry):
+    class Optimization(base):
+        name = entry.name
+        label = entry.label
+        webui_attn_entry = entry
+
+        @property
+        def cmd_opt(self):
+            if entry.key == "auto":
+                return flags.given_chain_flag(_cmd_opts())
+            return entry.cmd_opt
+
+        @property
+        def priority(self):
+            if flag_given(entry):
+                return FLAG_PRIORITY + entry.rank
+            if entry.key == "auto" and auto_beats_a1111():
+                return AUTO_PRIORITY
+            return 0
+
+        def title(self):
+            return entry.title
+
+        def is_available(self):
+            return entry_available(entry)
+
+        def apply(self):
+            apply_entry(entry)
+
+        def undo(self):
+            # not super().undo(): the record knows the true originals, A1111's base resets to its own
+            uninstall()
+
+    Optimization.__name__ = Optimization.__qualname__ = f"SdOptimizationLibAttn_{entry.key}"
+    return Optimization
+
+
+def list_optimizers(res: list) -> None:
+    """``on_list_optimizers`` callback: append one instance per entry (A1111 filters by availability)."""
+    for entry in ENTRIES:
+        res.append(optimizer_classes()[entry.key]())
+
+
+def is_ours(optimizer) -> bool:
+    return getattr(optimizer, "webui_attn_entry", None) is not None
+
+
+def register(script_callbacks) -> None:
+    """Called at entry-script import: flags layer, the optimizer list callback, undo on unload.
+
+    After "Reload UI" A1111 keeps its old ``current_optimizer`` without re-applying it; when that is one of
+    ours the patches (undone at unload) are put back here so the running model keeps this extension.
+    """
+    flags.apply(_cmd_opts())
+    script_callbacks.on_list_optimizers(list_optimizers)
+    script_callbacks.on_script_unloaded(uninstall)
+    current = getattr(sys.modules.get("modules.sd_hijack"), "current_optimizer", None)
+    if is_ours(current):
+        apply_entry(current.webui_attn_entry)

@@ -1,0 +1,75 @@
+"""Record-and-restore monkeypatching with its own book of originals.
+
+The hosts' own bookkeeping cannot be trusted for this: A1111's ``undo_optimizations()`` puts ldm's
+AttnBlock forward on sgm's class, and Forge has none. A ``Patches`` object remembers what it replaced,
+refuses to patch one attribute twice, and puts back exactly those objects.
+"""
+from __future__ import annotations
+
+_MISSING = object()
+
+
+class DoublePatchError(RuntimeError):
+    """The attribute is already patched by this record."""
+
+
+class Patches:
+    """One set of patches that is applied and undone together."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._record: list[tuple[object, str, object]] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self._record)
+
+    def is_patched(self, owner, attr: str) -> bool:
+        return any(o is owner and a == attr for o, a, _ in self._record)
+
+    def original(self, owner, attr: str):
+        """What ``undo()`` will put back for ``owner.attr`` (the live value when it is not patched)."""
+        for o, a, saved in self._record:
+            if o is owner and a == attr:
+                return saved
+        return getattr(owner, attr)
+
+    def patch(self, owner, attr: str, replacement, restore_to=_MISSING) -> None:
+        """Set ``owner.attr = replacement``; ``undo()`` restores the current value, or ``restore_to``.
+
+        ``restore_to`` exists for targets whose current value is known to be wrong (sgm's AttnBlock after
+        A1111's ``undo_optimizations()``). Raises DoublePatchError when this record already holds the attribute.
+        """
+        if self.is_patched(owner, attr):
+            raise DoublePatchError(f"{self.name}: {_describe(owner, attr)} is already patched")
+        saved = owner.__dict__.get(attr, _MISSING) if isinstance(owner, type) else getattr(owner, attr, _MISSING)
+        if restore_to is not _MISSING:
+            saved = restore_to
+        self._record.append((owner, attr, saved))
+        setattr(owner, attr, replacement)
+
+    def undo(self) -> int:
+        """Restore every recorded attribute, newest first; returns how many. Safe to call again."""
+        count = 0
+        while self._record:
+            owner, attr, saved = self._record.pop()
+            if saved is _MISSING:
+                try:
+                    delattr(owner, attr)
+                except AttributeError:
+                    pass
+            else:
+                setattr(owner, attr, saved)
+            count += 1
+        return count
+
+    def targets(self) -> list[str]:
+        return [_describe(o, a) for o, a, _ in self._record]
+
+
+def _describe(owner, attr: str) -> str:
+    name = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", None) or type(owner).__name__
+    module = getattr(owner, "__module__", None)
+    if isinstance(owner, type) and module:
+        name = f"{module}.{name}"
+    return f"{name}.{attr}"
