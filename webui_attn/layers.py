@@ -2,11 +2,13 @@
 
 Sources, weakest first: command-line flags, the A1111 optimizer chosen in the dropdown, the extension's
 settings, the per-generation override. Each source sets its layer; the merged result goes to
-``lib_attn.configure``. A layer is a dict with any of ``preference``, ``fp32``, ``strict``; None clears it.
+``lib_attn.configure``. A layer is a dict with any of ``preference``, ``fp32``, ``strict``; None clears it. A role whose
+chain a layer leaves out (or sets to "auto") keeps the chain of the layers below.
 """
 from __future__ import annotations
 
 import lib_attn
+from lib_attn.config import normalise_preference
 
 ORDER = ("flags", "optimizer", "settings", "generation")
 DEFAULTS = {"preference": "auto", "fp32": "cast", "strict": False}
@@ -15,12 +17,19 @@ _layers: dict[str, dict | None] = {name: None for name in ORDER}
 
 
 def merged() -> dict:
-    """The configuration the layers add up to; a later layer overrides an earlier one key by key."""
+    """The configuration the layers add up to. A later layer overrides an earlier one key by key, and
+    ``preference`` role by role: a layer that names only the VAE's chain keeps the denoiser's below it."""
     out = dict(DEFAULTS)
+    chains = normalise_preference("auto")
     for name in ORDER:
-        for key, value in (_layers[name] or {}).items():
-            if value is not None:
+        layer = _layers[name] or {}
+        for role, chain in normalise_preference(layer.get("preference")).items():
+            if chain is not None:
+                chains[role] = chain
+        for key, value in layer.items():
+            if value is not None and key != "preference":
                 out[key] = value
+    out["preference"] = chains
     return out
 
 

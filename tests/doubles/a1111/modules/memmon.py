@@ -17,10 +17,13 @@ class MemUsageMonitor(threading.Thread):
         self.opts = opts
         self.data = defaultdict(int)
         self.disabled = not torch.cuda.is_available()
+        self.run_flag = threading.Event()  # set while a generation is measured, as in A1111
         self._injected = None
 
     def monitor(self):
+        # A1111's polling thread resets the peaks and clears data once the flag is set.
         self.data.clear()
+        self.run_flag.set()
 
     def inject(self, stats):
         self._injected = dict(stats)
@@ -42,4 +45,5 @@ class MemUsageMonitor(threading.Thread):
         return self.data
 
     def stop(self):
+        self.run_flag.clear()
         return self.read()

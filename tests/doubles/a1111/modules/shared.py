@@ -37,6 +37,7 @@ class State:
     skipped = False
     job = ""
     job_count = 0
+    job_timestamp = "0"  # A1111 sets a new timestamp string when each job begins
     sampling_step = 0
 
 

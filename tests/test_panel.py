@@ -1,0 +1,278 @@
+"""Settings, per-generation override, readout, infotext and API route, through the webui doubles.
+
+Each test loads ``scripts/flash_attention.py`` into an A1111 or Forge double and drives one generation
+the way the webui does: ``process`` → sampling (real engine calls on CPU) → infotext → ``Processed`` →
+``postprocess``.
+"""
+import threading
+
+import pytest
+import torch
+
+gr = pytest.importorskip("gradio")
+
+import lib_attn  # noqa: E402
+from lib_attn.report import Report, parse_infotext  # noqa: E402
+from tests.doubles.fixtures import webui_factory  # noqa: E402,F401
+from webui_attn import layers, panel, settings  # noqa: E402
+
+MODES = ("a1111", "forge")
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    lib_attn.reset()
+    panel.reset()
+    yield
+    panel.reset()
+    layers.reset()
+    lib_attn.reset()
+
+
+def _load(webui_factory, mode):
+    webui = webui_factory(mode)
+    webui.load_scripts()
+    classes = webui.script_classes()
+    assert classes, "the entry script did not load"
+    script = classes[0]()
+    return webui, script
+
+
+def _settings_registered():
+    from modules import script_callbacks, shared
+    script_callbacks.ui_settings_callback()
+    return shared.opts
+
+
+UNET_QKV = [torch.randn(2, 4, 32, 40) for _ in range(3)]
+VAE_QKV = [torch.randn(1, 1, 64, 512) for _ in range(3)]
+
+
+def _sample(unet_calls=6, vae_calls=1):
+    """What sampling and decoding do to attention: UNet calls, then VAE calls."""
+    for _ in range(unet_calls):
+        lib_attn.attention(*UNET_QKV, role="unet")
+    for _ in range(vae_calls):
+        lib_attn.attention(*VAE_QKV, role="vae")
+
+
+def _generate(script, *args, unet_calls=6, vae_calls=1, thread=False):
+    """One generation as processing.process_images runs it; on ``thread`` all of it runs on a worker
+    thread, as Forge runs generations. Returns (p, processed, infotext written for the image)."""
+    from modules import processing
+    p = processing.StableDiffusionProcessingTxt2Img(prompt="a cat")
+    out = {}
+
+    def run():
+        script.process(p, *args)
+        _sample(unet_calls, vae_calls)
+        out["infotext"] = processing.create_infotext(p, index=0)
+        processed = processing.Processed(p, [], info=out["infotext"])
+        script.postprocess(p, processed, *args)
+        out["processed"] = processed
+
+    if thread:
+        worker = threading.Thread(target=run)
+        worker.start()
+        worker.join()
+    else:
+        run()
+    return p, out["processed"], out["infotext"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_settings_live_in_optimizations_with_one_prefix(webui_factory, mode):
+    _load(webui_factory, mode)
+    opts = _settings_registered()
+    ours = {k: v for k, v in opts.data_labels.items() if k.startswith(settings.PREFIX)}
+    assert set(ours) == set(settings.DEFAULTS) | {settings.KEY_AVAILABILITY}
+    assert {info.section for info in ours.values()} == {("optimizations", "Optimizations")}
+    assert {info.category_id for info in ours.values()} == {"sd"}
+    for key, default in settings.DEFAULTS.items():
+        assert getattr(opts, key) == default
+    assert ours[settings.KEY_AVAILABILITY].do_not_save
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_setting_components_build_in_blocks(webui_factory, mode):
+    """Each option builds its component the way the settings page does, inside a real Blocks."""
+    _load(webui_factory, mode)
+    opts = _settings_registered()
+    built = {}
+    with gr.Blocks():
+        for key, info in opts.data_labels.items():
+            if not key.startswith(settings.PREFIX):
+                continue
+            args = info.component_args() if callable(info.component_args) else (info.component_args or {})
+            component = info.component or gr.Textbox
+            built[key] = component(label=info.label, value=opts.data.get(key, info.default),
+                                   elem_id=f"setting_{key}", **args)
+    backend = built[settings.KEY_BACKEND]
+    assert isinstance(backend, gr.Dropdown)
+    values = [c if isinstance(c, str) else c[1] for c in backend.choices]
+    assert values == [settings.AUTO, *lib_attn.BACKEND_IDS]  # unavailable ones are listed too
+    for b in lib_attn.backends():
+        if not b.available:  # ...with their reason next to the dropdown
+            assert b.id in opts.data_labels[settings.KEY_BACKEND].comment_after
+    table = built[settings.KEY_AVAILABILITY]
+    assert isinstance(table, gr.HTML)
+    assert all(f"<code>{b}</code>" in table.value for b in lib_attn.BACKEND_IDS)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_changed_setting_applies_to_the_next_generation(webui_factory, mode):
+    _, script = _load(webui_factory, mode)
+    opts = _settings_registered()
+    assert opts.set(settings.KEY_BACKEND, "sdpa-math")           # onchange pushes it at once
+    assert lib_attn.config().preference["unet"] == ("sdpa-math",)
+    _, _, infotext = _generate(script, "use setting")
+    ran = panel.last_report()
+    assert ran.backends("unet") == [("sdpa-math", 6)]
+
+    opts.data[settings.KEY_BACKEND] = settings.AUTO                # e.g. config.json edited, no onchange
+    opts.data[settings.KEY_VAE_BACKEND] = "math"
+    _generate(script, "use setting")
+    ran = panel.last_report()
+    auto = lib_attn.explain(*UNET_QKV, role="unet").backend
+    assert ran.backends("unet") == [(auto, 6)]
+    assert ran.backends("vae") == [("math", 1)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_override_applies_to_one_generation_only(webui_factory, mode):
+    _, script = _load(webui_factory, mode)
+    opts = _settings_registered()
+    opts.set(settings.KEY_VAE_BACKEND, "sdpa-math")
+    before = lib_attn.config()
+    _, _, infotext = _generate(script, "math")
+    ran = panel.last_report()
+    assert ran.backends("unet") == [("math", 6)]
+    assert ran.backends("vae") == [("sdpa-math", 1)]               # the VAE keeps its setting
+    assert layers.get_layer("generation") is None
+    assert lib_attn.config() == before
+    assert parse_infotext(infotext)["Attention"].startswith(ran.describe("math") + "; VAE ")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_readout_under_the_image_and_infotext(webui_factory, mode):
+    _, script = _load(webui_factory, mode)
+    _settings_registered()
+    p, processed, infotext = _generate(script, "flash-attn", unet_calls=5, thread=(mode == "forge"))
+    report = panel.last_report()
+    assert sum(report.calls.values()) == 6
+    unavailable = {b.id: b for b in lib_attn.backends()}["flash-attn"]
+    if not unavailable.available:  # CPU: flash-attn passed over for every UNet call, with its reason
+        assert report.fallbacks == {("unet", "flash-attn", "not available: " + unavailable.reason): 5}
+    lines = report.lines()
+    assert processed.comments.splitlines()[-len(lines):] == lines
+    assert list(p.comments)[-len(lines):] == lines
+    params = parse_infotext(infotext)
+    assert params["Attention"] == report.to_infotext()["Attention"]
+    if report.fallbacks:
+        assert params["Attention fallbacks"] == report.to_infotext()["Attention fallbacks"]
+
+
+def test_readout_can_be_turned_off(webui_factory):
+    _, script = _load(webui_factory, "a1111")
+    opts = _settings_registered()
+    opts.set(settings.KEY_READOUT, False)
+    p, processed, infotext = _generate(script, "use setting")
+    assert processed.comments == "" and not p.comments
+    assert "Attention: " in infotext  # the PNG still records what ran
+
+
+def test_counters_are_per_generation(webui_factory):
+    _, script = _load(webui_factory, "forge")
+    _settings_registered()
+    _generate(script, "use setting", unet_calls=4, vae_calls=1, thread=True)
+    lib_attn.attention(*UNET_QKV)  # between generations: belongs to neither
+    _generate(script, "use setting", unet_calls=2, vae_calls=0, thread=True)
+    report = panel.last_report()
+    assert sum(report.calls.values()) == 2 and report.roles() == ["unet"]
+
+
+def test_generation_that_raised_does_not_leak_into_the_next(webui_factory):
+    _, script = _load(webui_factory, "a1111")
+    _settings_registered()
+    from modules import processing, shared
+    shared.state.job_timestamp = "20261202175000"   # set by the webui when each job begins
+    broken = processing.StableDiffusionProcessingTxt2Img()
+    script.process(broken, "math")         # sampling raised: postprocess never comes
+    _sample(3, 0)
+    shared.state.job_timestamp = "20261202175003"   # the next job
+    _generate(script, "use setting", unet_calls=2, vae_calls=0)
+    report = panel.last_report()
+    auto = lib_attn.explain(*UNET_QKV, role="unet").backend
+    assert report.backends("unet") == [(auto, 2)]       # neither the old override nor its counts
+    assert layers.get_layer("generation") is None
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_paste_back_restores_the_override(webui_factory, mode):
+    _, script = _load(webui_factory, mode)
+    _settings_registered()
+    with gr.Blocks():
+        components = script.ui(False)
+    override = components[0]
+    assert isinstance(override, gr.Dropdown) and override.value == "use setting"
+    (field, reader), = script.infotext_fields
+    assert field is override and script.paste_field_names == ["Attention"]
+
+    _, _, infotext = _generate(script, "sdpa-math")
+    pasted = reader(parse_infotext(infotext))
+    assert pasted == "sdpa-math"
+    _generate(script, pasted)
+    assert panel.last_report().backends("unet") == [("sdpa-math", 6)]
+    assert reader(parse_infotext("a dog\nSteps: 20, Sampler: Euler a")) is None   # leaves the dropdown alone
+
+
+def test_vram_is_the_host_monitors_when_it_runs(webui_factory):
+    """A UI generation: the webui's monitor runs, and the readout shows its numbers, rounded as the
+    webui's own line under the image rounds them."""
+    _, script = _load(webui_factory, "a1111")
+    _settings_registered()
+    from modules import call_queue, memmon, shared
+    monitor = memmon.MemUsageMonitor("MemMon", shared.device, shared.opts)
+    if not hasattr(monitor, "run_flag"):
+        pytest.skip("the memmon double has no run_flag (A1111's MemUsageMonitor sets it in monitor())")
+    gib = 1024 ** 3
+    monitor.inject({"min_free": 70 * gib, "free": 75 * gib, "total": 80 * gib + 123, "active": 1,
+                    "active_peak": 3 * gib + 5, "reserved_peak": 4 * gib, "reserved": 1, "system_peak": 0})
+    shared.mem_mon = monitor
+
+    def job():
+        _, processed, _ = _generate(script, "use setting")
+        return [processed.comments]
+
+    html_out = call_queue.wrap_gradio_call_no_job(job, add_stats=True)()[-1]
+    vram = panel.last_report().vram
+    assert vram is not None and vram.source == "host"
+    assert vram.text().split("A: ")[1].split(",")[0] in html_out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_api_route_returns_availability_and_last_report(webui_factory, mode):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from webui_attn import api
+
+    _, script = _load(webui_factory, mode)
+    _settings_registered()
+    from modules import script_callbacks
+    app = FastAPI()
+    script_callbacks.app_started_callback(None, app)
+    script_callbacks.app_started_callback(None, app)      # "Reload UI" on the same app: one route
+    assert [r.path for r in app.routes].count(api.ROUTE) == 1
+    client = TestClient(app)
+
+    empty = client.get(api.ROUTE)
+    assert empty.status_code == 200 and empty.json()["last_report"] is None
+    assert [b["id"] for b in empty.json()["availability"]["backends"]] == list(lib_attn.BACKEND_IDS)
+
+    _generate(script, "sdpa-math")
+    body = client.get(api.ROUTE).json()
+    assert body["last_report"] == panel.last_report().to_dict()
+    assert Report.from_dict(body["last_report"]).backends("unet") == [("sdpa-math", 6)]
+    assert body["availability"] == api.availability()
+    assert client.post(api.ROUTE).status_code == 405    # read-only

@@ -1,0 +1,276 @@
+"""The per-generation report: data from real engine calls on CPU, exact text, infotext and JSON formats."""
+import json
+import threading
+
+import pytest
+import torch
+
+import lib_attn
+from lib_attn.report import (MIB, Report, Vram, VramProbe, host_vram, parse_infotext, quote_infotext)
+
+GIB = 1024 * MIB
+
+
+@pytest.fixture(autouse=True)
+def _fresh_engine():
+    lib_attn.reset()
+    yield
+    lib_attn.reset()
+
+
+def _qkv(heads=2, seq=16, dim=32, dtype=torch.float32):
+    return [torch.randn(1, heads, seq, dim, dtype=dtype) for _ in range(3)]
+
+
+def _generation(unet_calls=5, vae_calls=2):
+    """A small 'generation' on the real engine: UNet calls on the default chain, VAE calls that ask for
+    flash-attn (absent or unable on CPU) and so fall back with the engine's own reason."""
+    q, k, v = _qkv()
+    vq, vk, vv = _qkv(heads=1, seq=64, dim=512)
+    with lib_attn.recording() as rec:
+        for _ in range(unet_calls):
+            lib_attn.attention(q, k, v, role="unet")
+        for _ in range(vae_calls):
+            lib_attn.attention(vq, vk, vv, role="vae", backend="flash-attn")
+    unet = lib_attn.explain(q, k, v, role="unet")
+    vae = lib_attn.explain(vq, vk, vv, role="vae", backend="flash-attn")
+    return rec, unet, vae
+
+
+def test_report_counts_what_the_engine_ran():
+    rec, unet, vae = _generation(unet_calls=7, vae_calls=3)
+    report = Report.from_recording(rec)
+
+    assert report.calls == {("unet", unet.backend): 7, ("vae", vae.backend): 3}
+    flash_reasons = vae.reasons_for("flash-attn")
+    assert vae.backend != "flash-attn" and flash_reasons
+    assert report.fallbacks == {("vae", "flash-attn", "; ".join(flash_reasons)): 3}
+    assert report.main_backend() == unet.backend
+    assert report.kernels[unet.backend].startswith(unet.backend)
+    assert report.seconds is not None and report.seconds >= 0
+    assert report.vram is None
+
+
+def test_counts_are_per_generation_and_follow_calls_on_another_thread():
+    q, k, v = _qkv()
+    with lib_attn.recording():
+        lib_attn.attention(q, k, v)  # an earlier generation
+    with lib_attn.recording() as rec:
+        worker = threading.Thread(target=lambda: [lib_attn.attention(q, k, v) for _ in range(4)])
+        worker.start()
+        worker.join()
+    report = Report.from_recording(rec)
+    assert sum(report.calls.values()) == 4
+
+
+def test_text_line_exact_format():
+    report = Report(
+        calls={("unet", "flash-attn"): 1260, ("vae", "sdpa-efficient"): 2},
+        fallbacks={("vae", "flash-attn", "head_dim 512 > 256"): 2},
+        kernels={"flash-attn": "flash-attn 2.8.3", "sdpa-efficient": "sdpa-efficient torch 2.3.1"},
+        seconds=75.25,
+        vram=Vram(active_peak=1500 * MIB + 1, reserved_peak=2048 * MIB, system_peak=6000 * MIB, total=81559 * MIB),
+    )
+    assert report.lines() == [
+        "Attention: flash-attn 2.8.3 ×1,260 · VAE sdpa-efficient torch 2.3.1 ×2 · 1 min. 15.2 sec. · "
+        "A: 1.47 GB, R: 2.00 GB, Sys: 5.9/79.6475 GB (7.4%)",
+        "Attention fallbacks: VAE flash-attn ×2: head_dim 512 > 256",
+    ]
+    assert report.text() == "\n".join(report.lines())
+
+
+def test_text_without_calls_time_or_vram():
+    assert Report().lines() == ["Attention: no attention calls"]
+    assert Report(seconds=3.04).lines() == ["Attention: no attention calls · 3.0 sec."]
+
+
+def test_kernel_description_not_starting_with_its_id_is_prefixed():
+    report = Report(calls={("unet", "sage"): 3}, kernels={"sage": "SageAttention 2.2.0"})
+    assert report.calls_text() == "sage (SageAttention 2.2.0) ×3"
+    assert Report.from_infotext(report.to_infotext()).main_backend() == "sage"
+
+
+def test_vram_rounds_bytes_up_to_mib_like_the_webui():
+    # 1 byte over 1500 MiB counts as 1501 MiB: 1501/1024 = 1.4658 -> 1.47 (1.46 without rounding up)
+    vram = Vram(1500 * MIB + 1, 3 * GIB, 10 * GIB + 1, 24 * GIB)
+    assert vram.text() == "A: 1.47 GB, R: 3.00 GB, Sys: 10.0/24 GB (41.7%)"
+    bounded = Vram(1500 * MIB, 3 * GIB, 10 * GIB, 24 * GIB, source="own", peaks_bounded=True)
+    assert bounded.text() == "A: ≤1.46 GB, R: ≤3.00 GB, Sys: 10.0/24 GB (41.7%)"
+
+
+class _RunFlag:
+    def __init__(self, on):
+        self._on = on
+
+    def is_set(self):
+        return self._on
+
+
+class _Monitor:
+    """The webui monitor's reading side (host-contract A7): read() returns its data dict."""
+
+    def __init__(self, data, running=True, disabled=False):
+        self.data = dict(data)
+        self.run_flag = _RunFlag(running)
+        self.disabled = disabled
+
+    def read(self):
+        return self.data
+
+
+def test_host_monitor_numbers_are_used_only_while_it_runs():
+    data = {"min_free": 70 * GIB, "free": 72 * GIB, "total": 80 * GIB, "active": 0,
+            "active_peak": 5 * GIB, "reserved_peak": 6 * GIB, "system_peak": 10 * GIB}
+    vram = host_vram(_Monitor(data))
+    assert (vram.active_peak, vram.reserved_peak, vram.system_peak, vram.total) == (5 * GIB, 6 * GIB, 10 * GIB, 80 * GIB)
+    assert vram.source == "host" and not vram.peaks_bounded
+    assert host_vram(_Monitor(data, running=False)) is None        # API request: not monitored
+    assert host_vram(_Monitor(data, disabled=True)) is None        # no CUDA / poll rate 0
+    assert host_vram(_Monitor({"total": 1}, running=True)) is None  # thread has not sampled yet
+    assert host_vram(None) is None
+
+
+def test_probe_on_cpu_measures_nothing():
+    assert VramProbe("cpu").start().stop() is None
+    if not torch.cuda.is_available():
+        assert VramProbe(None).start().stop() is None
+
+
+class _FakeCuda:
+    """torch.cuda's memory queries, scripted; resetting peaks is forbidden."""
+
+    def __init__(self, stats, infos):
+        self.stats, self.infos = list(stats), list(infos)
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: self.stats.pop(0))
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: self.infos.pop(0))
+
+        def forbidden(*a, **k):
+            raise AssertionError("reset_peak_memory_stats must never be called")
+
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", forbidden)
+
+
+def _stats(active, reserved):
+    return {"active_bytes.all.peak": active, "reserved_bytes.all.peak": reserved}
+
+
+def test_probe_peak_that_rose_is_this_generation(monkeypatch):
+    fake = _FakeCuda([_stats(2 * GIB, 3 * GIB), _stats(4 * GIB, 5 * GIB)],
+                     [(70 * GIB, 80 * GIB), (60 * GIB, 80 * GIB), (65 * GIB, 80 * GIB)])
+    fake.install(monkeypatch)
+    probe = VramProbe("cuda:0").start()
+    probe.poll()
+    vram = probe.stop()
+    assert vram == Vram(4 * GIB, 5 * GIB, 20 * GIB, 80 * GIB, source="own", peaks_bounded=False)
+    assert not fake.stats and not fake.infos
+
+
+def test_probe_peak_that_did_not_rise_is_a_bound(monkeypatch):
+    _FakeCuda([_stats(4 * GIB, 5 * GIB), _stats(4 * GIB, 5 * GIB)],
+              [(70 * GIB, 80 * GIB), (71 * GIB, 80 * GIB)]).install(monkeypatch)
+    vram = VramProbe("cuda:0").start().stop()
+    assert vram.peaks_bounded and vram.system_peak == 10 * GIB
+    assert vram.text().startswith("A: ≤4.00 GB, R: ≤5.00 GB")
+
+
+def _webui_infotext(entries: dict) -> str:
+    """An infotext's last line as the webui writes it (values with , : or a newline JSON-quoted)."""
+    params = {"Steps": "20", "Sampler": "Euler a", **entries, "Version": "v1.10.1"}
+    return "a prompt\nSteps: 20, " + ", ".join(f"{k}: {quote_infotext(v)}" for k, v in params.items() if k != "Steps")
+
+
+def test_infotext_entries_exact_and_round_trip():
+    report = Report(
+        calls={("unet", "flash-attn"): 1200, ("unet", "sdpa-flash"): 60, ("vae", "sdpa-efficient"): 2},
+        fallbacks={("unet", "flash-attn", "dense attention mask not supported"): 60,
+                   ("vae", "flash-attn", "head_dim 512 > 256"): 2},
+        kernels={"flash-attn": "flash-attn 2.8.3 (FA3)", "sdpa-flash": "sdpa-flash torch 2.5.1+cu124",
+                 "sdpa-efficient": "sdpa-efficient torch 2.5.1+cu124"},
+    )
+    entries = report.to_infotext()
+    assert entries == {
+        "Attention": "flash-attn 2.8.3 (FA3) + sdpa-flash torch 2.5.1+cu124; VAE sdpa-efficient torch 2.5.1+cu124",
+        "Attention fallbacks": "flash-attn ×60: dense attention mask not supported; VAE flash-attn ×2: head_dim 512 > 256",
+    }
+    line = _webui_infotext(entries)
+    assert 'Attention fallbacks: "flash-attn ×60' in line  # quoted: it holds ':'
+    assert parse_infotext(line)["Attention"] == entries["Attention"]
+
+    back = Report.from_infotext(line)
+    assert back.to_infotext() == entries
+    assert back.fallbacks == report.fallbacks
+    assert back.main_backend() == "flash-attn"
+    assert Report.from_infotext(parse_infotext(line)).to_infotext() == entries
+
+
+def test_infotext_of_a_real_generation_round_trips():
+    rec, unet, _ = _generation(unet_calls=2, vae_calls=1)
+    report = Report.from_recording(rec)
+    line = _webui_infotext(report.to_infotext())
+    back = Report.from_infotext(line)
+    assert back.to_infotext() == report.to_infotext()
+    assert back.main_backend() == unet.backend
+    assert set(back.fallbacks) == set(report.fallbacks)
+
+
+def test_reasons_with_separators_and_newlines_parse_back():
+    reasons = {("unet", "sage", "dtype fp32 not supported (fp16/bf16); head_dim 40 not a multiple of 64"): 3,
+               ("vae", "xformers", "line one\n  line two"): 1}
+    report = Report(calls={("unet", "sdpa"): 4}, fallbacks=reasons)
+    assert report.to_infotext()["Attention fallbacks"] == (
+        "sage ×3: dtype fp32 not supported (fp16/bf16); head_dim 40 not a multiple of 64; "
+        "VAE xformers ×1: line one line two")
+    assert Report.from_infotext(_webui_infotext(report.to_infotext())).fallbacks == {
+        ("unet", "sage", "dtype fp32 not supported (fp16/bf16); head_dim 40 not a multiple of 64"): 3,
+        ("vae", "xformers", "line one line two"): 1}
+
+
+def test_no_calls_means_no_infotext():
+    assert Report().to_infotext() == {}
+    assert Report.from_infotext({"Steps": "20"}) is None
+    assert Report.from_infotext("prompt\nSteps: 20, Sampler: Euler") is None
+
+
+def test_json_exact():
+    report = Report(
+        calls={("unet", "flash-attn"): 1260, ("vae", "sdpa-efficient"): 2},
+        fallbacks={("vae", "flash-attn", "head_dim 512 > 256"): 2},
+        kernels={"flash-attn": "flash-attn 2.8.3", "sdpa-efficient": "sdpa-efficient torch 2.3.1"},
+        seconds=12.34567,
+        vram=Vram(3 * GIB, 4 * GIB, 6 * GIB, 80 * GIB),
+    )
+    assert json.loads(report.to_json()) == {
+        "calls": [
+            {"role": "unet", "backend": "flash-attn", "kernel": "flash-attn 2.8.3", "count": 1260},
+            {"role": "vae", "backend": "sdpa-efficient", "kernel": "sdpa-efficient torch 2.3.1", "count": 2},
+        ],
+        "fallbacks": [{"role": "vae", "backend": "flash-attn", "reason": "head_dim 512 > 256", "count": 2}],
+        "seconds": 12.346,
+        "vram": {"source": "host", "peaks_bounded": False, "active_peak_bytes": 3 * GIB,
+                 "reserved_peak_bytes": 4 * GIB, "system_peak_bytes": 6 * GIB, "total_bytes": 80 * GIB,
+                 "text": "A: 3.00 GB, R: 4.00 GB, Sys: 6.0/80 GB (7.5%)"},
+        "text": ["Attention: flash-attn 2.8.3 ×1,260 · VAE sdpa-efficient torch 2.3.1 ×2 · 12.3 sec. · "
+                 "A: 3.00 GB, R: 4.00 GB, Sys: 6.0/80 GB (7.5%)",
+                 "Attention fallbacks: VAE flash-attn ×2: head_dim 512 > 256"],
+        "infotext": {"Attention": "flash-attn 2.8.3; VAE sdpa-efficient torch 2.3.1",
+                     "Attention fallbacks": "VAE flash-attn ×2: head_dim 512 > 256"},
+    }
+
+
+def test_json_reads_back():
+    rec, _, _ = _generation(unet_calls=3, vae_calls=1)
+    report = Report.from_recording(rec, seconds=2.5, vram=Vram(3 * GIB, 4 * GIB, 6 * GIB, 80 * GIB, "own", True))
+    back = Report.from_dict(json.loads(report.to_json()))
+    assert back.to_dict() == report.to_dict()
+    assert back.lines() == report.lines()
+
+
+def test_dit_and_unet_in_one_generation_stay_apart():
+    report = Report(calls={("unet", "sdpa"): 3, ("dit", "flash-attn"): 5, ("text", "sdpa-math"): 1})
+    assert report.calls_text() == "sdpa ×3 · DiT flash-attn ×5 · Text sdpa-math ×1"
+    back = Report.from_infotext(report.to_infotext())
+    assert set(back.calls) == {("unet", "sdpa"), ("dit", "flash-attn"), ("text", "sdpa-math")}

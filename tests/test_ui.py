@@ -1,0 +1,113 @@
+"""The UI builds inside a real gradio Blocks (A1111's gradio 3.41.2) and shows the engine's data."""
+import html
+
+import pytest
+
+gr = pytest.importorskip("gradio")
+
+import lib_attn  # noqa: E402
+from lib_attn.report import MIB, Report, Vram  # noqa: E402
+from webui_attn import ui  # noqa: E402
+from webui_attn.api import availability  # noqa: E402
+
+
+def _report():
+    return Report(
+        calls={("unet", "flash-attn"): 1260, ("vae", "sdpa-efficient"): 2},
+        fallbacks={("vae", "flash-attn", "head_dim 512 > 256"): 2},
+        kernels={"flash-attn": "flash-attn 2.8.3", "sdpa-efficient": "sdpa-efficient torch 2.3.1"},
+        seconds=12.3,
+        vram=Vram(3 * 1024 * MIB, 4 * 1024 * MIB, 6 * 1024 * MIB, 80 * 1024 * MIB),
+    )
+
+
+def _handler(demo, trigger):
+    """The function gradio runs when ``trigger`` fires, and the ids of its output components
+    (gradio 3 keeps events in ``dependencies`` beside ``fns``; gradio 4 in ``fns`` by id)."""
+    if isinstance(demo.fns, dict):
+        for fn in demo.fns.values():
+            if trigger._id in [t[0] for t in fn.targets]:
+                return fn.fn, [block._id for block in fn.outputs]
+    else:
+        for dep, fn in zip(demo.dependencies, demo.fns):
+            if trigger._id in [t if isinstance(t, int) else t[0] for t in dep["targets"]]:
+                return fn.fn, dep["outputs"]
+    raise AssertionError("no event handler on the component")
+
+
+def _values(choices):
+    return [c if isinstance(c, str) else c[1] for c in choices]
+
+
+def test_accordion_builds_in_blocks_and_refreshes_the_readout():
+    shown = {"report": None}
+    with gr.Blocks() as demo:
+        parts = ui.accordion(False, lambda: shown["report"])
+
+    override = parts["override"]
+    assert isinstance(override, gr.Dropdown)
+    assert override.value == ui.USE_SETTING
+    assert _values(override.choices) == [ui.USE_SETTING, *lib_attn.BACKEND_IDS]
+    assert override.elem_id == "flash_attn_txt2img_override"
+    assert isinstance(parts["readout"], gr.HTML)
+    assert "No generation yet" in parts["readout"].value
+
+    fn, outputs = _handler(demo, parts["refresh"])
+    assert outputs == [parts["readout"]._id]
+    assert "No generation yet" in fn()
+    shown["report"] = _report()
+    assert fn() == ui.report_html(shown["report"])
+
+
+def test_img2img_accordion_has_its_own_ids():
+    with gr.Blocks():
+        parts = ui.accordion(True)
+    assert parts["override"].elem_id == "flash_attn_img2img_override"
+
+
+def test_readout_html_shows_counts_fallbacks_time_and_vram():
+    text = ui.report_html(_report())
+    assert "<td class='flash-attn-kernel'>flash-attn 2.8.3</td><td class='flash-attn-count'>×1,260</td>" in text
+    assert "<td class='flash-attn-role'>VAE</td>" in text
+    assert "<code>flash-attn</code> passed over ×2: head_dim 512 &gt; 256" in text
+    assert "Time: 12.3 sec." in text
+    assert "A: 3.00 GB, R: 4.00 GB, Sys: 6.0/80 GB (7.5%)" in text
+
+
+def test_readout_escapes_engine_text():
+    report = Report(calls={("unet", "sdpa"): 1}, fallbacks={("unet", "sage", "<b>bad</b> & 'x'"): 1})
+    text = ui.report_html(report)
+    assert "<b>bad</b>" not in text and html.escape("<b>bad</b> & 'x'", quote=True) in text
+
+
+def test_availability_table_lists_every_backend_with_reason_or_version():
+    data = availability()
+    text = ui.availability_html(data)
+    for b in lib_attn.backends():
+        row_start = text.index(f"<code>{b.id}</code>")
+        row = text[row_start:text.index("</tr>", row_start)]
+        if b.available:
+            assert "✓" in row and html.escape(b.version, quote=True) in row
+        else:
+            assert "✗" in row and html.escape(b.reason, quote=True) in row
+    device = lib_attn.device_info()
+    assert html.escape(device.name) in text
+    for role in lib_attn.ROLES:
+        assert " → ".join(lib_attn.default_chain(role, device)) in text
+
+
+def test_availability_data_matches_the_engine():
+    data = availability()
+    assert [b["id"] for b in data["backends"]] == list(lib_attn.BACKEND_IDS)
+    for row, info in zip(data["backends"], lib_attn.backends()):
+        assert row["available"] == info.available
+        assert row["reason"] == (info.reason or None)
+    assert data["device"]["type"] == lib_attn.device_info().type
+
+
+def test_override_choices_label_unavailable_backends_in_pairs():
+    pairs = ui.override_choices(pairs=True)
+    assert pairs[0] == (ui.USE_SETTING, ui.USE_SETTING)
+    for (label, value), info in zip(pairs[1:], lib_attn.backends()):
+        assert value == info.id
+        assert label == (info.id if info.available else f"{info.id} — unavailable: {info.reason}")

@@ -1,0 +1,146 @@
+"""Gradio parts: the txt2img/img2img accordion, the readout and the availability table.
+
+Works with gradio 3.41 (A1111) and 4.x (Forge): only arguments both versions take are used, and
+(label, value) dropdown pairs only where gradio has them (4.x). gradio is imported inside the
+builders, so the HTML renderers can be used (and tested) without it.
+"""
+from __future__ import annotations
+
+import html
+
+import lib_attn
+
+USE_SETTING = "use setting"
+ROLE_LABELS = {"unet": "UNet", "dit": "DiT", "vae": "VAE", "text": "Text encoder"}
+ELEM_PREFIX = "flash_attn"
+
+
+def gradio_major() -> int:
+    import gradio as gr
+
+    try:
+        return int(str(gr.__version__).split(".")[0])
+    except ValueError:
+        return 3
+
+
+def override_choices(pairs: bool = False) -> list:
+    """"use setting" then every backend id; with ``pairs`` unavailable ids are labelled with their reason."""
+    if not pairs:
+        return [USE_SETTING, *lib_attn.BACKEND_IDS]
+    out = [(USE_SETTING, USE_SETTING)]
+    for b in lib_attn.backends():
+        out.append((b.id if b.available else f"{b.id} — unavailable: {b.reason}", b.id))
+    return out
+
+
+def _e(text) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def report_html(report) -> str:
+    """The readout of one generation as HTML (a table per backend, fallbacks, time and VRAM)."""
+    if report is None:
+        return "<div class='flash-attn-readout flash-attn-empty'>No generation yet.</div>"
+    rows = []
+    for role in report.roles():
+        for backend, n in report.backends(role):
+            rows.append(f"<tr><td class='flash-attn-role'>{_e(ROLE_LABELS.get(role, role))}</td>"
+                        f"<td class='flash-attn-kernel'>{_e(report.describe(backend))}</td>"
+                        f"<td class='flash-attn-count'>×{n:,}</td></tr>")
+    if not rows:
+        rows.append("<tr><td colspan='3'>No attention call ran.</td></tr>")
+    parts = ["<div class='flash-attn-readout'>",
+             "<table class='flash-attn-calls'><thead><tr><th>Role</th><th>Kernel</th><th>Calls</th></tr></thead>",
+             "<tbody>" + "".join(rows) + "</tbody></table>"]
+    if report.fallbacks:
+        items = "".join(
+            f"<li><span class='flash-attn-role'>{_e(ROLE_LABELS.get(role, role))}</span> "
+            f"<code>{_e(backend)}</code> passed over ×{n:,}: {_e(reason)}</li>"
+            for (role, backend, reason), n in report.fallback_items())
+        parts.append(f"<ul class='flash-attn-fallbacks'>{items}</ul>")
+    facts = []
+    if report.seconds is not None:
+        from lib_attn.report import elapsed_text
+
+        facts.append(f"<span>Time: {_e(elapsed_text(report.seconds))}</span>")
+    if report.vram is not None:
+        facts.append(f"<span class='flash-attn-vram'>{_e(report.vram.text())}</span>")
+    if facts:
+        parts.append("<p class='flash-attn-facts'>" + " · ".join(facts) + "</p>")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def availability_html(data: dict | None = None) -> str:
+    """The Settings table: device, torch, each backend with its version or why it cannot run here."""
+    if data is None:
+        from .api import availability
+
+        data = availability()
+    dev = data["device"]
+    device = _e(dev["name"] or dev["type"])
+    if dev["capability"]:
+        device += f" (compute capability {_e(dev['capability'])})"
+    if dev["total_memory_bytes"]:
+        device += f", {dev['total_memory_bytes'] / 2**30:.1f} GiB"
+    rows = []
+    for b in data["backends"]:
+        state = "available" if b["available"] else "unavailable"
+        mark = "✓" if b["available"] else "✗"
+        detail = _e(b["version"] or "") if b["available"] else _e(b["reason"] or "")
+        rows.append(f"<tr class='flash-attn-{state}'><td><code>{_e(b['id'])}</code></td>"
+                    f"<td class='flash-attn-state' title='{state}'>{mark}</td><td>{_e(b['label'])}</td>"
+                    f"<td>{detail}</td></tr>")
+    chains = "".join(f"<li>{_e(ROLE_LABELS.get(role, role))}: {' → '.join(_e(i) for i in chain)}</li>"
+                     for role, chain in data["default_chains"].items())
+    return ("<div class='flash-attn-availability'>"
+            f"<p>Device: {device} · torch {_e(data['torch'])}</p>"
+            "<table><thead><tr><th>Backend</th><th></th><th>What</th><th>Version, or why not</th></tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table>"
+            f"<p>Default order on this device (Auto):</p><ul class='flash-attn-chains'>{chains}</ul></div>")
+
+
+def _host_options():
+    try:
+        from modules import options
+    except ImportError:
+        return None
+    return options
+
+
+def availability_option(shared):
+    """A settings entry that shows the availability table and is never saved to config.json."""
+    import gradio as gr
+
+    text = availability_html()
+    option_html = getattr(shared, "OptionHTML", None) or getattr(_host_options(), "OptionHTML", None)
+    if option_html is not None:
+        return option_html(text)
+    info = shared.OptionInfo(text, "", lambda **kwargs: gr.HTML(**{**kwargs, "value": text}))
+    info.do_not_save = True
+    return info
+
+
+def accordion(is_img2img: bool, last_report=lambda: None, open: bool = False) -> dict:
+    """Build the accordion inside the current ``gr.Blocks``; returns its components by name.
+
+    ``override``: the per-generation backend dropdown (the script's only argument); ``readout``:
+    the HTML of the last generation; ``refresh``: the button that reloads it from ``last_report()``.
+    """
+    import gradio as gr
+
+    tab = "img2img" if is_img2img else "txt2img"
+    with gr.Accordion("Attention backend", open=open, elem_id=f"{ELEM_PREFIX}_{tab}"):
+        with gr.Row(elem_classes=["flash-attn-row"]):
+            override = gr.Dropdown(
+                label="Backend for this generation (UNet / DiT)",
+                choices=override_choices(pairs=gradio_major() >= 4),
+                value=USE_SETTING,
+                elem_id=f"{ELEM_PREFIX}_{tab}_override",
+            )
+            refresh = gr.Button("Show last readout", elem_id=f"{ELEM_PREFIX}_{tab}_refresh",
+                                elem_classes=["flash-attn-refresh"])
+        readout = gr.HTML(value=report_html(last_report()), elem_id=f"{ELEM_PREFIX}_{tab}_readout")
+    refresh.click(fn=lambda: report_html(last_report()), inputs=[], outputs=[readout], show_progress="hidden")
+    return {"override": override, "readout": readout, "refresh": refresh}
