@@ -1,0 +1,440 @@
+"""Launch-time installer of sd-webui-flash-attention.
+
+The webui runs this file at every launch (a subprocess with the webui root on PYTHONPATH).
+By default it installs nothing: it prints one line per optional attention backend saying
+whether it is usable and, if not, why and what to do. It reads package metadata only and does
+not import torch, so it finishes in a fraction of a second.
+
+Optional backends are installed only on request, through environment variables (set them in
+webui-user.bat / webui-user.sh):
+
+  ATTN_INSTALL=flash-attn,xformers,sage   install these, as prebuilt wheels only
+  ATTN_WHEEL_FLASH_ATTN=<file or URL>      use this wheel instead of the default source
+  ATTN_WHEEL_XFORMERS=<file or URL>
+  ATTN_WHEEL_SAGE=<file or URL>
+  ATTN_INSTALL_DRY_RUN=1                   print the pip command, run nothing
+
+Every install runs pip with `--only-binary=:all:` (never a source build) and a constraint file
+holding torch, torchvision and torchaudio at their installed versions, so pip either finds a
+wheel that fits the installed torch or changes nothing. The result is re-probed and reported.
+This file never exits with an error status for a backend that could not be installed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import importlib.util
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+
+TAG = "[attention]"
+
+# ---------------------------------------------------------------------------------------------
+# Known facts about where prebuilt wheels come from. pip, run with the torch constraint, has the
+# final word; these facts only choose what to ask it for and what to tell the user.
+# ---------------------------------------------------------------------------------------------
+
+# xformers releases before 0.0.34 each require one exact torch release. 0.0.34 moved to
+# PyTorch's stable ABI: its wheels work with torch 2.10 and every later release.
+XFORMERS_FOR_TORCH = {
+    "2.1.2": "0.0.23.post1",  # A1111 1.10.1's own pair
+    "2.2.0": "0.0.24",
+    "2.2.1": "0.0.25",
+    "2.3.0": "0.0.26.post1",
+    "2.7.0": "0.0.30",  # A1111 dev's pair
+    "2.7.1": "0.0.31",
+    "2.9.1": "0.0.33.post2",
+}
+XFORMERS_STABLE_ABI = ((2, 10), "0.0.34")
+# CUDA builds of torch from PyTorch's own index carry a "+cuXYZ" suffix; that index also has
+# xformers wheels built for the same CUDA.
+PYTORCH_INDEX = "https://download.pytorch.org/whl/{variant}"
+
+# flash-attn on PyPI is a source release only (installing it from there compiles CUDA code for
+# hours). Its authors attach Linux wheels to their GitHub releases, one per CUDA major, torch
+# major.minor, C++ ABI flag and CPython version. There are none for Windows.
+FLASH_ATTN_RELEASE = "2.8.3"
+FLASH_ATTN_WHEEL_URL = (
+    "https://github.com/Dao-AILab/flash-attention/releases/download/v{ver}/"
+    "flash_attn-{ver}+cu{cuda_major}torch{torch_mm}cxx11abi{abi}-{py}-{py}-linux_x86_64.whl"
+)
+
+# sageattention on PyPI: 1.0.6 as a source release only; SageAttention 2 is not on PyPI.
+# Prebuilt wheels exist only from third parties, so an install needs ATTN_WHEEL_SAGE.
+
+
+class Backend:
+    def __init__(self, ident, label, dist, module, aliases, wheel_env, needs):
+        self.id = ident          # lib_attn backend id
+        self.label = label
+        self.dist = dist         # distribution name pip knows
+        self.module = module     # module the engine imports
+        self.aliases = aliases
+        self.wheel_env = wheel_env
+        self.needs = needs       # what the backend needs from the GPU (for the status line)
+
+
+BACKENDS = (
+    Backend("flash-attn", "flash-attn", "flash-attn", "flash_attn",
+            ("flash-attn", "flash_attn", "flash", "fa", "fa2"), "ATTN_WHEEL_FLASH_ATTN",
+            "NVIDIA Ampere (sm80) or newer, fp16/bf16, Linux wheels"),
+    Backend("xformers", "xformers", "xformers", "xformers",
+            ("xformers", "xf"), "ATTN_WHEEL_XFORMERS",
+            "an xformers build made for this exact torch"),
+    Backend("sage", "sageattention", "sageattention", "sageattention",
+            ("sage", "sageattention", "sage-attention"), "ATTN_WHEEL_SAGE",
+            "NVIDIA Ampere (sm80) or newer, Triton, fp16/bf16"),
+)
+
+
+def say(backend, text):
+    print(f"{TAG} {backend.label}: {text}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Probing without importing torch
+# ---------------------------------------------------------------------------------------------
+
+def dist_version(name):
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _version_field(text, name):
+    match = re.search(rf"^{name}\s*(?::[^=\n]*)?=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+    return match.group(1) if match else None
+
+
+class TorchInfo:
+    """What the installed torch is, read from its metadata and torch/version.py."""
+
+    def __init__(self, version, cuda, hip, held):
+        self.version = version          # e.g. "2.1.2+cu121"
+        self.cuda = cuda                # e.g. "12.1", or None
+        self.hip = hip                  # ROCm version, or None
+        self.held = held                # {dist: version} pinned during installs
+
+    @property
+    def release(self):
+        return self.version.split("+", 1)[0]
+
+    @property
+    def local(self):
+        return self.version.split("+", 1)[1] if "+" in self.version else ""
+
+    def major_minor(self):
+        parts = re.findall(r"\d+", self.release)[:2]
+        return tuple(int(p) for p in parts) if len(parts) == 2 else (0, 0)
+
+    def describe(self):
+        runtime = f"CUDA {self.cuda}" if self.cuda else (f"ROCm {self.hip}" if self.hip else "CPU build")
+        return f"torch {self.version} ({runtime}), Python {sys.version_info[0]}.{sys.version_info[1]}"
+
+
+def probe_torch():
+    version = dist_version("torch")
+    if version is None:
+        return None
+    cuda = hip = None
+    spec = importlib.util.find_spec("torch")  # a top-level find_spec does not import the package
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(location, "version.py")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+            cuda = _version_field(text, "cuda")
+            hip = _version_field(text, "hip")
+            break
+    held = {"torch": version}
+    for name in ("torchvision", "torchaudio"):
+        other = dist_version(name)
+        if other:
+            held[name] = other
+    return TorchInfo(version, None if cuda in (None, "None") else cuda,
+                     None if hip in (None, "None") else hip, held)
+
+
+def python_tag():
+    return f"cp{sys.version_info[0]}{sys.version_info[1]}"
+
+
+def _release_key(version):
+    return tuple(int(p) for p in re.findall(r"\d+", version.split("+", 1)[0])[:3])
+
+
+def torch_requirement_mismatch(dist, torch):
+    """The `torch` requirement of an installed distribution that the installed torch fails, or None."""
+    try:
+        requires = metadata.requires(dist) or []
+    except metadata.PackageNotFoundError:
+        return None
+    for line in requires:
+        if ";" in line and "extra" in line.split(";", 1)[1]:
+            continue
+        match = re.match(r"^\s*torch\s*\(?\s*([<>=!~][^;)]*)", line)
+        if not match:
+            continue
+        spec = match.group(1).strip()
+        if not _satisfies(torch.version, spec):
+            return f"torch{spec}"
+    return None
+
+
+def _satisfies(version, spec):
+    try:
+        from packaging.specifiers import SpecifierSet
+        from packaging.version import Version
+    except ImportError:
+        try:
+            from pip._vendor.packaging.specifiers import SpecifierSet
+            from pip._vendor.packaging.version import Version
+        except ImportError:
+            return True  # cannot judge; let the engine's own import check decide
+    return Version(version) in SpecifierSet(spec, prereleases=True)
+
+
+def status(backend, torch):
+    """One line about an optional backend, from metadata only."""
+    installed = dist_version(backend.dist)
+    if torch is None:
+        return "torch is not installed yet; nothing to check"
+    gpu = torch.cuda or torch.hip
+    if installed is None:
+        if not gpu:
+            return (f"not installed; it needs a CUDA build of torch and this is {torch.describe()}: "
+                    "the built-in PyTorch kernels are used")
+        if torch.hip:
+            return ("not installed; this installer only knows NVIDIA wheels, "
+                    f"install a ROCm build by hand if you want it ({torch.describe()})")
+        return (f"not installed (optional; needs {backend.needs}). To install a prebuilt wheel for "
+                f"{torch.describe()}, set ATTN_INSTALL={backend.id} and restart")
+    if backend.dist == "xformers":
+        wrong = torch_requirement_mismatch("xformers", torch)
+        if wrong:
+            return (f"{installed} is installed but was built for {wrong} and this is torch {torch.version}: "
+                    f"it will not load. Set ATTN_INSTALL=xformers to replace it with a matching wheel "
+                    "(torch stays as it is)")
+    if backend.dist == "sageattention" and not (dist_version("triton") or dist_version("triton-windows")
+                                                or dist_version("pytorch-triton")):
+        return f"{installed} is installed, but Triton is not: sage kernels cannot run without it"
+    if not gpu:
+        return f"{installed} is installed, but this is {torch.describe()}: it cannot run here"
+    return f"{installed} is installed (the engine checks at startup that it loads; see the doctor command)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Installing on request
+# ---------------------------------------------------------------------------------------------
+
+def requested_backends(value):
+    """Parse ATTN_INSTALL: names separated by commas or spaces. Returns (backends, unknown)."""
+    chosen, unknown = [], []
+    for name in re.split(r"[,\s]+", value.strip().lower()):
+        if not name:
+            continue
+        match = next((b for b in BACKENDS if name in b.aliases), None)
+        if match is None:
+            unknown.append(name)
+        elif match not in chosen:
+            chosen.append(match)
+    return chosen, unknown
+
+
+class Host:
+    """The webui's `launch` module when there is one, else the same operations done here."""
+
+    def __init__(self):
+        try:
+            import launch  # noqa: PLC0415 - the webui root is on PYTHONPATH only when it runs us
+        except ImportError:
+            launch = None
+        self.launch = launch
+        if launch is not None:
+            self.python = launch.python
+            self.skip_install = bool(getattr(launch.args, "skip_install", False))
+        else:
+            self.python = sys.executable
+            argv = sys.argv[1:] + shlex.split(os.environ.get("COMMANDLINE_ARGS", ""))
+            self.skip_install = "--skip-install" in argv
+
+    def run_pip(self, command, desc):
+        if self.launch is not None:
+            return self.launch.run_pip(command, desc)
+        line = f'"{self.python}" -m pip {command} --prefer-binary'
+        result = subprocess.run(line, shell=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        if result.returncode != 0:
+            raise RuntimeError(f"Couldn't install {desc}.\n{result.stdout.decode(errors='replace')}")
+        return result.stdout.decode(errors="replace")
+
+    def pip_uninstall(self, dist):
+        line = f'"{self.python}" -m pip uninstall -y {dist}'
+        subprocess.run(line, shell=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def cxx11_abi(torch, python):
+    """torch's C++ ABI flag, asked of torch itself in a child process (install path only)."""
+    code = "import torch; print(bool(torch._C._GLIBCXX_USE_CXX11_ABI))"
+    try:
+        out = subprocess.run([python, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             timeout=300, check=True).stdout.decode().strip()
+        return "TRUE" if out == "True" else "FALSE"
+    except (subprocess.SubprocessError, OSError):
+        # PyPI's torch switched to the new ABI with 2.7.
+        return "TRUE" if torch.major_minor() >= (2, 7) else "FALSE"
+
+
+def install_plan(backend, torch, python):
+    """(requirement, extra pip options) to ask pip for, or (None, reason) when there is nothing to ask."""
+    override = os.environ.get(backend.wheel_env, "").strip()
+    if override:
+        return override, ""
+    if backend.dist == "xformers":
+        if torch.hip:
+            return None, "this installer only knows xformers' CUDA wheels"
+        pinned = XFORMERS_FOR_TORCH.get(torch.release)
+        if pinned:
+            requirement = f"xformers=={pinned}"
+        elif torch.major_minor() >= XFORMERS_STABLE_ABI[0]:
+            requirement = f"xformers>={XFORMERS_STABLE_ABI[1]}"
+        else:
+            requirement = "xformers"
+        extra = ""
+        if re.fullmatch(r"cu\d+", torch.local):
+            extra = f'--extra-index-url {PYTORCH_INDEX.format(variant=torch.local)}'
+        return requirement, extra
+    if backend.dist == "flash-attn":
+        if platform.system() != "Windows" and platform.machine().lower() in ("x86_64", "amd64"):
+            if torch.hip:
+                return None, "flash-attn's ROCm build is source-only"
+            url = FLASH_ATTN_WHEEL_URL.format(
+                ver=FLASH_ATTN_RELEASE, cuda_major=torch.cuda.split(".")[0],
+                torch_mm="%d.%d" % torch.major_minor(), abi=cxx11_abi(torch, python), py=python_tag())
+            return url, ""
+        return None, (f"flash-attn publishes no prebuilt wheels for {platform.system()} {platform.machine()}; "
+                      f"set {backend.wheel_env} to a wheel built for {torch.describe()} "
+                      "(PyTorch's own SDPA and cuDNN kernels are used meanwhile)")
+    if backend.dist == "sageattention":
+        return "sageattention", ""
+    return None, "unknown backend"
+
+
+def write_constraints(torch):
+    handle, path = tempfile.mkstemp(prefix="attn-hold-torch-", suffix=".txt")
+    with os.fdopen(handle, "w", encoding="utf-8") as fh:
+        for name, version in torch.held.items():
+            fh.write(f"{name}=={version}\n")
+    return path
+
+
+def _quote(text):
+    # Double quotes work in both sh and cmd.exe, which is what the webui's shell=True uses.
+    return f'"{text}"'
+
+
+def _pip_reason(error):
+    """The line of pip's output that says why, for the user."""
+    text = str(error)
+    for needle in ("No matching distribution", "ResolutionImpossible", "conflict", "is not a supported wheel",
+                   "404", "Could not find a version", "does not exist", "Could not install"):
+        for line in text.splitlines():
+            if needle in line:
+                return line.strip().removeprefix("stderr: ").removeprefix("ERROR: ")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "pip failed"
+
+
+def _import_check(python, module):
+    """Import the backend in a fresh interpreter; returns None or the error's last line."""
+    try:
+        result = subprocess.run([python, "-c", f"import {module}"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, timeout=600)
+    except (subprocess.SubprocessError, OSError) as exc:
+        return str(exc)
+    if result.returncode == 0:
+        return None
+    lines = [line for line in result.stderr.decode(errors="replace").splitlines() if line.strip()]
+    return lines[-1].strip() if lines else f"exit status {result.returncode}"
+
+
+def install(backend, torch, host, dry_run):
+    if host.skip_install:
+        say(backend, "install requested, skipped because of --skip-install")
+        return
+    if torch is None:
+        say(backend, "install requested, but torch is not installed yet; nothing done")
+        return
+    if not (torch.cuda or torch.hip):
+        say(backend, f"install requested, but this is {torch.describe()}: it cannot run here; nothing done")
+        return
+    before = dist_version(backend.dist)
+    if before:
+        # Left alone unless built for another torch (known for xformers from its metadata); to
+        # change to another wheel, uninstall the installed one first.
+        wrong = torch_requirement_mismatch(backend.dist, torch)
+        if not wrong:
+            say(backend, f"{before} already installed; nothing to do (uninstall it to install another build)")
+            return
+    requirement, extra = install_plan(backend, torch, host.python)
+    if requirement is None:
+        say(backend, f"install requested, no prebuilt wheel to ask for: {extra}; nothing done")
+        return
+    constraints = write_constraints(torch)
+    held = ", ".join(f"{k}=={v}" for k, v in torch.held.items())
+    command = " ".join(part for part in (
+        "install", "--only-binary=:all:", "--upgrade-strategy", "only-if-needed",
+        "-c", _quote(constraints), extra, _quote(requirement)) if part)
+    try:
+        if dry_run:
+            say(backend, f"dry run: pip {command} (holding {held})")
+            return
+        say(backend, f"installing a prebuilt wheel for {torch.describe()}, holding {held}")
+        try:
+            host.run_pip(command, f"{backend.label} (prebuilt wheel)")
+        except RuntimeError as exc:
+            say(backend, f"no prebuilt wheel matches {torch.describe()} ({_pip_reason(exc)}). "
+                         f"Nothing was changed; torch stays {torch.version}. To use a wheel you have, set "
+                         f"{backend.wheel_env}=<file or URL>; the engine uses the other backends meanwhile")
+            return
+    finally:
+        os.unlink(constraints)
+    after_torch = dist_version("torch")
+    if after_torch != torch.version:
+        say(backend, f"WARNING: torch changed from {torch.version} to {after_torch} during the install")
+    after = dist_version(backend.dist)
+    error = _import_check(host.python, backend.module) if after else "not found after the install"
+    if error is None:
+        kept = f"torch stays {torch.version}" if after_torch == torch.version else f"torch is now {after_torch}"
+        say(backend, f"{after} installed and imports; {kept}")
+        return
+    if before is None and after is not None:
+        host.pip_uninstall(backend.dist)
+        say(backend, f"the installed wheel {after} does not load ({error}); removed it again")
+    else:
+        say(backend, f"installed, but it does not load ({error})")
+
+
+def main():
+    torch = probe_torch()
+    requested, unknown = requested_backends(os.environ.get("ATTN_INSTALL", ""))
+    for name in unknown:
+        print(f"{TAG} ATTN_INSTALL: unknown backend '{name}' "
+              f"(known: {', '.join(b.id for b in BACKENDS)})", flush=True)
+    host = Host() if requested else None
+    dry_run = os.environ.get("ATTN_INSTALL_DRY_RUN", "") not in ("", "0")
+    for backend in BACKENDS:
+        if backend in requested:
+            install(backend, torch, host, dry_run)
+        else:
+            say(backend, status(backend, torch))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
