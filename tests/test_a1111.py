@@ -370,6 +370,24 @@ def test_undo_puts_sgms_own_attnblock_back_after_a1111s_quirk(webui_factory):
     assert sm.AttnBlock.forward is sho.sgm_diffusionmodules_model_AttnBlock_forward
 
 
+def test_apply_after_a1111_reset_the_forwards_without_our_undo(webui_factory):
+    start(webui_factory)
+    from modules import sd_hijack, sd_hijack_optimizations as sho
+    before = snapshot()
+    apply_ours("auto")
+    sd_hijack.model_hijack.undo_hijack(None)   # resets the four forwards, never calls our undo()
+    sd_hijack.current_optimizer = None         # as after a failed apply: nobody will call it either
+    assert snapshot()["ldm.CrossAttention"] is not forwards.cross_attention_forward
+    apply_ours("auto")
+    patched = snapshot()
+    assert all(patched[n] is (forwards.cross_attention_forward if "Cross" in n else forwards.attnblock_forward)
+               for n in patched)
+    sd_hijack.apply_optimizations("sdp - scaled dot product")
+    assert not a1111.patches.active
+    assert snapshot()["ldm.MemoryEfficientAttnBlock"] is before["ldm.MemoryEfficientAttnBlock"]
+    assert snapshot()["sgm.AttnBlock"] is sho.sdp_attnblock_forward
+
+
 def test_switching_to_a_builtin_restores_what_a1111_does_not_know(webui_factory):
     start(webui_factory)
     import ldm.modules.diffusionmodules.model as lm

@@ -121,9 +121,15 @@ def _module(name: str):
 
 
 def install() -> None:
-    """Patch the forwards; a second call while patched does nothing."""
+    """Patch the forwards; a second call while patched does nothing.
+
+    A1111's ``undo_optimizations()`` resets the four forwards without calling our ``undo()`` (training, a
+    failed apply, ``undo_hijack``); patches found reset that way are dropped and made again.
+    """
     if patches.active:
-        return
+        if patches.intact():
+            return
+        patches.undo()
     for name in ("ldm.modules.attention", "sgm.modules.attention"):
         module = _module(name)
         if module is not None and hasattr(module, "CrossAttention"):

@@ -18,18 +18,23 @@ class Patches:
 
     def __init__(self, name: str):
         self.name = name
-        self._record: list[tuple[object, str, object]] = []
+        self._record: list[tuple[object, str, object, object]] = []
 
     @property
     def active(self) -> bool:
         return bool(self._record)
 
     def is_patched(self, owner, attr: str) -> bool:
-        return any(o is owner and a == attr for o, a, _ in self._record)
+        return any(o is owner and a == attr for o, a, _, _ in self._record)
+
+    def intact(self) -> bool:
+        """Whether every recorded attribute still holds the replacement set here (something else, such as
+        A1111's ``undo_optimizations()``, may have reset it without going through ``undo()``)."""
+        return all(_live(o, a) is new for o, a, _, new in self._record)
 
     def original(self, owner, attr: str):
         """What ``undo()`` will put back for ``owner.attr`` (the live value when it is not patched)."""
-        for o, a, saved in self._record:
+        for o, a, saved, _ in self._record:
             if o is owner and a == attr:
                 return saved
         return getattr(owner, attr)
@@ -42,17 +47,17 @@ class Patches:
         """
         if self.is_patched(owner, attr):
             raise DoublePatchError(f"{self.name}: {_describe(owner, attr)} is already patched")
-        saved = owner.__dict__.get(attr, _MISSING) if isinstance(owner, type) else getattr(owner, attr, _MISSING)
+        saved = _live(owner, attr)
         if restore_to is not _MISSING:
             saved = restore_to
-        self._record.append((owner, attr, saved))
+        self._record.append((owner, attr, saved, replacement))
         setattr(owner, attr, replacement)
 
     def undo(self) -> int:
         """Restore every recorded attribute, newest first; returns how many. Safe to call again."""
         count = 0
         while self._record:
-            owner, attr, saved = self._record.pop()
+            owner, attr, saved, _ = self._record.pop()
             if saved is _MISSING:
                 try:
                     delattr(owner, attr)
@@ -64,7 +69,14 @@ class Patches:
         return count
 
     def targets(self) -> list[str]:
-        return [_describe(o, a) for o, a, _ in self._record]
+        return [_describe(o, a) for o, a, _, _ in self._record]
+
+
+def _live(owner, attr: str):
+    """The attribute as stored on ``owner`` (a class's own ``__dict__`` entry, not an inherited one)."""
+    if isinstance(owner, type):
+        return owner.__dict__.get(attr, _MISSING)
+    return getattr(owner, attr, _MISSING)
 
 
 def _describe(owner, attr: str) -> str:

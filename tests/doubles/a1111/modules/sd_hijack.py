@@ -97,7 +97,9 @@ class StableDiffusionModelHijack:
         self.apply_optimizations()
 
     def undo_hijack(self, m):
-        pass
+        # the real one also unwraps the embeddings and clip; what matters here is that it resets the
+        # forwards without calling the current optimizer's undo()
+        undo_optimizations()
 
     def redo_hijack(self, m):
         self.undo_hijack(m)

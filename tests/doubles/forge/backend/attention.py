@@ -30,7 +30,11 @@ def _to_bhnd(q, k, v, heads, skip_reshape):
 
 
 def attention_basic(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False):
-    """Softmax(QK^T * d^-0.5 [+ mask]) V in plain torch; fp32 scores when the precision rule says so."""
+    """Softmax(QK^T * d^-0.5 [+ mask]) V in plain torch; fp32 scores when the precision rule says so.
+
+    An additive mask is ``(n, m)``, ``(b|1, n, m)`` or ``(b|1, h, n, m)``; a bool mask is ``(b, ...)`` over
+    the keys (True attends), unlike ``attention_pytorch``, which hands any mask to SDPA as it is.
+    """
     attn_precision = get_attn_precision(attn_precision)
     dtype = q.dtype
     q, k, v = _to_bhnd(q, k, v, heads, skip_reshape)
@@ -41,7 +45,9 @@ def attention_basic(q, k, v, heads, mask=None, attn_precision=None, skip_reshape
         sim = torch.einsum("bhid,bhjd->bhij", q, k) * d ** -0.5
     if mask is not None:
         if mask.dtype == torch.bool:
-            sim = sim.masked_fill(~_heads_mask(mask), -torch.finfo(sim.dtype).max)
+            # Forge reads a bool mask the ldm way: per batch item, over the keys, for every head and query
+            keys = mask.reshape(mask.shape[0], -1)[:, None, None, :]
+            sim = sim.masked_fill(~keys, -torch.finfo(sim.dtype).max)
         else:
             sim = sim + _heads_mask(mask).to(sim.dtype)
     sim = sim.softmax(dim=-1)
