@@ -12,6 +12,8 @@ Importing this package imports torch and nothing of any webui, and does not init
 """
 from __future__ import annotations
 
+__version__ = "0.1.0"
+
 from dataclasses import dataclass
 
 from . import kernels as _kernels

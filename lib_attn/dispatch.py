@@ -186,12 +186,17 @@ def _forget() -> None:
 _config.on_change(_forget)
 
 
+_grad_enabled = torch.is_grad_enabled
+
+
 def _key(q, k, v, mask, layout, role, backend, fp32):
-    """Everything a decision depends on, read from metadata only (strides are not: every backend
-    takes strided views). ``attention`` inlines the same tuple: keep the two in step."""
-    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-            None if mask is None else (mask.shape, mask.dtype, mask.device),
-            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+    """Everything a decision depends on, read from metadata only. Strides are not in it (every
+    backend takes strided views); k's and v's devices are read as their index, which is cheaper and,
+    with q's full device, tells a mixed call from a valid one. ``attention`` inlines the same tuple:
+    keep the two in step."""
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
+            mask if mask is None else (mask.shape, mask.dtype, mask.get_device()),
+            _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
             layout, role, backend, fp32)
 
 
@@ -228,24 +233,23 @@ def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", bac
     Returns (b, h, q_len, d) or (b, q_len, h, d) as the input, in q's dtype.
     """
     try:
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-               None if mask is None else (mask.shape, mask.dtype, mask.device),
-               torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
+               mask if mask is None else (mask.shape, mask.dtype, mask.get_device()),
+               _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
                layout, role, backend, fp32)
-        dec = _cache.get(key)
-    except (AttributeError, TypeError, IndexError, RuntimeError):
-        dec = None
-        key = None
-    if dec is None:
+        dec = _cache[key]
+    except KeyError:
+        dec = _cache[key] = _decide_call(q, k, v, mask, layout, role, backend, fp32, scale)
+    except (AttributeError, TypeError, RuntimeError):  # not tensors (or an unhashable argument)
         dec = _decide_call(q, k, v, mask, layout, role, backend, fp32, scale)
-        _cache[key] = dec
+        key = None
     if dec.fallback_key is not None:
         _on_fallback(dec, dec.fallback_key)
     try:
         out = dec.run(q, k, v, mask, scale)
     except Exception as exc:  # noqa: BLE001 - sorted by _recover: only recoverable kinds fall back
         return _recover(key, dec, exc, q, k, v, mask, scale)
-    stats.current.calls[dec.count_key] += 1
+    stats.calls[dec.count_key] += 1
     return out
 
 
@@ -255,7 +259,7 @@ def _on_fallback(dec: Decision, fallback_key: tuple) -> None:
         raise AttentionFallbackError(
             f"strict mode: {preferred} cannot take this {role} call ({dec.spec.describe()}): {reasons}; "
             f"it would run on {dec.backend}")
-    stats.current.fallbacks[fallback_key] += 1
+    stats.fallbacks[fallback_key] += 1
     _report_once(fallback_key, dec.backend)
 
 
@@ -276,6 +280,9 @@ def _is_oom(exc: BaseException) -> bool:
 
 def _recover(key, dec: Decision, exc: Exception, q, k, v, mask, scale):
     """A kernel failed: demote it for this signature and rerun on the next backend, or re-raise."""
+    # Bad input that shares a cached signature with good input (the key reads k's and v's device
+    # index, not their full device) must surface as the ValueError it is, never demote a backend.
+    validate(q, k, v, mask, dec.spec.layout, dec.spec.role, scale)
     if _is_oom(exc):
         # The VAE's single 512-wide head is the one call whose memory grows with the image: retry it
         # on the bounded path. Elsewhere an OOM is the host's to handle, as without this extension.
@@ -284,10 +291,10 @@ def _recover(key, dec: Decision, exc: Exception, q, k, v, mask, scale):
         fallback_key = (dec.spec.role, dec.backend, "out of memory")
         if _config.current().strict:
             raise AttentionFallbackError(f"strict mode: {dec.backend} ran out of memory on a vae call") from exc
-        stats.current.fallbacks[fallback_key] += 1
+        stats.fallbacks[fallback_key] += 1
         _report_once(fallback_key, "math")
         out = _wrap(REGISTRY["math"].run, dec.spec.layout != "bhsd", None)(q, k, v, mask, scale)
-        stats.current.calls[(dec.spec.role, "math")] += 1
+        stats.calls[(dec.spec.role, "math")] += 1
         return out
     sticky = any(s in str(exc) for s in _STICKY)
     recoverable = isinstance(exc, (RuntimeError, NotImplementedError, ValueError, TypeError, AssertionError))
@@ -304,13 +311,13 @@ def _recover(key, dec: Decision, exc: Exception, q, k, v, mask, scale):
     new = decide(dec.spec, chain, fp32=fp32 or cfg.fp32, explicit=explicit, failed=failed)
     _cache[key] = new
     if new.fallback_key is not None:
-        stats.current.fallbacks[new.fallback_key] += 1
+        stats.fallbacks[new.fallback_key] += 1
         _report_once(new.fallback_key, new.backend)
     try:
         out = new.run(q, k, v, mask, scale)
     except Exception as again:  # noqa: BLE001 - the next backend may fail too; same rules
         return _recover(key, new, again, q, k, v, mask, scale)
-    stats.current.calls[new.count_key] += 1
+    stats.calls[new.count_key] += 1
     return out
 
 

@@ -42,7 +42,15 @@ class Recording:
 
 lifetime = Recording()
 current = lifetime
+# The current recording's counters, also as module globals: the hot path saves a lookup per call.
+calls = current.calls
+fallbacks = current.fallbacks
 _last: Recording | None = None
+
+
+def _make_current(rec: Recording) -> None:
+    global current, calls, fallbacks
+    current, calls, fallbacks = rec, rec.calls, rec.fallbacks
 
 
 def note_kernel(backend: str, description: str) -> None:
@@ -52,14 +60,14 @@ def note_kernel(backend: str, description: str) -> None:
 @contextlib.contextmanager
 def recording():
     """Count into a fresh Recording for the ``with`` block; yields it."""
-    global current, _last
+    global _last
     saved, rec = current, Recording()
-    current = rec
+    _make_current(rec)
     try:
         yield rec
     finally:
         rec.finished = time.perf_counter()
-        current = saved
+        _make_current(saved)
         _last = rec
         if saved is not lifetime:  # a recording inside another one counts for both
             saved.calls.update(rec.calls)

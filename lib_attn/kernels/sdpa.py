@@ -18,7 +18,9 @@ from .base import Backend, Status, additive_bias, default_scale, last_dim_contig
 
 
 def _run_public(q, k, v, mask, scale):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if scale is None:  # positional arguments parse faster than keywords on this per-call path
+        return F.scaled_dot_product_attention(q, k, v, mask)
+    return F.scaled_dot_product_attention(q, k, v, mask, scale=scale)
 
 
 def _same_dtype_mask(mask, dtype):

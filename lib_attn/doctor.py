@@ -1,0 +1,201 @@
+"""``python -m lib_attn doctor``: what this machine has and what the engine would run.
+
+Reports Python, torch, CUDA and cuDNN versions, the device, every backend
+(available, version, or the reason it is not), the current configuration, and for
+each model's attention calls the backend the engine would pick now and why the
+ones ahead of it in the chain were passed over. Decisions come from
+``lib_attn.explain`` on empty tensors of the real shapes: no kernel runs.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import sys
+from typing import List, Optional
+
+import torch
+
+import lib_attn
+from lib_attn import shapes
+
+GPU_DEFAULT_DTYPE = {"unet": torch.float16, "vae": torch.float16, "dit": torch.bfloat16}
+
+
+# Installed distributions that change what or how attention runs, read from their metadata
+# (nothing is imported).
+PACKAGES = ("flash-attn", "flash_attn_3", "xformers", "sageattention", "triton", "numpy", "matplotlib")
+
+
+def _package_versions() -> dict:
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def _cudnn_version() -> Optional[int]:
+    if not torch.backends.cudnn.is_available():
+        return None
+    return torch.backends.cudnn.version()
+
+
+def _device_dict(device: torch.device) -> dict:
+    info = lib_attn.device_info(device)
+    cap = getattr(info, "capability", None)
+    d = {
+        "type": info.type,
+        "index": getattr(info, "index", None),
+        "name": info.name,
+        "capability": list(cap) if cap else None,
+        "total_memory": getattr(info, "total_memory", None),
+        "threads": torch.get_num_threads(),
+    }
+    if info.type == "cuda":
+        mem = f", {d['total_memory'] / 2**30:.1f} GiB" if d["total_memory"] else ""
+        sm = f"sm{cap[0]}{cap[1]}" if cap else "sm?"
+        d["description"] = f"{info.name} ({sm}{mem})"
+    else:
+        d["cpu_model"] = _cpu_model()
+        d["description"] = f"CPU only ({d['cpu_model'] or info.name}, {d['threads']} threads)"
+    return d
+
+
+def _cpu_model() -> Optional[str]:
+    """The processor's marketing name where the OS tells it (Linux), else None."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip() or None
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def environment(device: Optional[torch.device] = None) -> dict:
+    """Versions, the device and every backend, as plain data."""
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backends = [{"id": b.id, "label": b.label, "available": bool(b.available),
+                 "reason": b.reason or "", "version": b.version} for b in lib_attn.backends()]
+    versions = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "hip": getattr(torch.version, "hip", None),
+        "cudnn": _cudnn_version() if device.type == "cuda" else None,
+        "lib_attn": lib_attn.__version__,
+        "backends": {b["id"]: b["version"] for b in backends},
+        "packages": _package_versions(),
+    }
+    return {"versions": versions, "device": _device_dict(device), "backends": backends}
+
+
+def _config_dict() -> dict:
+    cfg = lib_attn.config()
+    pref = {role: (list(p) if p else "auto") for role, p in (cfg.preference or {}).items()}
+    return {"preference": pref, "fp32": cfg.fp32, "strict": bool(cfg.strict)}
+
+
+def _empty_inputs(call: shapes.AttentionCall, dtype: torch.dtype, device: torch.device):
+    """Uninitialised q, k, v with A1111's strides (transposed views of (b, s, h·d))."""
+    def proj(seq: int) -> torch.Tensor:
+        x = torch.empty(call.b, seq, call.heads * call.head_dim, dtype=dtype, device=device)
+        return x.view(call.b, seq, call.heads, call.head_dim).transpose(1, 2)
+
+    return proj(call.q_len), proj(call.kv_len), proj(call.kv_len)
+
+
+def decisions(device: torch.device, dtype: Optional[torch.dtype] = None,
+              models=shapes.MODELS, res: Optional[int] = None) -> List[dict]:
+    """For each model's calls: the backend the current configuration picks, and why
+    the ones before it were passed over."""
+    out = []
+    for model in models:
+        for call in shapes.model_calls(model, res):
+            dt = dtype or (GPU_DEFAULT_DTYPE[call.role] if device.type == "cuda" else torch.float32)
+            q, k, v = _empty_inputs(call, dt, device)
+            d = lib_attn.explain(q, k, v, role=call.role)
+            cast = getattr(d, "cast", None)
+            out.append({
+                "model": model, "res": call.res, "where": call.where, "kind": call.kind,
+                "role": call.role, "shape": list(call.shape), "calls": call.calls,
+                "dtype": str(dt).replace("torch.", ""),
+                "backend": d.backend, "variant": getattr(d, "variant", "") or "",
+                "cast": str(cast).replace("torch.", "") if cast else None,
+                "rejected": [[bid, list(reasons)] for bid, reasons in (d.rejected or [])],
+            })
+            del q, k, v
+    return out
+
+
+def report(device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> dict:
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    doc = environment(device)
+    doc["schema"] = "lib_attn.doctor/1"
+    doc["config"] = _config_dict()
+    doc["decisions"] = decisions(device, dtype)
+    return doc
+
+
+def render(doc: dict) -> str:
+    v, dev = doc["versions"], doc["device"]
+    lines = [
+        "lib_attn doctor",
+        f"  python    {v['python']} ({v['platform']})",
+        f"  torch     {v['torch']}",
+        f"  CUDA      {v['cuda'] or 'none (this torch has no CUDA)'}"
+        + ("" if v["cuda"] is None or dev["type"] == "cuda" else " - no usable GPU found"),
+        f"  cuDNN     {v['cudnn'] if v['cudnn'] is not None else '-'}",
+        f"  device    {dev['description']}",
+        f"  lib_attn  {v['lib_attn'] or '-'}",
+    ]
+    cfg = doc["config"]
+    prefs = {r: (p if p == "auto" else ",".join(p)) for r, p in cfg["preference"].items()}
+    same = len(set(prefs.values())) == 1
+    pref_text = next(iter(prefs.values())) if same and prefs else \
+        "; ".join(f"{r}: {p}" for r, p in prefs.items())
+    lines.append(f"  config    preference {pref_text}, fp32 {cfg['fp32']}, "
+                 f"strict {'on' if cfg['strict'] else 'off'}")
+    lines += ["", "backends"]
+    w = max(len(b["id"]) for b in doc["backends"])
+    for b in doc["backends"]:
+        state = "yes" if b["available"] else "no "
+        ver = b["version"] or "-"
+        tail = f"  {b['reason']}" if not b["available"] and b["reason"] else ""
+        lines.append(f"  {b['id']:<{w}}  {state}  {ver}{tail}")
+    lines += ["", f"decisions with the current configuration on {dev['type']} "
+              "(per call kind: backend <- passed over)"]
+    unavailable = {b["id"] for b in doc["backends"] if not b["available"]}
+    last = None
+    for d in doc["decisions"]:
+        if (d["model"], d["res"]) != last:
+            last = (d["model"], d["res"])
+            lines.append(f"  {shapes.MODEL_LABELS[d['model']]} @ {d['res']} "
+                         f"(role {d['role']}, {d['dtype']})")
+        shape = ",".join(str(x) for x in d["shape"])
+        extra = "".join([f" ({d['variant']})" if d["variant"] else "",
+                         f" [cast to {d['cast']}]" if d["cast"] else ""])
+        lines.append(f"    {d['where']:<13} {'(' + shape + ')':<21} ×{d['calls']:<3} -> {d['backend']}{extra}")
+        for bid, reasons in d["rejected"]:
+            why = "not available (see backends)" if bid in unavailable else "; ".join(reasons)
+            lines.append(f"        {bid}: {why}")
+    return "\n".join(lines)
+
+
+def main(as_json: bool = False, dtype: Optional[torch.dtype] = None, stream=None) -> int:
+    import json
+
+    stream = stream or sys.stdout
+    doc = report(dtype=dtype)
+    if as_json:
+        json.dump(doc, stream, indent=2)
+        stream.write("\n")
+    else:
+        stream.write(render(doc) + "\n")
+    return 0

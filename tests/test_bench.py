@@ -1,0 +1,319 @@
+"""``python -m lib_attn bench``: a short real CPU run, its JSON, table, reasons and chart;
+and the pure parts (statistics, references, per-step sums, progress) on their own."""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lib_attn
+from lib_attn import bench, shapes
+from tests.engine_helpers import reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLUMNS = ["auto", "sdpa-math", "sdpa-efficient", "flash-attn"]
+RES = 192  # SD1.5's first level has 576 tokens: its fp32 score matrix (20 MiB) dwarfs the output
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    """One real run of the CLI on SD1.5 at 192², kept to a few seconds of timing."""
+    out = tmp_path_factory.mktemp("bench")
+    cmd = [sys.executable, "-m", "lib_attn", "bench", "--model", "sd15", "--res", str(RES),
+           "--backends", *COLUMNS, "--budget", "0.02", "--overhead-rounds", "5",
+           "--json", str(out / "run.json")]
+    plot = None
+    try:
+        import matplotlib  # noqa: F401
+        plot = out / "run.png"
+        cmd += ["--plot", str(plot)]
+    except ImportError:
+        pass
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return {"doc": json.loads((out / "run.json").read_text()), "stdout": proc.stdout,
+            "stderr": proc.stderr, "plot": plot}
+
+
+def test_json_schema(short_run):
+    doc = short_run["doc"]
+    assert doc["schema"] == bench.SCHEMA
+    assert {"created", "command", "versions", "device", "settings", "backends", "calls", "results",
+            "per_step", "overhead"} <= set(doc)
+    v = doc["versions"]
+    assert v["torch"] == torch.__version__ and v["python"] and "lib_attn" in v
+    assert set(v["backends"]) == set(lib_attn.BACKEND_IDS)
+    assert doc["device"]["type"] == "cpu"
+    s = doc["settings"]
+    assert s["columns"] == COLUMNS and s["models"] == ["sd15"] and s["res"] == RES
+    assert s["timer"] == "perf_counter_ns" and s["dtypes"] == ["float32"]
+    assert len(doc["calls"]) == len(shapes.model_calls("sd15", RES))
+    assert sum(c["calls"] for c in doc["calls"]) == 32
+    assert len(doc["results"]) == len(doc["calls"]) * len(COLUMNS)
+    for r in doc["results"]:
+        assert r["status"] in ("ok", "unsupported", "fell back", "failed")
+        assert set(r) >= {"model", "res", "dtype", "where", "backend", "reason", "ran", "median_us",
+                          "p20_us", "p80_us", "samples", "tflops", "peak_extra_mib", "rel_l2_error",
+                          "max_abs_error", "h200_floor_pct"}
+        assert r["h200_floor_pct"] is None  # only on an H200
+
+
+def test_cells_that_ran_have_consistent_numbers(short_run):
+    doc = short_run["doc"]
+    calls = {c["where"]: c for c in doc["calls"]}
+    calls_at_res = {c.where: c for c in shapes.model_calls("sd15", RES)}
+    ok = [r for r in doc["results"] if r["status"] == "ok"]
+    assert {r["backend"] for r in ok} == {"auto", "sdpa-math"}
+    for r in ok:
+        assert r["samples"] >= doc["settings"]["min_rounds"]
+        assert 0 < r["p20_us"] <= r["median_us"] <= r["p80_us"]
+        c = calls[r["where"]]
+        assert r["tflops"] == pytest.approx(4 * c["b"] * c["heads"] * c["q_len"] * c["kv_len"] * c["head_dim"]
+                                            / (r["median_us"] * 1e-6) / 1e12)
+        if r["backend"] == "auto":
+            q, k, v = bench.make_inputs(calls_at_res[r["where"]], torch.float32, torch.device("cpu"))
+            assert r["ran"] == lib_attn.explain(q, k, v, role="unet").backend
+        else:
+            assert r["ran"] == r["backend"]
+        assert r["rel_l2_error"] < 1e-5  # float32 against float64
+
+
+def test_per_step_is_the_call_weighted_sum(short_run):
+    doc = short_run["doc"]
+    calls = {c["where"]: c["calls"] for c in doc["calls"]}
+    for step in doc["per_step"]:
+        mine = [r for r in doc["results"] if r["backend"] == step["backend"]]
+        if all(r["status"] == "ok" for r in mine):
+            expected = sum(r["median_us"] * calls[r["where"]] for r in mine) / 1e3
+            assert step["ms"] == pytest.approx(expected) and step["missing"] == []
+            assert step["tflops"] == pytest.approx(shapes.step_flops("sd15", RES) / (expected * 1e-3) / 1e12)
+        else:
+            assert step["ms"] is None and step["missing"]
+    assert {s["backend"]: s["ms"] is not None for s in doc["per_step"]} == {
+        "auto": True, "sdpa-math": True, "sdpa-efficient": False, "flash-attn": False}
+
+
+def test_unsupported_cells_show_the_engines_reasons(short_run):
+    doc, text = short_run["doc"], short_run["stdout"]
+    info = {b.id: b for b in lib_attn.backends()}
+    calls = {c.where: c for c in shapes.model_calls("sd15", RES)}
+    for r in doc["results"]:
+        if r["backend"] not in ("sdpa-efficient", "flash-attn"):
+            continue
+        assert r["status"] == "unsupported" and r["median_us"] is None
+        if not info[r["backend"]].available:
+            expected = f"not available: {info[r['backend']].reason}"
+        else:
+            q, k, v = bench.make_inputs(calls[r["where"]], torch.float32, torch.device("cpu"))
+            decision = lib_attn.explain(q, k, v, role="unet", backend=r["backend"])
+            expected = "; ".join(decision.reasons_for(r["backend"]))
+        assert r["reason"] == expected and expected
+        assert f"{r['backend']}: {expected}" in text  # the footnote under the table
+    # The table cell points at its footnote instead of showing a number.
+    row = next(l for l in text.splitlines() if l.startswith("self L0"))
+    assert "n/a[" in row
+
+
+def test_memory_separates_quadratic_from_fused(short_run):
+    doc = short_run["doc"]
+    assert doc["settings"]["memory_method"].startswith("RSS high-water mark")
+    call = shapes.model_calls("sd15", RES)[0]
+    scores_mib = call.b * call.heads * call.q_len * call.kv_len * 4 / 2**20
+    output_mib = call.b * call.heads * call.q_len * call.head_dim * 4 / 2**20
+    cells = {r["backend"]: r for r in doc["results"] if r["where"] == call.where}
+    assert cells["sdpa-math"]["peak_extra_mib"] >= scores_mib
+    assert output_mib * 0.9 <= cells["auto"]["peak_extra_mib"] < scores_mib / 4
+
+
+def test_overhead_is_measured_against_direct_sdpa(short_run):
+    ov = short_run["doc"]["overhead"]
+    m = ov["sd15_cross_mid"]
+    assert m["shape"] == {"b": 2, "heads": 8, "q_len": 64, "kv_len": 77, "head_dim": 160}
+    assert m["engine_backend"] == "sdpa" and m["like_for_like"]
+    assert m["direct_us"] > 0 and m["engine_us"] > 0 and m["rounds"] == 5
+    assert math.isfinite(m["added_us"]) and m["added_p20_us"] <= m["added_us"] <= m["added_p80_us"]
+    assert "added" in short_run["stdout"] and "engine overhead" in short_run["stdout"]
+
+
+def test_table_progress_and_chart(short_run):
+    text = short_run["stdout"]
+    assert f"SD1.5 @ {RES}, float32" in text
+    header = next(l for l in text.splitlines() if l.startswith("call "))
+    assert all(col in header for col in COLUMNS)
+    assert "ms per step" in text and "peak extra memory" in text and "relative L2 error" in text
+    # Not a terminal: one progress line per tenth, ending at 100%.
+    progress = [l for l in short_run["stderr"].splitlines() if l.startswith("bench:")]
+    assert 2 <= len(progress) <= 11 and "100%" in progress[-1]
+    if short_run["plot"] is None:
+        pytest.skip("matplotlib is not installed")
+    data = short_run["plot"].read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_plot_without_matplotlib_is_a_clear_usage_error(tmp_path):
+    shadow = tmp_path / "shadow" / "matplotlib"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('matplotlib hidden for this test')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "shadow") + os.pathsep + ROOT)
+    proc = subprocess.run([sys.executable, "-m", "lib_attn", "bench", "--plot", str(tmp_path / "x.png")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--plot needs matplotlib" in proc.stderr and "pip install matplotlib" in proc.stderr
+    assert not (tmp_path / "x.png").exists() and proc.stdout == ""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--backends", "fastest"], "backends must be among"),
+    (["--dtype", "fp8"], "dtype must be one of"),
+    (["--res", "500"], "res must be a positive multiple of 8"),
+    (["--model", "sd4"], "invalid choice"),
+])
+def test_bad_arguments_are_usage_errors(argv, message, capsys):
+    from lib_attn.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------- pure parts
+
+
+def test_quantile_interpolates_between_order_statistics():
+    values = [1.0, 2.0, 4.0, 8.0, 16.0]
+    assert bench.quantile(values, 0.5) == 4.0
+    assert bench.quantile(values, 0.0) == 1.0 and bench.quantile(values, 1.0) == 16.0
+    assert bench.quantile(values, 0.2) == pytest.approx(1.8)  # 0.8 of the way from 1 to 2
+    assert bench.quantile([3.0], 0.8) == 3.0
+    with pytest.raises(ValueError):
+        bench.quantile([], 0.5)
+
+
+def test_inputs_have_a1111_strides():
+    call = shapes.model_calls("sd15", 512)[1]  # cross L0: (2, 8, 4096, 77, 40)
+    q, k, v = bench.make_inputs(call, torch.float32, torch.device("cpu"))
+    assert q.shape == (2, 8, 4096, 40) and k.shape == v.shape == (2, 8, 77, 40)
+    assert not q.is_contiguous()
+    assert q.stride() == (4096 * 8 * 40, 40, 8 * 40, 1)
+
+
+def test_sampled_rows_span_the_queries():
+    assert bench.sample_rows(100, 256).tolist() == list(range(100))
+    rows = bench.sample_rows(4096, 256).tolist()
+    assert rows[0] == 0 and rows[-1] == 4095 and len(rows) == 256 and rows == sorted(set(rows))
+
+
+def test_reference_rows_and_error_detect_a_wrong_row():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 16) for n in (300, 50, 50))
+    rows = bench.sample_rows(300, 64)
+    ref = bench.reference_rows(q, k, v, rows)
+    assert torch.allclose(ref, reference(q, k, v)[:, :, rows, :])
+    out = reference(q, k, v).float()
+    rel, max_abs = bench.output_error(out, rows, ref)
+    assert rel < 1e-6 and max_abs < 1e-5
+    out[1, 2, rows[-1], :] += 1.0  # one wrong sampled row
+    rel, max_abs = bench.output_error(out, rows, ref)
+    assert rel > 1e-3 and max_abs == pytest.approx(1.0, abs=1e-5)
+
+
+def _cell(where, backend, median, status="ok"):
+    c = bench.Cell("sd15", 512, "float32", where, backend, status=status)
+    c.median_us = median if status == "ok" else None
+    c.reason = "" if status == "ok" else "why not"
+    return c
+
+
+def test_per_step_weights_by_calls_and_marks_incomplete_backends():
+    calls = shapes.model_calls("sd15", 512)
+    rows = [(c, "float32") for c in calls]
+    cells = [_cell(c.where, "a", 100.0 * (i + 1)) for i, c in enumerate(calls)]
+    cells += [_cell(c.where, "b", 10.0, status="unsupported" if i == 2 else "ok") for i, c in enumerate(calls)]
+    steps = {s["backend"]: s for s in bench.per_step(rows, cells, ["a", "b"])}
+    expected_ms = sum(100.0 * (i + 1) * c.calls for i, c in enumerate(calls)) / 1e3
+    assert steps["a"]["ms"] == pytest.approx(expected_ms) and steps["a"]["calls"] == 32
+    assert steps["a"]["gflop"] == pytest.approx(shapes.step_flops("sd15", 512) / 1e9)
+    assert steps["b"]["ms"] is None and steps["b"]["missing"] == [calls[2].where]
+
+
+def test_h200_floor_percentage_only_for_16_bit_on_an_h200():
+    call = shapes.model_calls("flux", 1024)[0]
+    env = {"device": {"name": "NVIDIA H200"}}
+    for dtype, expected in (("bfloat16", True), ("float32", False)):
+        c = bench.Cell("flux", 1024, dtype, call.where, "auto")
+        c._times, c._walls = [0.001, 0.002, 0.0005], [0.0015]
+        bench._finish_cell(c, call, env)
+        assert c.median_us == pytest.approx(1000.0)
+        if expected:
+            assert c.h200_floor_pct == pytest.approx(100 * shapes.h200_floor_s(*call.shape) / 1e-3)
+        else:
+            assert c.h200_floor_pct is None
+    c = bench.Cell("flux", 1024, "bfloat16", call.where, "auto")
+    c._times, c._walls = [0.001], [0.001]
+    bench._finish_cell(c, call, {"device": {"name": "NVIDIA A100"}})
+    assert c.h200_floor_pct is None
+
+
+def test_progress_prints_tenths_when_not_a_terminal():
+    stream = io.StringIO()
+    p = bench.Progress(40, stream=stream)
+    for i in range(40):
+        p.step(f"unit {i}")
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 11 and lines[-1].startswith("bench: 100%")
+    silent = io.StringIO()
+    q = bench.Progress(3, enabled=False, stream=silent)
+    q.step("x")
+    assert silent.getvalue() == ""
+
+
+def test_footnotes_number_each_reason_once():
+    notes = bench.Footnotes()
+    assert notes.ref("a: x") == "[1]" and notes.ref("b: y") == "[2]" and notes.ref("a: x") == "[1]"
+    assert notes.render().splitlines() == ["  [1] a: x", "  [2] b: y"]
+
+
+def test_a_backend_passed_over_for_one_call_shows_that_calls_reasons(monkeypatch):
+    # On a CPU every installed backend takes every model call, so the engine is made to pass one
+    # over for a per-call reason, as it does on a GPU (head_dim limits, dtypes, masks).
+    real_explain = lib_attn.explain
+
+    def explain(q, k, v, **kwargs):
+        if kwargs.get("backend") == "sdpa-flash":
+            return lib_attn.Decision("sdpa", rejected=[("sdpa-flash", ["head_dim 512 > 256"])])
+        return real_explain(q, k, v, **kwargs)
+
+    monkeypatch.setattr(lib_attn, "explain", explain)
+    doc = bench.run(bench.BenchSettings(models=["vae"], res=256, backends=["auto", "sdpa-flash"],
+                                        budget_s=0.01, overhead=False, memory=False, progress=False))
+    cells = {r["backend"]: r for r in doc["results"]}
+    assert cells["sdpa-flash"]["status"] == "unsupported"
+    assert cells["sdpa-flash"]["reason"] == "head_dim 512 > 256"
+    assert cells["auto"]["status"] == "ok" and cells["auto"]["median_us"] > 0
+    text = bench.render(doc)
+    assert "n/a[1]" in next(l for l in text.splitlines() if l.startswith("mid "))
+    assert "  [1] sdpa-flash: head_dim 512 > 256" in text.splitlines()
+    assert "ms per decode" in text
+
+
+def test_overhead_pins_pytorchs_choice_when_the_configuration_runs_another_kernel():
+    threads = torch.get_num_threads()
+    with lib_attn.use(preference=["math"]):
+        ov = bench.engine_overhead(torch.device("cpu"), torch.float32, rounds=3)
+    assert ov["threads"] == 1 and torch.get_num_threads() == threads  # one thread, then restored
+    assert ov["sd15_cross_mid"]["engine_backend"] == "math"
+    assert not ov["sd15_cross_mid"]["like_for_like"]
+    pinned = ov["sd15_cross_mid_sdpa"]
+    assert pinned["pinned"] == "sdpa" and pinned["engine_backend"] == "sdpa" and pinned["like_for_like"]
+    text = bench.render({"device": {"description": "cpu", "type": "cpu"}, "versions": {"torch": "x"},
+                         "settings": {"timer": "t", "columns": [], "h200_floor": False, "load_average": None,
+                                      "cpu_count": 2, "seconds": 1.0, "memory_method": "m",
+                                      "reference": "r"},
+                         "calls": [], "results": [], "per_step": [], "overhead": ov})
+    assert "includes the kernel" in text and "ran sdpa, pinned" in text

@@ -1,0 +1,121 @@
+"""``python -m lib_attn doctor``: versions, backends with reasons, and the engine's decisions per model."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lib_attn
+from lib_attn import doctor, shapes
+from lib_attn.__main__ import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def doctor_json():
+    proc = subprocess.run([sys.executable, "-m", "lib_attn", "doctor", "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_json_records_versions_and_device(doctor_json):
+    v = doctor_json["versions"]
+    assert v["torch"] == torch.__version__
+    assert v["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert v["cuda"] == torch.version.cuda
+    dev = doctor_json["device"]
+    assert dev["type"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev["type"] == "cpu":
+        assert dev["description"].startswith("CPU only")
+        assert v["cudnn"] is None
+
+
+def test_json_lists_every_backend_with_a_reason_when_unavailable(doctor_json):
+    listed = doctor_json["backends"]
+    assert [b["id"] for b in listed] == list(lib_attn.BACKEND_IDS)
+    live = {b.id: b for b in lib_attn.backends()}
+    for b in listed:
+        assert b["available"] == live[b["id"]].available
+        if not b["available"]:
+            assert b["reason"] and b["reason"] == live[b["id"]].reason
+        assert doctor_json["versions"]["backends"][b["id"]] == b["version"]
+
+
+def test_json_decisions_cover_every_model_call(doctor_json):
+    decisions = doctor_json["decisions"]
+    for model in shapes.MODELS:
+        mine = [d for d in decisions if d["model"] == model]
+        assert sum(d["calls"] for d in mine) == shapes.calls_per_step(model)
+        assert [tuple(d["shape"]) for d in mine] == [c.shape for c in shapes.model_calls(model)]
+    for d in decisions:
+        assert d["backend"] in lib_attn.BACKEND_IDS
+        assert d["role"] == shapes.ROLES[d["model"]]
+        for bid, reasons in d["rejected"]:
+            assert bid in lib_attn.BACKEND_IDS and reasons and all(isinstance(r, str) and r for r in reasons)
+    assert doctor_json["config"]["preference"]["unet"] == "auto"
+
+
+def test_passed_over_backends_and_their_reasons_are_the_engines():
+    # Put backends first that cannot take a CPU float32 call, so the decision has to pass them over.
+    with lib_attn.use(preference=["sdpa-efficient", "flash-attn", "sdpa"]):
+        doc = doctor.report(device=CPU)
+        text = doctor.render(doc)
+    for d in doc["decisions"]:
+        call = next(c for c in shapes.model_calls(d["model"]) if c.where == d["where"])
+        q, k, v = doctor._empty_inputs(call, torch.float32, CPU)
+        with lib_attn.use(preference=["sdpa-efficient", "flash-attn", "sdpa"]):
+            fresh = lib_attn.explain(q, k, v, role=call.role)
+        assert d["backend"] == fresh.backend == "sdpa"
+        assert d["rejected"] == [[bid, list(r)] for bid, r in fresh.rejected]
+        assert [bid for bid, _ in d["rejected"]] == ["sdpa-efficient", "flash-attn"]
+    assert doc["config"]["preference"]["unet"] == ["sdpa-efficient", "flash-attn", "sdpa"]
+    available = {b.id: b.available for b in lib_attn.backends()}
+    for bid, reasons in doc["decisions"][0]["rejected"]:
+        # An unavailable backend's reason is printed once, in the backends table.
+        shown = "not available (see backends)" if not available[bid] else "; ".join(reasons)
+        assert f"        {bid}: {shown}" in text.splitlines()
+    assert "preference sdpa-efficient,flash-attn,sdpa" in text
+
+
+def test_text_report_names_versions_backends_and_models():
+    text = doctor.render(doctor.report(device=CPU))
+    assert f"torch     {torch.__version__}" in text
+    assert "device    CPU only" in text
+    for b in lib_attn.backends():
+        line = next(l for l in text.splitlines() if l.strip().startswith(b.id + " "))
+        assert ("yes" in line) == b.available
+        if not b.available:
+            assert b.reason in line
+    for model in shapes.MODELS:
+        assert f"{shapes.MODEL_LABELS[model]} @ {shapes.NATIVE_RES[model]}" in text
+
+
+def test_dtype_option_describes_calls_in_that_dtype(capsys):
+    assert main(["doctor", "--json", "--dtype", "bf16"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {d["dtype"] for d in doc["decisions"]} == {"bfloat16"}
+
+
+def test_bad_dtype_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["doctor", "--dtype", "fp8"])
+    assert exc.value.code == 2
+    assert "dtype must be one of" in capsys.readouterr().err
+
+
+def test_no_command_prints_usage():
+    out = io.StringIO()
+    sys_stdout, sys.stdout = sys.stdout, out
+    try:
+        assert main([]) == 2
+    finally:
+        sys.stdout = sys_stdout
+    assert "doctor" in out.getvalue() and "bench" in out.getvalue()
