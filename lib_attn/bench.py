@@ -463,6 +463,35 @@ def measure_overhead(device: torch.device, dtype: torch.dtype, shape=OVERHEAD_SH
     }
 
 
+def dispatch_cost(device: torch.device, dtype: torch.dtype, calls: int = 20000, repeats: int = 15) -> dict:
+    """The engine's own per-call cost with the kernel taken out: ``lib_attn.attention`` on a cached
+    decision whose kernel call is a no-op, against calling that no-op directly. Unlike the
+    timings above, no kernel's run-to-run noise hides it; best of ``repeats`` blocks."""
+    from . import dispatch
+
+    q = torch.randn(1, 1, 16, 64, device=device, dtype=dtype)
+    lib_attn.attention(q, q, q)
+    decision = dispatch._cache[dispatch._key(q, q, q, None, "bhsd", "unet", None, None)]
+    kernel = decision.run
+
+    def noop(q, k, v, mask, scale):
+        return q
+
+    def block(fn) -> float:
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            fn(q, q, q)
+        return (time.perf_counter_ns() - t0) * 1e-3 / calls
+
+    decision.run = noop
+    try:
+        engine = min(block(lib_attn.attention) for _ in range(repeats))
+        direct = min(block(lambda a, b, c: noop(a, b, c, None, None)) for _ in range(repeats))
+    finally:
+        decision.run = kernel
+    return {"engine_us": engine, "direct_us": direct, "added_us": engine - direct, "calls": calls}
+
+
 def engine_overhead(device: torch.device, dtype: torch.dtype, rounds: int = 200) -> dict:
     """The engine's added time per call at SD1.5's smallest cross-attention (the budget's
     shape) and at a tiny call, where the kernel's own noise hides less of it."""
@@ -481,6 +510,7 @@ def engine_overhead(device: torch.device, dtype: torch.dtype, rounds: int = 200)
             "threads": torch.get_num_threads() if device.type == "cpu" else None,
             "sd15_cross_mid": measure_overhead(device, dtype, OVERHEAD_SHAPE, rounds=rounds, inner=5),
             "tiny": measure_overhead(device, dtype, TINY_SHAPE, rounds=rounds, inner=20),
+            "dispatch": dispatch_cost(device, dtype),
         }
         if not result["sd15_cross_mid"]["like_for_like"]:
             # The configuration runs another kernel than PyTorch would: pin PyTorch's choice too,
@@ -909,6 +939,9 @@ def render(doc: dict) -> str:
             if not m["like_for_like"]:
                 out.append("    (the engine ran another kernel than PyTorch's own choice, so this "
                            "difference includes the kernel)")
+        if "dispatch" in ov:
+            out.append(f"  dispatch alone (kernel call stubbed out, best of blocks): "
+                       f"{ov['dispatch']['added_us']:.2f} µs per call")
     st = doc["settings"]
     others = st.get("other_processes_cpu_share")
     if others is not None and others > 0.1:
