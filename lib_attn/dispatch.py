@@ -308,7 +308,8 @@ def _recover(key, dec: Decision, exc: Exception, q, k, v, mask, scale):
     cfg = _config.current()
     layout, role, backend, fp32 = key[-4:]
     chain, explicit = chain_for(role, dec.spec.device, backend, cfg)
-    new = decide(dec.spec, chain, fp32=fp32 or cfg.fp32, explicit=explicit, failed=failed)
+    # A fresh spec carries this call's tensors, so PyTorch's own checks speak for the next backend.
+    new = decide(spec_of(q, k, v, mask, layout, role), chain, fp32=fp32 or cfg.fp32, explicit=explicit, failed=failed)
     _cache[key] = new
     if new.fallback_key is not None:
         stats.fallbacks[new.fallback_key] += 1
