@@ -71,30 +71,32 @@ def configure(preference=None, fp32=None, strict=None) -> Config:
     bf16/fp16 for half-only kernels, output cast back) or ``"keep"`` (only fp32-capable kernels).
     ``strict``: when True, every fallback raises ``AttentionFallbackError``.
     """
-    global _config
     pref = _config.preference if preference is None else normalise_preference(preference)
     if fp32 is not None and fp32 not in FP32_POLICIES:
         raise ValueError(f"fp32 policy {fp32!r} is not one of {', '.join(FP32_POLICIES)}")
     if strict is not None and not isinstance(strict, bool):
         raise ValueError(f"strict must be a bool, got {type(strict).__name__}")
-    _config = Config(pref, _config.fp32 if fp32 is None else fp32, _config.strict if strict is None else strict)
-    for listener in _listeners:
-        listener()
+    _set(Config(pref, _config.fp32 if fp32 is None else fp32, _config.strict if strict is None else strict))
     return _config
+
+
+def _set(new: Config) -> None:
+    global _config
+    if new != _config:  # hosts re-apply their settings every generation: keep decisions if nothing changed
+        _config = new
+        for listener in _listeners:
+            listener()
 
 
 @contextlib.contextmanager
 def use(preference=None, fp32=None, strict=None):
     """``configure`` for the duration of a ``with`` block; the previous state returns on exit."""
-    global _config
     saved = _config
     configure(preference, fp32, strict)
     try:
         yield _config
     finally:
-        _config = saved
-        for listener in _listeners:
-            listener()
+        _set(saved)
 
 
 def on_change(listener) -> None:

@@ -269,3 +269,14 @@ def test_import_needs_no_webui_and_leaves_cuda_alone():
     done = subprocess.run([sys.executable, "-c", IMPORT_CHECK], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "clean import" in done.stdout
+
+
+def test_reapplying_the_same_configuration_keeps_decisions(monkeypatch):
+    q, k, v = qkv()
+    lib_attn.configure(preference=["math"])
+    lib_attn.attention(q, k, v)
+    monkeypatch.setattr("lib_attn.dispatch.decide", lambda *a, **kw: pytest.fail("decided again"))
+    lib_attn.configure(preference=["math"], fp32="cast", strict=False)  # what hosts do every generation
+    with lib_attn.use(fp32="cast"):
+        lib_attn.attention(q, k, v)
+    lib_attn.attention(q, k, v)
