@@ -34,22 +34,31 @@ _GPU_VAE = ("sdpa-efficient", "xformers", "sdpa")
 _OTHER_DEVICE = ("sdpa",)
 
 
-def default_chain(role: str, device: DeviceInfo, fa3: bool | None = None) -> tuple:
+#: PyTorch prefers cuDNN attention on Hopper/Blackwell-datacenter only from cuDNN 9.15.1, which fixed
+#: sequence lengths that are not multiples of 128 (SD's 77-key cross-attention is one).
+CUDNN_FIRST_FROM = 91501
+
+
+def default_chain(role: str, device: DeviceInfo, fa3: bool | None = None, cudnn: int | None = -1) -> tuple:
     """The backends tried for ``role`` on ``device`` when the user chose none, in order.
 
-    On Hopper, cuDNN and FlashAttention-3 are the fastest fused kernels, so flash-attn leads there only
-    when its FA3 build is installed (``fa3``; looked up when None). SageAttention is never in a
-    default chain: it is opt-in, because its 8-bit QK^T changes images on some models.
+    On Hopper (and sm10x) with a recent cuDNN, cuDNN and FlashAttention-3 are the fastest fused
+    kernels, so cuDNN leads there, after flash-attn only when its FA3 build is installed (``fa3``;
+    looked up when None). ``cudnn`` is the cuDNN version as torch reports it (looked up when -1).
+    Elsewhere (Ampere, Ada, consumer Blackwell) flash-attn and PyTorch's flash kernel lead.
+    SageAttention is never in a default chain: it is opt-in, because its 8-bit QK^T changes images
+    on some models.
     """
+    major = device.capability[0] if device.capability else 0
     if device.type != "cuda":
         chain = _OTHER_DEVICE
     elif role == "vae":
         chain = _GPU_VAE
-    elif (device.sm or 0) >= 90:
+    elif major in (9, 10) and (torch.backends.cudnn.version() if cudnn == -1 else cudnn or 0) >= CUDNN_FIRST_FROM:
         if fa3 is None:
             fa3 = status("flash-attn").available and REGISTRY["flash-attn"].fa3 is not None
         chain = ("flash-attn",) + _HOPPER_FIRST if fa3 else _HOPPER_FIRST[:1] + ("flash-attn",) + _HOPPER_FIRST[1:]
-    elif (device.sm or 0) >= 80:
+    elif major >= 8:
         chain = ("flash-attn",) + _AMPERE_FIRST
     else:
         chain = _OLDER_GPU

@@ -87,15 +87,18 @@ def test_cudnn_switched_off_reason(monkeypatch):
 
 def test_default_chains_pick_the_fused_kernels():
     assert decide(spec(), default_chain("unet", AMPERE), ALL_INSTALLED).backend == "flash-attn"
-    # Hopper without FA3: cuDNN leads; with FA3, flash-attn does.
-    assert default_chain("unet", HOPPER, fa3=False)[0] == "sdpa-cudnn"
-    assert default_chain("unet", HOPPER, fa3=True)[0] == "flash-attn"
+    # Hopper with a recent cuDNN: cuDNN leads without FA3; with FA3, flash-attn does. With an older
+    # cuDNN, or on consumer Blackwell (sm120), the Ampere order holds.
+    assert default_chain("unet", HOPPER, fa3=False, cudnn=91501)[0] == "sdpa-cudnn"
+    assert default_chain("unet", HOPPER, fa3=True, cudnn=91501)[0] == "flash-attn"
+    assert default_chain("unet", HOPPER, fa3=False, cudnn=90100) == default_chain("unet", AMPERE)
+    assert default_chain("unet", DeviceInfo("cuda", 0, "RTX 5090", (12, 0)), cudnn=91600) == default_chain("unet", AMPERE)
     vae = decide(spec(d=512, q=4096, kv=4096, role="vae"), default_chain("vae", AMPERE), ALL_INSTALLED)
     assert vae.backend == "sdpa-efficient"
     assert default_chain("unet", DeviceInfo("cpu"))[0] == "sdpa"
     for role in lib_attn.ROLES:
         for device in (AMPERE, HOPPER, TURING, DeviceInfo("cpu")):
-            chain = default_chain(role, device, fa3=False)
+            chain = default_chain(role, device, fa3=False, cudnn=91600)
             assert chain[-1] == "math" and "sage" not in chain
 
 
@@ -172,3 +175,48 @@ def test_hot_path_does_not_probe_or_decide_again(monkeypatch):
     monkeypatch.setattr("lib_attn.dispatch.decide", forbidden)
     for _ in range(3):
         lib_attn.attention(q, k, v)
+
+
+def test_sage_architectures_and_version_1_head_sizes(monkeypatch):
+    sm89 = DeviceInfo("cuda", 0, "RTX 4090", (8, 9))
+    assert reasons("sage", spec(device=sm89)) == []
+    assert any("sm87" in r for r in reasons("sage", spec(device=DeviceInfo("cuda", 0, "Orin", (8, 7)))))
+    assert any("sm100" in r for r in reasons("sage", spec(device=DeviceInfo("cuda", 0, "B200", (10, 0)))))
+    monkeypatch.setattr(registry.REGISTRY["sage"], "major", 1)
+    assert reasons("sage", spec(device=sm89, d=64)) == []
+    assert "head_dim 40 not in 64/96/128 (SageAttention 1)" in reasons("sage", spec(device=sm89, d=40))
+
+
+def test_efficient_kernel_head_dim_alignment():
+    assert "head_dim 20 not a multiple of 8" in reasons("sdpa-efficient", spec(d=20))
+    assert reasons("sdpa-efficient", spec(d=20, dtype=torch.float32)) == []
+    assert "head_dim 18 not a multiple of 4" in reasons("sdpa-efficient", spec(d=18, dtype=torch.float32))
+
+
+def test_cudnn_head_dim_limits_by_architecture():
+    assert reasons("sdpa-cudnn", spec(device=HOPPER, d=256)) == []
+    assert "head_dim 256 > 128" in reasons("sdpa-cudnn", spec(device=DeviceInfo("cuda", 0, "RTX 5090", (12, 0)), d=256))
+    assert "kv_len 1 not supported" in reasons("sdpa-cudnn", spec(kv=1))
+
+
+def test_fa3_takes_only_head_sizes_in_multiples_of_8(monkeypatch):
+    fa = registry.REGISTRY["flash-attn"]
+    monkeypatch.setattr(fa, "fa3", object())
+    assert fa.variant(spec(device=HOPPER, d=40)) == "FA3"
+    assert fa.variant(spec(device=HOPPER, d=36)) == "FA2"  # FA2 pads odd sizes itself
+    monkeypatch.setattr(fa, "fa2", None)
+    assert "head_dim 36 not a multiple of 8 (FA3)" in fa.reasons(spec(device=HOPPER, d=36))
+
+
+def test_xformers_refusals_keep_each_operators_reasons():
+    from lib_attn.kernels.xformers import _operator_reasons
+    message = ("No operator found for `memory_efficient_attention_forward` with inputs:\n"
+               "     query       : shape=(2, 77, 8, 40) (torch.float32)\n"
+               "`fa2F@2.5.7` is not supported because:\n"
+               "    dtype=torch.float32 (supported: {torch.float16, torch.bfloat16})\n"
+               "`cutlassF-pt` is not supported because:\n"
+               "    attn_bias.stride(-2) % 8 != 0 (attn_bias.stride() = (0, 0, 77, 1))\n")
+    assert _operator_reasons(message) == [
+        "fa2F@2.5.7: dtype=torch.float32 (supported: {torch.float16, torch.bfloat16})",
+        "cutlassF-pt: attn_bias.stride(-2) % 8 != 0 (attn_bias.stride() = (0, 0, 77, 1))",
+    ]

@@ -45,23 +45,38 @@ def default_scale(scale, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
-def additive_bias(mask: torch.Tensor, dtype: torch.dtype, shape: tuple, align: int = 1) -> torch.Tensor:
-    """The mask as an additive float bias of ``shape`` = (b, h, q, kv).
+def as_4d(mask: torch.Tensor) -> torch.Tensor:
+    """A mask broadcastable to (b, h, q, kv) with its missing leading dimensions added as size 1."""
+    return mask if mask.dim() == 4 else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
-    Fused kernels read the bias with vector loads, so its rows start on ``align``-element boundaries:
-    the bias lives in a buffer padded to a multiple of ``align`` and is returned as a view.
+
+def additive_bias(mask: torch.Tensor, dtype: torch.dtype, shape: tuple, align: int = 1,
+                  neg: float = float("-inf")) -> torch.Tensor:
+    """The mask as an additive float bias viewed as ``shape`` = (b, h, q, kv).
+
+    The bias keeps the mask's own size along broadcast dimensions (expanded with stride 0), so a
+    key-padding mask stays one row per batch item. Fused kernels read it with vector loads: its last
+    dimension must be unit-stride and every other stride a multiple of ``align``, so when it is not,
+    it lives in a buffer padded to a multiple of ``align`` and is returned as a view. A bool mask
+    becomes 0 / ``neg`` (cuDNN wants a finite ``neg``).
     """
-    if mask.dtype == torch.bool:
-        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    m = as_4d(mask)
+    if m.dtype == torch.bool:
+        bias = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, neg)
     else:
-        bias = mask.to(dtype)
-    bias = bias.expand(shape)
+        bias = m.to(dtype)
     kv = shape[-1]
-    if align > 1 and kv % align:
-        padded = torch.empty(shape[:-1] + (kv + align - kv % align,), dtype=dtype, device=mask.device)
+    if bias.shape[-1] != kv:  # a mask that broadcasts over the keys
+        bias = bias.expand(tuple(bias.shape[:-1]) + (kv,))
+    if align > 1 and (kv % align or bias.stride(-1) != 1 or any(st % align for st in bias.stride()[:-1])):
+        padded = torch.empty(tuple(bias.shape[:-1]) + (kv + (-kv) % align,), dtype=dtype, device=m.device)
         padded[..., :kv] = bias
-        return padded[..., :kv]
-    return bias
+        bias = padded[..., :kv]
+    return bias.expand(shape)
+
+
+def needs_grad(q, k, v) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
 class Backend:

@@ -58,7 +58,8 @@ class FlashAttn(Backend):
         return Status(True, version=_version_of(self.fa2, "flash-attn"))
 
     def variant(self, spec: CallSpec) -> str:
-        if self.fa3 is not None and spec.device.sm == 90 and spec.mask == NO_MASK:
+        # FA3 takes head sizes in multiples of 8 and does not pad them (FA2 does).
+        if self.fa3 is not None and spec.device.sm == 90 and spec.mask == NO_MASK and spec.head_dim % 8 == 0:
             return "FA3"
         return "FA2" if self.fa2 is not None else "FA3"
 
@@ -70,6 +71,8 @@ class FlashAttn(Backend):
             out.append("key-padding mask needs flash_attn_varlen_func (FA2), which is not installed")
         if self.fa2 is None and spec.device.sm != 90:
             out.append(f"only FA3 is installed, which needs sm90 (GPU is sm{spec.device.sm})")
+        if self.fa2 is None and spec.head_dim % 8:
+            out.append(f"head_dim {spec.head_dim} not a multiple of 8 (FA3)")
         if spec.dtype == torch.bfloat16 and (spec.device.sm or 0) < 80:
             out.append(f"bf16 needs sm80, GPU is sm{spec.device.sm}")
         sm = spec.device.sm or 0

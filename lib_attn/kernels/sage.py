@@ -14,8 +14,10 @@ from ..spec import NO_MASK, CallSpec
 from .base import Backend, Status, last_dim_contiguous
 from .flash import _version_of
 
-#: Architectures SageAttention 2's ``sageattn`` has a kernel for.
-SAGE2_SMS = (80, 86, 87, 89, 90, 100, 120, 121)
+#: Architectures SageAttention 2's ``sageattn`` has a kernel for (sm120/121 from its later 2.x releases).
+SAGE2_SMS = (80, 86, 89, 90, 120, 121)
+#: SageAttention 1.x asserts one of these head sizes.
+SAGE1_HEAD_DIMS = (64, 96, 128)
 
 
 class Sage(Backend):
@@ -44,6 +46,8 @@ class Sage(Backend):
             out = [f"GPU sm{sm} < sm70"] if sm < 70 else []
             if spec.dtype == torch.bfloat16 and sm < 80:
                 out.append(f"bf16 needs sm80, GPU is sm{sm}")
+            if spec.head_dim not in SAGE1_HEAD_DIMS:
+                out.append(f"head_dim {spec.head_dim} not in {'/'.join(map(str, SAGE1_HEAD_DIMS))} (SageAttention 1)")
             return out
         if sm not in SAGE2_SMS:
             return [f"GPU sm{sm} has no SageAttention {self.major} kernel (sm{', sm'.join(map(str, SAGE2_SMS))})"]

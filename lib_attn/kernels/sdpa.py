@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .. import _compat
 from ..spec import DENSE, FLOATS, HALF, KEY_PADDING, NO_MASK, CallSpec
-from .base import Backend, Status, additive_bias, default_scale, last_dim_contiguous
+from .base import Backend, Status, additive_bias, as_4d, default_scale, last_dim_contiguous, needs_grad
 
 
 def _run_public(q, k, v, mask, scale):
@@ -73,7 +73,11 @@ class _PinnedSdpa(Sdpa):
         q, k, v, mask = spec.tensors
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            ok = check(_compat.sdpa_params(q, k, v, mask), True)
+            try:
+                # PyTorch's checks read a mask as 2-D or 4-D only; ours may have any rank up to 4.
+                ok = check(_compat.sdpa_params(q, k, v, None if mask is None else as_4d(mask)), True)
+            except (RuntimeError, IndexError, TypeError) as exc:
+                return [f"PyTorch's {self.kernel} check failed: {exc}"]
         if ok:
             return []
         found = [str(w.message).strip() for w in caught if str(w.message).strip()]
@@ -90,7 +94,7 @@ class _PinnedSdpa(Sdpa):
         q, k, v, mask = spec.tensors
         try:
             return _compat.FUSED_SDP_CHOICE(q, k, v, mask) == _compat.SDP_BACKEND[self.choice]
-        except (RuntimeError, TypeError):
+        except (RuntimeError, TypeError, IndexError):
             return False
 
     def runner(self, spec: CallSpec):
@@ -142,10 +146,14 @@ class SdpaEfficient(_PinnedSdpa):
     devices = ("cuda",)
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     min_sm = 50
-    head_dim_multiple = 4
 
     def extra_reasons(self, spec, asked):
         out = []
+        # PyTorch's minimum GEMM alignment for this kernel: 8 for 16-bit on sm70+, 4 for fp32 on sm80+.
+        sm = spec.device.sm or 0
+        multiple = 8 if spec.dtype in HALF and sm >= 70 else 4 if spec.dtype == torch.float32 and sm >= 80 else 1
+        if spec.head_dim % multiple:
+            out.append(f"head_dim {spec.head_dim} not a multiple of {multiple}")
         if spec.dtype == torch.bfloat16 and (spec.device.sm or 0) < 80:
             out.append(f"bf16 needs sm80, GPU is sm{spec.device.sm}")
         if spec.mask != NO_MASK and not _compat.EFFICIENT_OP_TAKES_BIAS:
@@ -155,7 +163,8 @@ class SdpaEfficient(_PinnedSdpa):
     def run(self, q, k, v, mask, scale):
         q, k, v = last_dim_contiguous(q, k, v)
         bias = None if mask is None else additive_bias(mask, q.dtype, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), 16)
-        return self.op(q, k, v, bias, False, 0.0, False, scale=scale)[0]
+        # Backward needs the log-sum-exp of the forward.
+        return self.op(q, k, v, bias, needs_grad(q, k, v), 0.0, False, scale=scale)[0]
 
 
 class SdpaCudnn(_PinnedSdpa):
@@ -182,16 +191,22 @@ class SdpaCudnn(_PinnedSdpa):
         switched_off = _compat.cudnn_sdpa_switched_off()
         if switched_off:
             out.append(switched_off)
-        limit = 256 if (spec.device.sm or 0) >= 90 else 128
+        # 256 only on sm90 and sm10x (with a recent cuDNN, which PyTorch's own check verifies).
+        major, minor = spec.device.capability or (0, 0)
+        limit = 256 if (major, minor) == (9, 0) or major == 10 else 128
         if spec.head_dim > limit:
             out.append(f"head_dim {spec.head_dim} > {limit}")
+        if spec.kv_len == 1:
+            out.append("kv_len 1 not supported")
         return out
 
     def run(self, q, k, v, mask, scale):
         q, k, v = last_dim_contiguous(q, k, v)
         if _compat.CUDNN_OP_TAKES_BIAS:
-            bias = None if mask is None else additive_bias(mask, q.dtype, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), 16)
-            return self.op(q, k, v, bias, False, 0.0, False, False, scale=scale)[0]
+            # cuDNN mishandles -inf in a bias; PyTorch masks with the most negative fp16 value for it.
+            bias = None if mask is None else additive_bias(
+                mask, q.dtype, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), 16, neg=-65504.0)
+            return self.op(q, k, v, bias, needs_grad(q, k, v), 0.0, False, False, scale=scale)[0]
         return self.op(q, k, v, 0.0, False, False, scale=scale)[0]
 
 

@@ -44,19 +44,33 @@ class Xformers(Backend):
             fmha = importlib.import_module("xformers.ops.fmha")
         except ImportError:
             return []
+        dispatch_fw = getattr(fmha, "_dispatch_fw", None) or getattr(getattr(fmha, "dispatch", None), "_dispatch_fw", None)
+        if dispatch_fw is None:
+            return []  # a release without this private API: the kernel call itself decides
         q, k, v = (t.transpose(1, 2) for t in spec.tensors[:3])
         mask = spec.tensors[3]
         bias = None if mask is None else additive_bias(mask, q.dtype, (q.shape[0], q.shape[2], q.shape[1], k.shape[1]), 16)
         try:
-            fmha.dispatch._dispatch_fw(fmha.Inputs(query=q, key=k, value=v, attn_bias=bias), False)
+            dispatch_fw(fmha.Inputs(query=q, key=k, value=v, attn_bias=bias), spec.requires_grad)
         except NotImplementedError as exc:
-            lines = [line.strip() for line in str(exc).splitlines() if line.strip().startswith("`")]
-            return lines or [failure_text(exc)]
+            return _operator_reasons(str(exc)) or [failure_text(exc)]
         except (AttributeError, TypeError):
-            return []  # a release without this private API: the kernel call itself decides
+            return []
         return []
 
     def run(self, q, k, v, mask, scale):
         bias = None if mask is None else additive_bias(mask, q.dtype, (q.shape[0], q.shape[2], q.shape[1], k.shape[1]), 16)
         return self.ops.memory_efficient_attention(q, k, v, attn_bias=bias, scale=scale)
 
+
+def _operator_reasons(message: str) -> list[str]:
+    """xformers lists each operator as "`name` is not supported because:" followed by indented
+    reasons; keep them as "name: reason" strings."""
+    out, op = [], ""
+    for line in message.splitlines():
+        text = line.strip()
+        if text.startswith("`"):
+            op = text.split("`")[1]
+        elif op and text and line[:1].isspace():
+            out.append(f"{op}: {text}")
+    return out
