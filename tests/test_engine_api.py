@@ -25,7 +25,7 @@ def fresh_engine():
 
 # --- bad input -----------------------------------------------------------------------------------
 
-def qkv(*shape_kv, d=40, dtype=torch.float32):
+def qkv():
     return make_qkv(2, 4, 16, 24, d, dtype)
 
 
