@@ -26,7 +26,7 @@ def fresh_engine():
 # --- bad input -----------------------------------------------------------------------------------
 
 def qkv():
-    return make_qkv(2, 4, 16, 24, d, dtype)
+    return make_qkv(2, 4, 16, 24, 40, torch.float32)
 
 
 @pytest.mark.parametrize("mutate, words", [
