@@ -156,8 +156,7 @@ def _decision(backend, rejected, cast, preferred, spec, run_spec) -> Decision:
     if preferred is not None and preferred != backend.id:
         reasons = next((r for bid, r in rejected if bid == preferred), [])
         fallback_key = (spec.role, preferred, "; ".join(reasons))
-    status_version = status(backend.id).version if backend.id in REGISTRY else ""
-    stats.note_kernel(backend.id, " ".join(p for p in (backend.id, status_version, f"({variant})" if variant else "") if p))
+    stats.note_kernel(backend.id, " ".join(p for p in (backend.id, status(backend.id).version, f"({variant})" if variant else "") if p))
     # The decision outlives the call: it must not keep the call's tensors alive.
     spec = replace(spec, tensors=None)
     return Decision(backend.id, rejected, variant, cast, preferred, spec, run, (spec.role, backend.id), fallback_key)
@@ -209,7 +208,8 @@ def _key(q, k, v, mask, layout, role, backend, fp32):
             layout, role, backend, fp32)
 
 
-def _decide_call(q, k, v, mask, layout, role, backend, fp32, scale) -> Decision:
+def _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key) -> Decision:
+    """Validate a call and decide for it; ``key`` is its signature (None when it has none)."""
     validate(q, k, v, mask, layout, role, scale)
     if backend is not None and backend not in REGISTRY:
         raise ValueError(f"unknown backend id {backend!r}; valid ids: {', '.join(REGISTRY)}")
@@ -218,17 +218,17 @@ def _decide_call(q, k, v, mask, layout, role, backend, fp32, scale) -> Decision:
     cfg = _config.current()
     spec = spec_of(q, k, v, mask, layout, role)
     chain, explicit = chain_for(role, spec.device, backend, cfg)
-    key = _key(q, k, v, mask, layout, role, backend, fp32)
     return decide(spec, chain, fp32=fp32 or cfg.fp32, explicit=explicit, failed=_failed.get(key))
 
 
 def explain(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", backend=None, fp32=None) -> Decision:
     """The decision ``attention`` would take for this call, without running a kernel."""
     try:
-        found = _cache.get(_key(q, k, v, mask, layout, role, backend, fp32))
+        key = _key(q, k, v, mask, layout, role, backend, fp32)
+        found = _cache.get(key)
     except (AttributeError, TypeError, IndexError, RuntimeError):
-        found = None
-    return found or _decide_call(q, k, v, mask, layout, role, backend, fp32, scale)
+        key = found = None
+    return found or _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key)
 
 
 def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", backend=None, fp32=None):
@@ -248,10 +248,10 @@ def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", bac
                layout, role, backend, fp32)
         dec = _cache[key]
     except KeyError:
-        dec = _cache[key] = _decide_call(q, k, v, mask, layout, role, backend, fp32, scale)
+        dec = _cache[key] = _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key)
     except (AttributeError, TypeError, RuntimeError):  # not tensors (or an unhashable argument)
-        dec = _decide_call(q, k, v, mask, layout, role, backend, fp32, scale)
         key = None
+        dec = _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key)
     if dec.fallback_key is not None:
         _on_fallback(dec, dec.fallback_key)
     try:

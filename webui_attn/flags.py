@@ -7,6 +7,7 @@ it had not been given.
 from __future__ import annotations
 
 import lib_attn
+from lib_attn.config import FP32_POLICIES
 
 from . import host, layers
 
@@ -69,7 +70,7 @@ def problems(cmd_opts) -> list[str]:
             out.append(f"{spelling} {value!r}: {what}; valid ids: {', '.join(lib_attn.BACKEND_IDS)}. "
                        f"The flag is ignored.")
     fp32 = getattr(cmd_opts, "attn_fp32", None)
-    if fp32 is not None and fp32 not in ("cast", "keep"):
+    if fp32 is not None and fp32 not in FP32_POLICIES:
         out.append(f"--attn-fp32 {fp32!r}: must be cast or keep. The flag is ignored.")
     return out
 
@@ -92,7 +93,7 @@ def layer_from(cmd_opts) -> dict | None:
     if preference:
         layer["preference"] = preference
     fp32 = getattr(cmd_opts, "attn_fp32", None)
-    if fp32 in ("cast", "keep"):
+    if fp32 in FP32_POLICIES:
         layer["fp32"] = fp32
     if getattr(cmd_opts, "attn_strict", False):
         layer["strict"] = True

@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 
 import lib_attn
+from lib_attn.config import FP32_POLICIES
 
 from . import layers
 from .flags import DENOISER_ROLES
@@ -25,7 +26,7 @@ KEY_READOUT = PREFIX + "readout"
 KEY_AVAILABILITY = PREFIX + "availability"
 
 DEFAULTS = {KEY_BACKEND: AUTO, KEY_VAE_BACKEND: AUTO, KEY_FP32: AUTO, KEY_STRICT: False, KEY_READOUT: True}
-FP32_CHOICES = (AUTO, "cast", "keep")
+FP32_CHOICES = (AUTO, *FP32_POLICIES)
 
 
 def backend_choices() -> list[str]:
@@ -81,7 +82,7 @@ def layer_from(values: dict) -> dict | None:
         if vae:
             layer["preference"]["vae"] = [vae]
     fp32 = values.get(KEY_FP32)
-    if fp32 in ("cast", "keep"):
+    if fp32 in FP32_POLICIES:
         layer["fp32"] = fp32
     if values.get(KEY_STRICT):
         layer["strict"] = True
