@@ -93,3 +93,60 @@ def flash_built() -> bool:
     if probe is None:
         return True  # older torch: unknown here, PyTorch's own per-call check decides
     return bool(probe())
+
+
+# --- ROCm: PyTorch's fused SDPA kernels come from AOTriton ------------------------------------
+# Sources: pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (check_flash_attention_hardware_support,
+# check_mem_efficient_hardware_support: AOTriton's check_gpu, then isArchExperimentallySupported gated by
+# TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL; head_dim <= 256, 512 from AOTriton 0.9); ROCm/aotriton tags
+# 0.4b-0.13b (AOTRITON_TARGET_ARCH / TARGET_GPUS, v2src|v3src util.cc isArchExperimentallySupported);
+# the pins of PyTorch's releases: 2.3 AOTriton 0.4b (flash only), 2.5 0.7b (+ memory-efficient,
+# Navi31 behind the switch), 2.6 0.8b, 2.7 0.9.2b, 2.8 0.10b, 2.9 0.11b, 2.10 0.11.1b, 2.12 0.13b.
+# PyTorch's own check on the real call has the last word; these tables describe a GPU without one.
+
+#: gfx architecture -> first torch release whose AOTriton has attention kernels for it.
+AOTRITON_FIRST_TORCH = {
+    "gfx90a": (2, 3), "gfx942": (2, 3),                      # MI200, MI300
+    "gfx1100": (2, 5),                                       # Navi31 (RX 7900)
+    "gfx950": (2, 7), "gfx1201": (2, 7),                     # MI350, RX 9070
+    "gfx1150": (2, 8), "gfx1151": (2, 8), "gfx1200": (2, 8),
+    "gfx1101": (2, 10), "gfx1102": (2, 10), "gfx1103": (2, 10),
+    "gfx1152": (2, 11), "gfx1153": (2, 11),
+}
+#: (first, last or None, archs): torch releases in which PyTorch runs AOTriton on these GPUs only
+#: with TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1.
+AOTRITON_EXPERIMENTAL = (
+    ((2, 5), (2, 6), ("gfx1100",)),
+    ((2, 7), (2, 7), ("gfx950", "gfx1201")),
+    ((2, 8), (2, 11), ("gfx950", "gfx1151", "gfx1201")),
+    ((2, 9), (2, 9), ("gfx1100",)),
+    ((2, 12), None, ("gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1152", "gfx1153", "gfx1200")),
+)
+AOTRITON_SWITCH = "TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL"
+#: The memory-efficient kernel on ROCm arrived with AOTriton 0.7b (torch 2.5); flash with 0.4b (2.3).
+ROCM_FLASH_FROM = (2, 3)
+ROCM_EFFICIENT_FROM = (2, 5)
+
+
+def aotriton_experimental(arch: str) -> bool:
+    """Whether this torch runs AOTriton on ``arch`` only behind the experimental switch."""
+    return any(first <= TORCH_VERSION and (last is None or TORCH_VERSION <= last) and arch in archs
+               for first, last, archs in AOTRITON_EXPERIMENTAL)
+
+
+def aotriton_missing(arch: str, kernel: str = "flash") -> str | None:
+    """Why this torch has no AOTriton ``kernel`` ("flash" or "efficient") for ``arch``, or None."""
+    first = AOTRITON_FIRST_TORCH.get(arch)
+    since = max(first or (0, 0), ROCM_FLASH_FROM if kernel == "flash" else ROCM_EFFICIENT_FROM)
+    if first is None:
+        return f"{arch or 'this AMD GPU'}: no fused attention kernel in this torch build (AOTriton has none for it)"
+    if TORCH_VERSION < since:
+        return f"{arch}: no fused {kernel} attention kernel before torch {since[0]}.{since[1]} (torch {TORCH_VERSION_TEXT})"
+    if aotriton_experimental(arch) and os.environ.get(AOTRITON_SWITCH) != "1":
+        return (f"{arch}: torch {TORCH_VERSION_TEXT} keeps its AOTriton attention kernels off on this GPU "
+                f"(experimental) unless {AOTRITON_SWITCH}=1 is set")
+    return None
+
+
+def aotriton_max_head_dim() -> int:
+    return 512 if TORCH_VERSION >= (2, 7) else 256

@@ -11,10 +11,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from . import _compat
 from . import config as _config
 from . import stats
 from .kernels import REGISTRY, Status, status
 from .kernels.base import failure_text
+from .kernels.flash import CK_ARCHS, TRITON_ARCH_PREFIXES
 from .device import DeviceInfo
 from .spec import CallSpec, spec_of, validate
 
@@ -39,7 +41,42 @@ _OTHER_DEVICE = ("sdpa",)
 CUDNN_FIRST_FROM = 91501
 
 
-def default_chain(role: str, device: DeviceInfo, fa3: bool | None = None, cudnn: int | None = -1) -> tuple:
+#: Fused kernels first on an AMD GPU whose torch has AOTriton kernels for it (MI200/MI300, RDNA3/4):
+#: flash-attn (its CK or Triton build) then PyTorch's AOTriton flash and memory-efficient kernels. cuDNN
+#: does not exist there, and xformers' CK kernels are left to the user's choice (no published figure has
+#: them ahead of AOTriton for these shapes).
+_ROCM_FUSED = ("flash-attn", "sdpa-flash", "sdpa-efficient")
+#: Above this many bytes of (b, h, q, kv) scores in the call's dtype, a call on a device with no fused
+#: kernel for it runs on the bounded ``math`` path instead of a full-matrix kernel. At this size the full
+#: matrix and its softmax hold >= 512 MiB at once (PyTorch's ROCm math path and MPS's sdpa_general_mps
+#: both materialise them), which on an 8-16 GiB card or Mac sits on top of the model's own weights and
+#: activations; the bounded path's peak is its 16 MiB score chunk plus the output, whatever the call
+#: (measured on CPU: see the README). Every cross-attention call and every self-attention call up to
+#: SD1.5 at 256x256 stays below it; SD1.5 at 512x512 (2 x 8 x 4096 x 4096 scores), SDXL at 1024x1024
+#: (2 x 10 x 4096 x 4096) and the VAE at 1024x1024 (16384 x 16384) are above it in 16 and 32 bits.
+FULL_MATRIX_MAX_BYTES = 256 * 2**20
+
+
+def score_bytes(spec: CallSpec) -> int:
+    """Bytes of the call's full (b, h, q, kv) score matrix in its dtype."""
+    return spec.batch * spec.heads * spec.q_len * spec.kv_len * (torch.finfo(spec.dtype).bits // 8)
+
+
+def _rocm_chain(role: str, device: DeviceInfo, spec: CallSpec | None) -> tuple:
+    """An AMD GPU: fused kernels where this torch (or flash-attn) has them; where none is, PyTorch's
+    ``sdpa`` (its math kernel, a full score matrix) only for calls whose matrix is small."""
+    # A large call no fused kernel takes (the VAE's head_dim 512 before AOTriton 0.9, or any call while
+    # the experimental switch is off) goes to the bounded path: PyTorch's own choice would be the full matrix.
+    tail = () if spec is not None and score_bytes(spec) > FULL_MATRIX_MAX_BYTES else ("sdpa",)
+    first = _compat.AOTRITON_FIRST_TORCH.get(device.arch)
+    if first is not None and _compat.TORCH_VERSION >= first:
+        return _ROCM_FUSED + tail  # behind the experimental switch too: their reasons name it
+    flash = ("flash-attn",) if device.arch.startswith(TRITON_ARCH_PREFIXES) or device.arch in CK_ARCHS else ()
+    return flash + tail
+
+
+def default_chain(role: str, device: DeviceInfo, fa3: bool | None = None, cudnn: int | None = -1,
+                  spec: CallSpec | None = None) -> tuple:
     """The backends tried for ``role`` on ``device`` when the user chose none, in order.
 
     On Hopper (and sm10x) with a recent cuDNN, cuDNN and FlashAttention-3 are the fastest fused
@@ -48,9 +85,20 @@ def default_chain(role: str, device: DeviceInfo, fa3: bool | None = None, cudnn:
     Elsewhere (Ampere, Ada, consumer Blackwell) flash-attn and PyTorch's flash kernel lead.
     SageAttention is never in a default chain: it is opt-in, because its 8-bit QK^T changes images
     on some models.
+
+    On ROCm and MPS the chain also depends on the call's size (``spec``, from the call's metadata, so
+    decided once per signature): see ``_rocm_chain`` and ``FULL_MATRIX_MAX_BYTES``. On MPS PyTorch's
+    SDPA (``sdpa_general_mps``: matmul, softmax, matmul, all in MPSGraph; no fused kernel for
+    these shapes) takes calls whose score matrix is at most that size, and the bounded path the rest:
+    above it the matrix grows toward MPSGraph's 2**32-byte array limit (pytorch issue 149261) and its
+    2**32-element indexing fault (pytorch issue 179352). Without ``spec`` the chain for a small call.
     """
     major = device.capability[0] if device.capability else 0
-    if device.type != "cuda":
+    if device.platform == "rocm":
+        chain = _rocm_chain(role, device, spec)
+    elif device.platform == "mps":
+        chain = () if spec is not None and score_bytes(spec) > FULL_MATRIX_MAX_BYTES else _OTHER_DEVICE
+    elif device.type != "cuda":
         chain = _OTHER_DEVICE
     elif role == "vae":
         chain = _GPU_VAE
@@ -72,11 +120,11 @@ def _dedupe(ids) -> tuple:
     return tuple(seen)
 
 
-def chain_for(role: str, device: DeviceInfo, backend: str | None, cfg) -> tuple[tuple, bool]:
+def chain_for(role: str, device: DeviceInfo, backend: str | None, cfg, spec: CallSpec | None = None) -> tuple[tuple, bool]:
     """The chain for one call and whether its head was named by the user (per call or configured)."""
     explicit = cfg.preference.get(role)
     head = ((backend,) if backend else ()) + (explicit or ())
-    return _dedupe(head + default_chain(role, device)), bool(head)
+    return _dedupe(head + default_chain(role, device, spec=spec)), bool(head)
 
 
 @dataclass
@@ -217,7 +265,7 @@ def _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key) -> Deci
         raise ValueError(f"fp32 policy {fp32!r} is not one of {', '.join(_config.FP32_POLICIES)}")
     cfg = _config.current()
     spec = spec_of(q, k, v, mask, layout, role)
-    chain, explicit = chain_for(role, spec.device, backend, cfg)
+    chain, explicit = chain_for(role, spec.device, backend, cfg, spec)
     return decide(spec, chain, fp32=fp32 or cfg.fp32, explicit=explicit, failed=_failed.get(key))
 
 
@@ -316,7 +364,7 @@ def _recover(key, dec: Decision, exc: Exception, q, k, v, mask, scale):
     failed[dec.backend] = text
     cfg = _config.current()
     layout, role, backend, fp32 = key[-4:]
-    chain, explicit = chain_for(role, dec.spec.device, backend, cfg)
+    chain, explicit = chain_for(role, dec.spec.device, backend, cfg, dec.spec)
     # A fresh spec carries this call's tensors, so PyTorch's own checks speak for the next backend.
     new = decide(spec_of(q, k, v, mask, layout, role), chain, fp32=fp32 or cfg.fp32, explicit=explicit, failed=failed)
     _cache[key] = new

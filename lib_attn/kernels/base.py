@@ -123,7 +123,7 @@ class Backend:
         if not self.takes_dtype(spec.dtype, spec.device.type):
             allowed = "/".join(DTYPE_NAMES[d] for d in FLOATS if self.takes_dtype(d, spec.device.type))
             out.append(f"dtype {spec.dtype_name} not supported ({allowed})")
-        if self.min_sm is not None and spec.device.type == "cuda" and (spec.device.sm or 0) < self.min_sm:
+        if self.min_sm is not None and spec.device.platform == "cuda" and (spec.device.sm or 0) < self.min_sm:
             out.append(f"GPU sm{spec.device.sm} < sm{self.min_sm}")
         if self.max_head_dim is not None and spec.head_dim > self.max_head_dim:
             out.append(f"head_dim {spec.head_dim} > {self.max_head_dim}")
@@ -133,10 +133,15 @@ class Backend:
             out.append(f"{spec.mask} attention mask not supported")
         if spec.requires_grad and not self.backward:
             out.append("no backward pass (inference only)")
-        out.extend(self.extra_reasons(spec, asked))
+        # An AMD GPU is a "cuda" device to torch, but NVIDIA's architecture rules do not apply to it.
+        out.extend(self.rocm_reasons(spec, asked) if spec.device.platform == "rocm" else self.extra_reasons(spec, asked))
         return out
 
     def extra_reasons(self, spec: CallSpec, asked: bool) -> list[str]:
+        return []
+
+    def rocm_reasons(self, spec: CallSpec, asked: bool) -> list[str]:
+        """What an AMD GPU (``spec.device.arch``, e.g. gfx942) has against the kernel, in its own terms."""
         return []
 
     def variant(self, spec: CallSpec) -> str:

@@ -3,6 +3,12 @@
 flash-attn enforces its limits inside the kernel, so they are restated here from its documentation:
 CUDA, fp16/bf16, head_dim <= 256, no dense mask. Official builds start at sm80; community builds run
 on Volta/Turing (fp16), so on an older GPU a user who asked for flash-attn by name gets one trial call.
+
+On ROCm (flash-attn 2.8 README, "AMD ROCm Support"; flash_attn/flash_attn_interface.py) the package
+is one of two builds: the Composable Kernel build (the default) for MI200/MI300/MI350 (gfx90a, gfx942,
+gfx950; RDNA3/4 only in source builds after 2.8.4), fp16/bf16, head_dim <= 256; or the Triton build,
+chosen by ``FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE`` at build and import time, which covers CDNA and
+RDNA GPUs. Any other AMD GPU gets the same trial call when the user asks for flash-attn by name.
 """
 from __future__ import annotations
 
@@ -25,6 +31,11 @@ def _version_of(module, dist: str) -> str:
         return ""
 
 
+#: AMD architectures each ROCm build of flash-attn documents.
+CK_ARCHS = ("gfx90a", "gfx942", "gfx950")
+TRITON_ARCH_PREFIXES = ("gfx90a", "gfx942", "gfx950", "gfx11", "gfx12")
+
+
 class FlashAttn(Backend):
     id = "flash-attn"
     label = "flash-attn (FlashAttention-2/3)"
@@ -38,6 +49,7 @@ class FlashAttn(Backend):
         self.fa2_error = ""
         self.fa3_error = ""
         self.trials: dict = {}
+        self.rocm_build = ""  # "CK" or "Triton" on a ROCm build of torch
 
     def _probe(self) -> Status:
         self.fa2 = self.fa3 = None
@@ -53,22 +65,51 @@ class FlashAttn(Backend):
             self.fa3_error = failure_text(exc)
         if self.fa2 is None and self.fa3 is None:
             return Status(False, self.fa2_error)
+        self.rocm_build = ""
+        if getattr(torch.version, "hip", None) and self.fa2 is not None:
+            interface = importlib.import_module("flash_attn.flash_attn_interface")
+            self.rocm_build = "Triton" if getattr(interface, "USE_TRITON_ROCM", False) else "CK"
         if self.fa2 is None:
             return Status(True, version=f"FA3 {_version_of(self.fa3, 'flash_attn_3')}".strip())
         return Status(True, version=_version_of(self.fa2, "flash-attn"))
 
     def variant(self, spec: CallSpec) -> str:
+        if spec.device.platform == "rocm":
+            return self.rocm_build or "CK"
         # FA3 takes head sizes in multiples of 8 and does not pad them (FA2 does).
         if self.fa3 is not None and spec.device.sm == 90 and spec.mask == NO_MASK and spec.head_dim % 8 == 0:
             return "FA3"
         return "FA2" if self.fa2 is not None else "FA3"
 
-    def extra_reasons(self, spec: CallSpec, asked: bool) -> list[str]:
+    def _mask_reasons(self, spec: CallSpec) -> list[str]:
         out = []
         if spec.mask == KEY_PADDING and spec.mask_dtype != torch.bool:
             out.append("float attention mask not supported (boolean key-padding masks only)")
         if spec.mask == KEY_PADDING and self.fa2 is None:
             out.append("key-padding mask needs flash_attn_varlen_func (FA2), which is not installed")
+        return out
+
+    def rocm_reasons(self, spec: CallSpec, asked: bool) -> list[str]:
+        out = self._mask_reasons(spec)
+        if self.fa2 is None:
+            out.append("only FA3 is installed, which has no ROCm build")
+        arch = spec.device.arch or "this AMD GPU"
+        build = self.rocm_build or "CK"
+        covered = spec.device.arch in CK_ARCHS if build == "CK" else spec.device.arch.startswith(TRITON_ARCH_PREFIXES)
+        if not covered and not out:
+            what = ("the CK build covers MI200/MI300/MI350 (gfx90a, gfx942, gfx950); the Triton build "
+                    "(FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE) also covers RDNA3/4") if build == "CK" else \
+                "its Triton build covers CDNA (gfx90a, gfx942, gfx950) and RDNA3/4 (gfx11xx, gfx12xx)"
+            if not asked:
+                out.append(f"{arch}: no flash-attn kernel for this GPU ({what})")
+            else:
+                trial = self.trial(spec.device.index, spec.dtype)
+                if trial:
+                    out.append(f"{arch}: no flash-attn kernel for this GPU, and a trial call failed: {trial}")
+        return out
+
+    def extra_reasons(self, spec: CallSpec, asked: bool) -> list[str]:
+        out = self._mask_reasons(spec)
         if self.fa2 is None and spec.device.sm != 90:
             out.append(f"only FA3 is installed, which needs sm90 (GPU is sm{spec.device.sm})")
         if self.fa2 is None and spec.head_dim % 8:

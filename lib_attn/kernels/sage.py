@@ -2,7 +2,8 @@
 
 ``sageattn`` accepts a mask keyword and drops it without a word, so a masked call must not reach it.
 1.x is Triton-only and runs from sm70 (fp16); 2.x picks a CUDA kernel per architecture and refuses
-the ones it has none for.
+the ones it has none for. It has no ROCm build: its kernels are CUDA (and Triton for NVIDIA) only
+(thu-ml/SageAttention README, requirements).
 """
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ class Sage(Backend):
         if sm not in SAGE2_SMS:
             return [f"GPU sm{sm} has no SageAttention {self.major} kernel (sm{', sm'.join(map(str, SAGE2_SMS))})"]
         return []
+
+    def rocm_reasons(self, spec: CallSpec, asked: bool) -> list[str]:
+        return [f"{spec.device.arch or 'AMD GPU'}: SageAttention has no ROCm build (CUDA kernels only)"]
 
     def run(self, q, k, v, mask, scale):
         q, k, v = last_dim_contiguous(q, k, v)

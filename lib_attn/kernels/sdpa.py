@@ -4,6 +4,10 @@ A pinned kernel is called as its aten operator. Entering ``torch.nn.attention.sd
 it too, but costs several microseconds per call, more than the engine's whole budget; the operator
 call costs what SDPA's own dispatch costs. When PyTorch's own choice for the call already is the
 pinned kernel, the public function runs instead.
+
+On ROCm the flash and memory-efficient kernels are AOTriton's (see ``_compat.aotriton_missing`` for
+which AMD GPUs and torch releases have them) and cuDNN attention does not exist. On MPS PyTorch has
+one SDPA implementation (``sdpa``; see ``dispatch.default_chain`` for its memory).
 """
 from __future__ import annotations
 
@@ -27,6 +31,16 @@ def _same_dtype_mask(mask, dtype):
     if mask is None or mask.dtype == torch.bool or mask.dtype == dtype:
         return mask
     return mask.to(dtype)
+
+
+#: On ROCm torch.backends.cudnn is MIOpen, which has no fused attention kernel.
+ROCM_NO_CUDNN = "cuDNN attention does not exist on ROCm (torch's cudnn there is MIOpen, which has no attention kernel)"
+
+
+def _rocm_head_dim(spec: CallSpec) -> list[str]:
+    limit = _compat.aotriton_max_head_dim()
+    return [f"head_dim {spec.head_dim} > {limit} (AOTriton in torch {_compat.TORCH_VERSION_TEXT})"] \
+        if spec.head_dim > limit else []
 
 
 class Sdpa(Backend):
@@ -81,7 +95,13 @@ class _PinnedSdpa(Sdpa):
         if ok:
             return []
         found = [str(w.message).strip() for w in caught if str(w.message).strip()]
-        return found or [f"PyTorch's {self.kernel} check refuses this call"]
+        found = found or [f"PyTorch's {self.kernel} check refuses this call"]
+        arch = spec.device.arch
+        if (spec.device.platform == "rocm" and not any(_compat.AOTRITON_SWITCH in f for f in found)
+                and _compat.AOTRITON_FIRST_TORCH.get(arch, (0, 0)) > _compat.ROCM_FLASH_FROM):
+            # PyTorch says "experimental" once per process (TORCH_WARN_ONCE); repeat its hint.
+            found.append(f"{arch}: PyTorch may keep AOTriton off on this GPU unless {_compat.AOTRITON_SWITCH}=1 is set")
+        return found
 
     def reasons(self, spec, asked=False):
         # PyTorch's check runs last: it needs the real tensors, and ours already explain the rest.
@@ -116,6 +136,11 @@ class SdpaFlash(_PinnedSdpa):
         return dtype in (FLOATS if device == "cpu" else HALF)
 
     def reasons(self, spec, asked=False):
+        if spec.device.platform == "rocm":
+            # AOTriton's head_dim rule (rocm_reasons) replaces the CUDA kernel's.
+            cuda_only = (f"head_dim {spec.head_dim} > {self.max_head_dim}",
+                         f"head_dim {spec.head_dim} not a multiple of {self.head_dim_multiple}")
+            return [r for r in Backend.reasons(self, spec, asked) if r not in cuda_only] or self.torch_reasons(spec)
         if spec.device.type != "cpu":
             return super().reasons(spec, asked)
         # The CPU kernel has no head_dim limit and takes masks; PyTorch's choice is the check.
@@ -131,6 +156,15 @@ class SdpaFlash(_PinnedSdpa):
         if spec.device.type == "cuda" and not _compat.flash_built():
             out.append(f"torch {_compat.TORCH_VERSION_TEXT} was built without its flash kernel")
         return out
+
+    def rocm_reasons(self, spec, asked):
+        out = [] if spec.mask == NO_MASK else [f"{spec.mask} attention mask not supported"]
+        if not _compat.flash_built():
+            out.append(f"torch {_compat.TORCH_VERSION_TEXT} was built without its flash kernel")
+        missing = _compat.aotriton_missing(spec.device.arch, "flash")
+        if missing:
+            return out + [missing]
+        return out + _rocm_head_dim(spec)
 
     def run(self, q, k, v, mask, scale):
         if q.device.type == "cpu":
@@ -160,6 +194,17 @@ class SdpaEfficient(_PinnedSdpa):
             out.append(f"torch {_compat.TORCH_VERSION_TEXT}'s efficient kernel takes no mask")
         return out
 
+    def rocm_reasons(self, spec, asked):
+        missing = _compat.aotriton_missing(spec.device.arch, "efficient")
+        if missing:
+            return [missing]
+        out = _rocm_head_dim(spec)
+        # PyTorch's ROCm rule: head_dim a multiple of 8 for 16-bit inputs, of 4 for fp32.
+        multiple = 8 if spec.dtype in HALF else 4
+        if spec.head_dim % multiple:
+            out.append(f"head_dim {spec.head_dim} not a multiple of {multiple}")
+        return out
+
     def run(self, q, k, v, mask, scale):
         q, k, v = last_dim_contiguous(q, k, v)
         bias = None if mask is None else additive_bias(mask, q.dtype, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), 16)
@@ -182,6 +227,8 @@ class SdpaCudnn(_PinnedSdpa):
 
     def _probe(self) -> Status:
         status = super()._probe()
+        if status.available and getattr(torch.version, "hip", None):
+            return Status(False, ROCM_NO_CUDNN)
         if status.available and not torch.backends.cudnn.is_available():
             return Status(False, "cuDNN is not available in this torch build")
         return status
@@ -199,6 +246,9 @@ class SdpaCudnn(_PinnedSdpa):
         if spec.kv_len == 1:
             out.append("kv_len 1 not supported")
         return out
+
+    def rocm_reasons(self, spec, asked):
+        return [ROCM_NO_CUDNN]
 
     def run(self, q, k, v, mask, scale):
         q, k, v = last_dim_contiguous(q, k, v)

@@ -1,4 +1,9 @@
-"""xformers' ``memory_efficient_attention``; its own operator dispatch explains a refusal."""
+"""xformers' ``memory_efficient_attention``; its own operator dispatch explains a refusal.
+
+ROCm builds of xformers (facebookresearch/xformers PR #978, in releases from 0.0.25; wheels on PyTorch's
+rocm indexes) run Composable Kernel attention (``ckF``/``ckB``) built for CDNA GPUs only, MI200/MI300
+(gfx90a, gfx942); RDNA GPUs have no kernel (ROCm/xformers issue #83).
+"""
 from __future__ import annotations
 
 import importlib
@@ -8,6 +13,9 @@ import torch
 from ..spec import CallSpec
 from .base import Backend, Status, additive_bias, failure_text
 from .flash import _version_of
+
+
+ROCM_ARCHS = ("gfx90a", "gfx942")
 
 
 class Xformers(Backend):
@@ -37,6 +45,12 @@ class Xformers(Backend):
         if not out and spec.tensors is not None and self.ops is not None:
             out.extend(self._own_reasons(spec))
         return out
+
+    def rocm_reasons(self, spec: CallSpec, asked: bool) -> list[str]:
+        if spec.device.arch not in ROCM_ARCHS:
+            return [f"{spec.device.arch or 'this AMD GPU'}: xformers' ROCm build has attention kernels for "
+                    f"MI200/MI300 (gfx90a, gfx942) only"]
+        return self._own_reasons(spec) if spec.tensors is not None and self.ops is not None else []
 
     def _own_reasons(self, spec: CallSpec) -> list[str]:
         """Ask xformers' dispatcher whether any of its operators takes the call."""
