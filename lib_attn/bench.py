@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 import lib_attn
 from lib_attn import shapes
+from lib_attn.device import miopen_text
 from lib_attn.doctor import environment
 
 SCHEMA = "lib_attn.bench/1"
@@ -865,6 +866,7 @@ def render(doc: dict) -> str:
     v = doc["versions"]
     out.append(f"lib_attn bench: {dev['description']}; torch {v['torch']}"
                + (f", CUDA {v['cuda']}, cuDNN {v['cudnn']}" if v.get("cuda") else "")
+               + (f", HIP {v['hip']}, MIOpen {miopen_text(v.get('miopen'))}" if v.get("hip") else "")
                + f"; timer {doc['settings']['timer']}")
     results = doc["results"]
     columns = doc["settings"]["columns"]

@@ -1,10 +1,12 @@
 """``python -m lib_attn doctor``: what this machine has and what the engine would run.
 
-Reports Python, torch, CUDA and cuDNN versions, the device, every backend
+Reports Python, torch, CUDA and cuDNN (on ROCm: HIP and MIOpen) versions, the device, every backend
 (available, version, or the reason it is not), the current configuration, and for
 each model's attention calls the backend the engine would pick now and why the
 ones ahead of it in the chain were passed over. Decisions come from
-``lib_attn.explain`` on empty tensors of the real shapes: no kernel runs.
+``lib_attn.explain`` on empty tensors of the real shapes: no kernel runs. Given a described device
+(a ``DeviceInfo``, e.g. an MI300 or a Mac on a machine that has neither), the same report is made
+from the call metadata alone, as the engine decides before PyTorch's own checks can run.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 
 import lib_attn
 from lib_attn import shapes
+from lib_attn.device import miopen_text
 
 GPU_DEFAULT_DTYPE = {"unet": torch.float16, "vae": torch.float16, "dit": torch.bfloat16}
 
@@ -42,8 +45,8 @@ def _cudnn_version() -> Optional[int]:
     return torch.backends.cudnn.version()
 
 
-def _device_dict(device: torch.device) -> dict:
-    info = lib_attn.device_info(device)
+def _device_dict(device: torch.device, info=None) -> dict:
+    info = info or lib_attn.device_info(device)
     cap = getattr(info, "capability", None)
     d = {
         "type": info.type,
@@ -52,8 +55,20 @@ def _device_dict(device: torch.device) -> dict:
         "capability": list(cap) if cap else None,
         "total_memory": getattr(info, "total_memory", None),
         "threads": torch.get_num_threads(),
+        "platform": info.platform,
+        "arch": info.arch or None,
+        "hip": info.hip,
+        "miopen": info.miopen,
+        "macos": list(info.macos) if info.macos else None,
     }
-    if info.type == "cuda":
+    if info.platform == "rocm":
+        mem = f", {d['total_memory'] / 2**30:.1f} GiB" if d["total_memory"] else ""
+        d["description"] = (f"{info.name} ({info.arch or 'gfx?'}, ROCm: HIP {info.hip or '?'}, "
+                            f"MIOpen {miopen_text(info.miopen)}{mem})")
+    elif info.platform == "mps":
+        macos = ".".join(map(str, info.macos)) if info.macos else "?"
+        d["description"] = f"{info.name} (MPS, macOS {macos})"
+    elif info.type == "cuda":
         mem = f", {d['total_memory'] / 2**30:.1f} GiB" if d["total_memory"] else ""
         sm = f"sm{cap[0]}{cap[1]}" if cap else "sm?"
         d["description"] = f"{info.name} ({sm}{mem})"
@@ -75,10 +90,14 @@ def _cpu_model() -> Optional[str]:
     return platform.processor() or None
 
 
-def environment(device: Optional[torch.device] = None) -> dict:
-    """Versions, the device and every backend, as plain data."""
+def environment(device: Optional[torch.device] = None, info=None) -> dict:
+    """Versions, the device and every backend, as plain data; ``info`` describes the device instead."""
+    if info is not None:
+        device = torch.device(info.type)
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = _device_dict(device, info)
+    rocm = dev["platform"] == "rocm"
     backends = [{"id": b.id, "label": b.label, "available": bool(b.available),
                  "reason": b.reason or "", "version": b.version} for b in lib_attn.backends()]
     versions = {
@@ -86,13 +105,15 @@ def environment(device: Optional[torch.device] = None) -> dict:
         "platform": platform.platform(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "hip": getattr(torch.version, "hip", None),
-        "cudnn": _cudnn_version() if device.type == "cuda" else None,
+        "hip": dev["hip"] if rocm else getattr(torch.version, "hip", None),
+        # On ROCm torch.backends.cudnn is MIOpen: its version is not a cuDNN one.
+        "cudnn": _cudnn_version() if device.type == "cuda" and not rocm else None,
+        "miopen": dev["miopen"] if rocm else None,
         "lib_attn": lib_attn.__version__,
         "backends": {b["id"]: b["version"] for b in backends},
         "packages": _package_versions(),
     }
-    return {"versions": versions, "device": _device_dict(device), "backends": backends}
+    return {"versions": versions, "device": dev, "backends": backends}
 
 
 def _config_dict() -> dict:
@@ -110,16 +131,32 @@ def _empty_inputs(call: shapes.AttentionCall, dtype: torch.dtype, device: torch.
     return proj(call.q_len), proj(call.kv_len), proj(call.kv_len)
 
 
+def _described(call: shapes.AttentionCall, dtype: torch.dtype, info):
+    """The decision for ``call`` on a described device, from its metadata alone."""
+    from lib_attn import dispatch
+    from lib_attn.config import current
+    from lib_attn.spec import CallSpec
+
+    spec = CallSpec(info, dtype, call.b, call.heads, call.q_len, call.kv_len, call.head_dim, role=call.role)
+    cfg = current()
+    chain, explicit = dispatch.chain_for(call.role, info, None, cfg, spec)
+    return dispatch.decide(spec, chain, fp32=cfg.fp32, explicit=explicit)
+
+
 def decisions(device: torch.device, dtype: Optional[torch.dtype] = None,
-              models=shapes.MODELS, res: Optional[int] = None) -> List[dict]:
+              models=shapes.MODELS, res: Optional[int] = None, info=None) -> List[dict]:
     """For each model's calls: the backend the current configuration picks, and why
-    the ones before it were passed over."""
+    the ones before it were passed over. With ``info`` (a described device) from metadata alone."""
     out = []
     for model in models:
         for call in shapes.model_calls(model, res):
-            dt = dtype or (GPU_DEFAULT_DTYPE[call.role] if device.type == "cuda" else torch.float32)
-            q, k, v = _empty_inputs(call, dt, device)
-            d = lib_attn.explain(q, k, v, role=call.role)
+            dt = dtype or (GPU_DEFAULT_DTYPE[call.role] if device.type != "cpu" else torch.float32)
+            if info is not None:
+                d = _described(call, dt, info)
+            else:
+                q, k, v = _empty_inputs(call, dt, device)
+                d = lib_attn.explain(q, k, v, role=call.role)
+                del q, k, v
             cast = getattr(d, "cast", None)
             out.append({
                 "model": model, "res": call.res, "where": call.where, "kind": call.kind,
@@ -129,32 +166,41 @@ def decisions(device: torch.device, dtype: Optional[torch.dtype] = None,
                 "cast": str(cast).replace("torch.", "") if cast else None,
                 "rejected": [[bid, list(reasons)] for bid, reasons in (d.rejected or [])],
             })
-            del q, k, v
     return out
 
 
-def report(device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> dict:
+def report(device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None, info=None) -> dict:
+    """The whole report; ``info`` (a ``DeviceInfo``) describes a device this machine need not have."""
+    if info is not None:
+        device = torch.device(info.type)
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    doc = environment(device)
+    doc = environment(device, info)
     doc["schema"] = "lib_attn.doctor/1"
     doc["config"] = _config_dict()
-    doc["decisions"] = decisions(device, dtype)
+    doc["decisions"] = decisions(device, dtype, info=info)
+    if info is not None:
+        doc["described"] = True
     return doc
 
 
 def render(doc: dict) -> str:
     v, dev = doc["versions"], doc["device"]
     lines = [
-        "lib_attn doctor",
+        "lib_attn doctor" + (" (described device: decisions from call metadata, no PyTorch checks)"
+                             if doc.get("described") else ""),
         f"  python    {v['python']} ({v['platform']})",
         f"  torch     {v['torch']}",
-        f"  CUDA      {v['cuda'] or 'none (this torch has no CUDA)'}"
-        + ("" if v["cuda"] is None or dev["type"] == "cuda" else " - no usable GPU found"),
-        f"  cuDNN     {v['cudnn'] if v['cudnn'] is not None else '-'}",
-        f"  device    {dev['description']}",
-        f"  lib_attn  {v['lib_attn'] or '-'}",
     ]
+    if dev.get("platform") == "rocm":
+        lines += [f"  ROCm      HIP {v.get('hip') or '?'}",
+                  f"  MIOpen    {miopen_text(v.get('miopen'))}"]
+    else:
+        lines += [f"  CUDA      {v['cuda'] or 'none (this torch has no CUDA)'}"
+                  + ("" if v["cuda"] is None or dev["type"] == "cuda" else " - no usable GPU found"),
+                  f"  cuDNN     {v['cudnn'] if v['cudnn'] is not None else '-'}"]
+    lines += [f"  device    {dev['description']}",
+              f"  lib_attn  {v['lib_attn'] or '-'}"]
     cfg = doc["config"]
     prefs = {r: (p if p == "auto" else ",".join(p)) for r, p in cfg["preference"].items()}
     same = len(set(prefs.values())) == 1
@@ -169,7 +215,7 @@ def render(doc: dict) -> str:
         ver = b["version"] or "-"
         tail = f"  {b['reason']}" if not b["available"] and b["reason"] else ""
         lines.append(f"  {b['id']:<{w}}  {state}  {ver}{tail}")
-    lines += ["", f"decisions with the current configuration on {dev['type']} "
+    lines += ["", f"decisions with the current configuration on {dev.get('arch') or dev.get('platform') or dev['type']} "
               "(per call kind: backend <- passed over)"]
     unavailable = {b["id"] for b in doc["backends"] if not b["available"]}
     last = None

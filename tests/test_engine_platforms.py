@@ -238,3 +238,72 @@ def test_existing_descriptions_keep_their_meaning():
     nvidia = DeviceInfo("cuda", 0, "H200", (9, 0))
     assert nvidia.platform == "cuda" and nvidia.sm == 90 and nvidia.describe() == "H200 (sm90)"
     assert DeviceInfo("cpu").platform == "cpu" and DeviceInfo("mps").platform == "mps"
+
+
+# --- the doctor report of a described device ----------------------------------------------------
+
+@pytest.fixture
+def every_package(monkeypatch):
+    """Probes as on a machine where every package is installed (the backends table says "yes")."""
+    monkeypatch.setattr(registry, "_status", {bid: Status(True, version="test") for bid in lib_attn.BACKEND_IDS})
+
+
+def described(info):
+    from lib_attn import doctor
+
+    doc = doctor.report(info=info)
+    return doc, doctor.render(doc)
+
+
+def picks(doc, model, where):
+    return next(d for d in doc["decisions"] if d["model"] == model and d["where"] == where)
+
+
+@pytest.mark.parametrize("device,unet,vae", [
+    (MI300, "flash-attn", "sdpa-flash"), (MI200, "flash-attn", "sdpa-flash"),
+    (RDNA3, "sdpa-flash", "sdpa-flash"), (GFX906, "math", "math"), (MAC, "math", "math"),
+])
+def test_doctor_report_of_a_described_device(every_package, device, unet, vae):
+    doc, text = described(device)
+    assert doc["described"] and doc["device"]["platform"] == device.platform
+    assert not re.search(r"\bsm\d", text)
+    # SDXL's largest self-attention (640 MiB of fp16 scores) and the VAE's 16384² call at 1024².
+    assert picks(doc, "sdxl", "self L1")["backend"] == unet
+    assert picks(doc, "vae", "mid")["backend"] == vae
+    lines = text.splitlines()
+    if device.platform == "rocm":
+        assert f"({device.arch}, ROCm: HIP 6.2.41133, MIOpen 3.2.0," in text
+        assert "  ROCm      HIP 6.2.41133" in lines and "  MIOpen    3.2.0" in lines
+        assert not any(line.startswith(("  CUDA", "  cuDNN")) for line in lines)
+        assert doc["versions"]["cudnn"] is None and doc["versions"]["miopen"] == 30200
+        assert f"decisions with the current configuration on {device.arch} " in text
+    else:
+        assert "  device    Apple GPU (MPS) (MPS, macOS 14.5)" in lines
+    cross = picks(doc, "sdxl", "cross L1")
+    assert cross["backend"] == {"flash-attn": "flash-attn", "sdpa-flash": "sdpa-flash"}.get(unet, "sdpa")
+
+
+def test_doctor_gives_each_passed_over_kernel_its_amd_reason(every_package):
+    doc, text = described(RDNA3)
+    unet = picks(doc, "sdxl", "self L1")
+    assert [bid for bid, _ in unet["rejected"]] == ["flash-attn"]
+    assert unet["rejected"][0][1][0].startswith("gfx1100: no flash-attn kernel for this GPU")
+    assert "        flash-attn: gfx1100: no flash-attn kernel for this GPU (the CK build covers" in "\n".join(text.splitlines())
+    # gfx906 has no fused kernel at all: nothing is passed over, PyTorch's sdpa or the bounded path run.
+    doc, _ = described(GFX906)
+    assert all(not d["rejected"] for d in doc["decisions"])
+
+
+def test_availability_table_names_the_amd_gpu_in_its_own_terms():
+    from webui_attn import ui
+    from webui_attn.api import availability
+
+    data = availability(MI300)
+    assert data["device"]["platform"] == "rocm" and data["device"]["arch"] == "gfx942"
+    assert data["device"]["hip"] == "6.2.41133" and data["device"]["miopen"] == 30200
+    text = ui.availability_html(data)
+    assert "Device: AMD Instinct MI300X (gfx942, ROCm: HIP 6.2.41133, MIOpen 3.2.0), 192.0 GiB" in text
+    assert "compute capability" not in text
+    assert "UNet: flash-attn → sdpa-flash → sdpa-efficient → sdpa → math" in text
+    nvidia = ui.availability_html(availability(DeviceInfo("cuda", 0, "RTX 3090", (8, 6), 24 * 2**30)))
+    assert "RTX 3090 (compute capability 8.6), 24.0 GiB" in nvidia

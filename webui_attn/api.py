@@ -11,9 +11,11 @@ from lib_attn import _compat
 ROUTE = "/flash-attention/v1/status"
 
 
-def availability() -> dict:
-    """Torch version, the device, each backend (available, version, or why not) and the default chains."""
-    device = lib_attn.device_info()
+def availability(device=None) -> dict:
+    """Torch version, the device, each backend (available, version, or why not) and the default chains.
+
+    ``device`` (a ``DeviceInfo``) describes another device than this machine's (tests, docs)."""
+    device = device or lib_attn.device_info()
     return {
         "torch": _compat.TORCH_VERSION_TEXT,
         "device": {
@@ -22,6 +24,10 @@ def availability() -> dict:
             "name": device.name,
             "capability": None if device.capability is None else f"{device.capability[0]}.{device.capability[1]}",
             "total_memory_bytes": device.total_memory,
+            "platform": device.platform,
+            "arch": device.arch or None,
+            "hip": device.hip,
+            "miopen": device.miopen,
         },
         "backends": [
             {"id": b.id, "label": b.label, "available": b.available, "version": b.version or None,

@@ -80,7 +80,11 @@ def availability_html(data: dict | None = None) -> str:
         data = availability()
     dev = data["device"]
     device = _e(dev["name"] or dev["type"])
-    if dev["capability"]:
+    if dev.get("platform") == "rocm":
+        from lib_attn.device import miopen_text
+
+        device += f" ({_e(dev['arch'] or 'gfx?')}, ROCm: HIP {_e(dev['hip'] or '?')}, MIOpen {_e(miopen_text(dev['miopen']))})"
+    elif dev["capability"]:
         device += f" (compute capability {_e(dev['capability'])})"
     if dev["total_memory_bytes"]:
         device += f", {dev['total_memory_bytes'] / 2**30:.1f} GiB"
