@@ -10,13 +10,21 @@ sub-quadratic / InvokeAI up to 1000 on MPS / CPU):
 * an entry whose own flag is given ranks above everything (FLAG_PRIORITY + n), so "Automatic" picks it;
 * with no flag, the auto entry ranks AUTO_PRIORITY (above xformers and Doggettx) only when a fused GPU
   kernel is available that beats what A1111 would pick; otherwise every entry ranks 0 and A1111's own
-  choice stays.
+  choice stays. On an AMD GPU (ROCm) that means a fused kernel the engine has for its gfx architecture
+  (MI200/MI300, RDNA3/4 with AOTriton): on one without (gfx906, gfx1030) Doggettx stays.
+* on a Mac (MPS) A1111's "Automatic" picks sub-quadratic (priority 1000 there) and the auto entry does
+  not rank above it: the engine has no fused kernel on MPS (PyTorch's MPS SDPA materialises the score
+  matrix; the engine's bounded path is a query-chunked loop like sub-quadratic's), and no measurement
+  or published figure shows it at least as fast as sub-quadratic with bounded memory. The flags and
+  the entries, chosen by name, still put it first.
 """
 from __future__ import annotations
 
 import importlib
 import sys
 from dataclasses import dataclass
+
+import torch
 
 import lib_attn
 
@@ -71,11 +79,25 @@ def available_backends() -> dict:
 
 
 def fused_gpu_kernels() -> set:
-    """Fused GPU kernels usable for the webui's device (empty unless it runs the model on CUDA)."""
+    """Fused GPU kernels usable for the webui's device (empty unless it runs the model on CUDA or ROCm)."""
     from modules import shared
-    if getattr(getattr(shared, "device", None), "type", None) != "cuda":
-        return set()
-    return {i for i, info in available_backends().items() if info.available} & FUSED_GPU
+    device = getattr(shared, "device", None)
+    if getattr(device, "type", None) != "cuda":
+        return set()  # CPU, and MPS: see the module docstring
+    found = {i for i, info in available_backends().items() if info.available} & FUSED_GPU
+    if found and getattr(torch.version, "hip", None):
+        found &= _rocm_fused(lib_attn.device_info(device))
+    return found
+
+
+def _rocm_fused(info) -> set:
+    """The fused kernels the engine would run for SD1.5's 64x64 self-attention on this AMD GPU."""
+    from lib_attn.kernels import REGISTRY
+    from lib_attn.spec import CallSpec
+
+    spec = CallSpec(info, torch.float16, 2, 8, 4096, 4096, 40)
+    return {bid for bid in lib_attn.default_chain("unet", info, spec=spec)
+            if bid in FUSED_GPU and not REGISTRY[bid].reasons(spec)}
 
 
 def a1111_picks_xformers() -> bool:
