@@ -100,12 +100,7 @@ class FlashAttn(Backend):
             what = ("the CK build covers MI200/MI300/MI350 (gfx90a, gfx942, gfx950); the Triton build "
                     "(FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE) also covers RDNA3/4") if build == "CK" else \
                 "its Triton build covers CDNA (gfx90a, gfx942, gfx950) and RDNA3/4 (gfx11xx, gfx12xx)"
-            if not asked:
-                out.append(f"{arch}: no flash-attn kernel for this GPU ({what})")
-            else:
-                trial = self.trial(spec.device.index, spec.dtype)
-                if trial:
-                    out.append(f"{arch}: no flash-attn kernel for this GPU, and a trial call failed: {trial}")
+            out.extend(self._undocumented(spec, asked, f"{arch}: no flash-attn kernel for this GPU", f" ({what})"))
         return out
 
     def extra_reasons(self, spec: CallSpec, asked: bool) -> list[str]:
@@ -118,13 +113,16 @@ class FlashAttn(Backend):
             out.append(f"bf16 needs sm80, GPU is sm{spec.device.sm}")
         sm = spec.device.sm or 0
         if sm < 80 and not out:
-            if not asked:
-                out.append(f"GPU sm{sm} < sm80")
-            else:
-                trial = self.trial(spec.device.index, spec.dtype)
-                if trial:
-                    out.append(f"GPU sm{sm} < sm80, and a trial call failed: {trial}")
+            out.extend(self._undocumented(spec, asked, f"GPU sm{sm} < sm80"))
         return out
+
+    def _undocumented(self, spec: CallSpec, asked: bool, why: str, detail: str = "") -> list[str]:
+        """A GPU no official build targets: ``why`` (and ``detail``), unless the user asked for
+        flash-attn by name and a trial call shows the installed build takes it."""
+        if not asked:
+            return [why + detail]
+        trial = self.trial(spec.device.index, spec.dtype)
+        return [f"{why}, and a trial call failed: {trial}"] if trial else []
 
     def trial(self, index, dtype) -> str:
         """Run one tiny call on an older GPU, once per (device, dtype); '' when the installed build
