@@ -112,16 +112,28 @@ def _info(device_type: str, index: int | None) -> DeviceInfo:
     if device_type == "cpu":
         return DeviceInfo("cpu", None, _platform.processor() or _platform.machine() or "cpu")
     if device_type == "mps":
-        return DeviceInfo("mps", index, "Apple GPU (MPS)", macos=_macos_version())
+        recommended = getattr(getattr(torch, "mps", None), "recommended_max_memory", None)  # torch 2.5+
+        return DeviceInfo("mps", index, "Apple GPU (MPS)", total_memory=recommended() if recommended else None,
+                          macos=_macos_version())
     return DeviceInfo(device_type, index, device_type)
 
 
+def default_device() -> str:
+    """The device the webuis run models on: CUDA (or ROCm), else MPS on a Mac, else the CPU."""
+    if torch.cuda.is_available():
+        return "cuda"
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return "mps"
+    return "cpu"
+
+
 def device_info(device: torch.device | str | None = None) -> DeviceInfo:
-    """Facts about ``device``; with None, the first CUDA (or ROCm) device when there is one, else the CPU.
+    """Facts about ``device``; with None, the ``default_device()``.
 
     Calling this with a CUDA device initialises CUDA, so the engine only does it on a real call.
     """
     if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = default_device()
     device = torch.device(device)
     return _info(device.type, device.index)

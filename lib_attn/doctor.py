@@ -19,7 +19,7 @@ import torch
 
 import lib_attn
 from lib_attn import shapes
-from lib_attn.device import miopen_text
+from lib_attn.device import default_device, miopen_text
 
 GPU_DEFAULT_DTYPE = {"unet": torch.float16, "vae": torch.float16, "dit": torch.bfloat16}
 
@@ -95,7 +95,7 @@ def environment(device: Optional[torch.device] = None, info=None) -> dict:
     if info is not None:
         device = torch.device(info.type)
     if device is None:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(default_device())
     dev = _device_dict(device, info)
     rocm = dev["platform"] == "rocm"
     backends = [{"id": b.id, "label": b.label, "available": bool(b.available),
@@ -174,7 +174,7 @@ def report(device: Optional[torch.device] = None, dtype: Optional[torch.dtype] =
     if info is not None:
         device = torch.device(info.type)
     if device is None:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(default_device())
     doc = environment(device, info)
     doc["schema"] = "lib_attn.doctor/1"
     doc["config"] = _config_dict()
