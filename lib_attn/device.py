@@ -71,8 +71,9 @@ class DeviceInfo:
 
 
 def miopen_text(version: int | None) -> str:
-    """MIOpen's version as torch reports it (major * 10000 + minor * 100 + patch) -> "3.2.0"."""
-    return "-" if version is None else f"{version // 10000}.{version // 100 % 100}.{version % 100}"
+    """MIOpen's version as ``torch.backends.cudnn.version()`` reports it on ROCm (major * 1000000 +
+    minor * 1000 + patch, torch/csrc/cuda/shared/cudnn.cpp) -> "3.2.0"."""
+    return "-" if version is None else f"{version // 1000000}.{version // 1000 % 1000}.{version % 1000}"
 
 
 def rocm_arch(gcn_arch_name: str) -> str:

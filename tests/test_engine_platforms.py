@@ -19,13 +19,13 @@ from lib_attn.spec import CallSpec
 
 # What a ROCm build of torch reports: device type "cuda", a capability that is not an NVIDIA one.
 MI300 = DeviceInfo("cuda", 0, "AMD Instinct MI300X", (9, 4), 192 * 2**30, platform="rocm", arch="gfx942",
-                   hip="6.2.41133", miopen=30200)
+                   hip="6.2.41133", miopen=3002000)
 MI200 = DeviceInfo("cuda", 0, "AMD Instinct MI250X/MI250", (9, 0), 64 * 2**30, platform="rocm", arch="gfx90a",
-                   hip="6.2.41133", miopen=30200)
+                   hip="6.2.41133", miopen=3002000)
 RDNA3 = DeviceInfo("cuda", 0, "AMD Radeon RX 7900 XTX", (11, 0), 24 * 2**30, platform="rocm", arch="gfx1100",
-                   hip="6.2.41133", miopen=30200)
+                   hip="6.2.41133", miopen=3002000)
 GFX906 = DeviceInfo("cuda", 0, "AMD Radeon VII", (9, 0), 16 * 2**30, platform="rocm", arch="gfx906",
-                    hip="6.2.41133", miopen=30200)
+                    hip="6.2.41133", miopen=3002000)
 MAC = DeviceInfo("mps", None, "Apple GPU (MPS)", macos=(14, 5))
 OLD_MAC = DeviceInfo("mps", None, "Apple GPU (MPS)", macos=(13, 6))
 ROCM_DEVICES = (MI300, MI200, RDNA3, GFX906)
@@ -220,13 +220,13 @@ def test_rocm_device_is_read_with_arch_hip_and_miopen(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
     monkeypatch.setattr(torch.version, "hip", "6.2.41133-dd7f95766", raising=False)
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
-    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 30200)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 3002000)
     device_mod._info.cache_clear()
     try:
         info = device_mod._info("cuda", None)
     finally:
         device_mod._info.cache_clear()
-    assert (info.type, info.platform, info.arch, info.hip, info.miopen) == ("cuda", "rocm", "gfx90a", "6.2.41133-dd7f95766", 30200)
+    assert (info.type, info.platform, info.arch, info.hip, info.miopen) == ("cuda", "rocm", "gfx90a", "6.2.41133-dd7f95766", 3002000)
     assert info.capability == (9, 0) and info.sm is None
     assert info.describe() == "AMD Instinct MI250X/MI250 (gfx90a, ROCm)"
     assert device_mod.miopen_text(info.miopen) == "3.2.0"
@@ -275,7 +275,7 @@ def test_doctor_report_of_a_described_device(every_package, device, unet, vae):
         assert f"({device.arch}, ROCm: HIP 6.2.41133, MIOpen 3.2.0," in text
         assert "  ROCm      HIP 6.2.41133" in lines and "  MIOpen    3.2.0" in lines
         assert not any(line.startswith(("  CUDA", "  cuDNN")) for line in lines)
-        assert doc["versions"]["cudnn"] is None and doc["versions"]["miopen"] == 30200
+        assert doc["versions"]["cudnn"] is None and doc["versions"]["miopen"] == 3002000
         assert f"decisions with the current configuration on {device.arch} " in text
     else:
         assert "  device    Apple GPU (MPS) (MPS, macOS 14.5)" in lines
@@ -300,7 +300,7 @@ def test_availability_table_names_the_amd_gpu_in_its_own_terms():
 
     data = availability(MI300)
     assert data["device"]["platform"] == "rocm" and data["device"]["arch"] == "gfx942"
-    assert data["device"]["hip"] == "6.2.41133" and data["device"]["miopen"] == 30200
+    assert data["device"]["hip"] == "6.2.41133" and data["device"]["miopen"] == 3002000
     text = ui.availability_html(data)
     assert "Device: AMD Instinct MI300X (gfx942, ROCm: HIP 6.2.41133, MIOpen 3.2.0), 192.0 GiB" in text
     assert "compute capability" not in text
