@@ -114,7 +114,7 @@ def _info(device_type: str, index: int | None) -> DeviceInfo:
         return DeviceInfo("cpu", None, _platform.processor() or _platform.machine() or "cpu")
     if device_type == "mps":
         recommended = getattr(getattr(torch, "mps", None), "recommended_max_memory", None)  # torch 2.5+
-        return DeviceInfo("mps", index, "Apple GPU (MPS)", total_memory=recommended() if recommended else None,
+        return DeviceInfo("mps", index, "Apple GPU", total_memory=recommended() if recommended else None,
                           macos=_macos_version())
     return DeviceInfo(device_type, index, device_type)
 

@@ -66,8 +66,8 @@ def _device_dict(device: torch.device, info=None) -> dict:
         d["description"] = (f"{info.name} ({info.arch or 'gfx?'}, ROCm: HIP {info.hip or '?'}, "
                             f"MIOpen {miopen_text(info.miopen)}{mem})")
     elif info.platform == "mps":
-        macos = ".".join(map(str, info.macos)) if info.macos else "?"
-        d["description"] = f"{info.name} (MPS, macOS {macos})"
+        mem = f", {d['total_memory'] / 2**30:.1f} GiB recommended" if d["total_memory"] else ""
+        d["description"] = f"{info.name} (MPS{mem})"
     elif info.type == "cuda":
         mem = f", {d['total_memory'] / 2**30:.1f} GiB" if d["total_memory"] else ""
         sm = f"sm{cap[0]}{cap[1]}" if cap else "sm?"
@@ -195,6 +195,8 @@ def render(doc: dict) -> str:
     if dev.get("platform") == "rocm":
         lines += [f"  ROCm      HIP {v.get('hip') or '?'}",
                   f"  MIOpen    {miopen_text(v.get('miopen'))}"]
+    elif dev.get("platform") == "mps":
+        lines += [f"  MPS       macOS {'.'.join(map(str, dev['macos'])) if dev.get('macos') else '?'}"]
     else:
         lines += [f"  CUDA      {v['cuda'] or 'none (this torch has no CUDA)'}"
                   + ("" if v["cuda"] is None or dev["type"] == "cuda" else " - no usable GPU found"),

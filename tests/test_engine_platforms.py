@@ -26,8 +26,8 @@ RDNA3 = DeviceInfo("cuda", 0, "AMD Radeon RX 7900 XTX", (11, 0), 24 * 2**30, pla
                    hip="6.2.41133", miopen=3002000)
 GFX906 = DeviceInfo("cuda", 0, "AMD Radeon VII", (9, 0), 16 * 2**30, platform="rocm", arch="gfx906",
                     hip="6.2.41133", miopen=3002000)
-MAC = DeviceInfo("mps", None, "Apple GPU (MPS)", macos=(14, 5))
-OLD_MAC = DeviceInfo("mps", None, "Apple GPU (MPS)", macos=(13, 6))
+MAC = DeviceInfo("mps", None, "Apple GPU", macos=(14, 5))
+OLD_MAC = DeviceInfo("mps", None, "Apple GPU", macos=(13, 6))
 ROCM_DEVICES = (MI300, MI200, RDNA3, GFX906)
 
 ALL_INSTALLED = {bid: Status(True, version="test") for bid in lib_attn.BACKEND_IDS}
@@ -278,7 +278,8 @@ def test_doctor_report_of_a_described_device(every_package, device, unet, vae):
         assert doc["versions"]["cudnn"] is None and doc["versions"]["miopen"] == 3002000
         assert f"decisions with the current configuration on {device.arch} " in text
     else:
-        assert "  device    Apple GPU (MPS) (MPS, macOS 14.5)" in lines
+        assert "  device    Apple GPU (MPS)" in lines and "  MPS       macOS 14.5" in lines
+        assert not any(line.startswith(("  CUDA", "  cuDNN")) for line in lines)
     cross = picks(doc, "sdxl", "cross L1")
     assert cross["backend"] == {"flash-attn": "flash-attn", "sdpa-flash": "sdpa-flash"}.get(unet, "sdpa")
 
