@@ -308,3 +308,11 @@ def test_availability_table_names_the_amd_gpu_in_its_own_terms():
     assert "UNet: flash-attn → sdpa-flash → sdpa-efficient → sdpa → math" in text
     nvidia = ui.availability_html(availability(DeviceInfo("cuda", 0, "RTX 3090", (8, 6), 24 * 2**30)))
     assert "RTX 3090 (compute capability 8.6), 24.0 GiB" in nvidia
+
+
+def test_a_rocm_build_without_a_gpu_says_so(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    found = registry.REGISTRY["sdpa-efficient"].probe()
+    assert not found.available and found.reason == "no CUDA device (torch built for ROCm (HIP 6.2.41133))"
+    assert registry.REGISTRY["sdpa-cudnn"].probe().reason.startswith("cuDNN attention does not exist on ROCm")

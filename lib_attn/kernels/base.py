@@ -104,7 +104,9 @@ class Backend:
             return Status(False, failure_text(exc))
         if found.available and self.devices == ("cuda",) and not torch.cuda.is_available():
             # Asking is_available() counts devices without creating a CUDA context.
-            build = "a CPU build of torch" if torch.version.cuda is None else f"torch built for CUDA {torch.version.cuda}"
+            hip = getattr(torch.version, "hip", None)
+            build = (f"torch built for ROCm (HIP {hip})" if hip else "a CPU build of torch" if torch.version.cuda is None
+                     else f"torch built for CUDA {torch.version.cuda}")
             return Status(False, f"no CUDA device ({build})", found.version)
         return found
 
