@@ -50,10 +50,12 @@ _ROCM_FUSED = ("flash-attn", "sdpa-flash", "sdpa-efficient")
 #: kernel for it runs on the bounded ``math`` path instead of a full-matrix kernel. At this size the full
 #: matrix and its softmax hold >= 512 MiB at once (PyTorch's ROCm math path and MPS's sdpa_general_mps
 #: both materialise them), which on an 8-16 GiB card or Mac sits on top of the model's own weights and
-#: activations; the bounded path's peak is its 16 MiB score chunk plus the output, whatever the call
-#: (measured on CPU: see the README). Every cross-attention call and every self-attention call up to
-#: SD1.5 at 256x256 stays below it; SD1.5 at 512x512 (2 x 8 x 4096 x 4096 scores), SDXL at 1024x1024
-#: (2 x 10 x 4096 x 4096) and the VAE at 1024x1024 (16384 x 16384) are above it in 16 and 32 bits.
+#: activations. The bounded path holds one 16 MiB score chunk at a time: measured on CPU (README),
+#: 73 MiB for the VAE's 1024x1024 call and 72 MiB for SDXL's largest, output included, against 2.3 and
+#: 2.9 GiB for PyTorch's full-matrix math kernel. In fp16, cross-attention, the lower UNet levels,
+#: SDXL at 768x768, SD3 and Flux at 512x512 and the VAE up to 768x768 stay below it; the top UNet level
+#: of SD1.5 at 512x512 (2 x 8 x 4096 x 4096 scores, 512 MiB), SDXL at 1024x1024 (640 MiB), SD3 and
+#: Flux from 768x768 and the VAE at 1024x1024 (16384 x 16384, 512 MiB) are above it.
 FULL_MATRIX_MAX_BYTES = 256 * 2**20
 
 
