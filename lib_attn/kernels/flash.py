@@ -31,9 +31,14 @@ def _version_of(module, dist: str) -> str:
         return ""
 
 
-#: AMD architectures each ROCm build of flash-attn documents.
+#: AMD architectures each ROCm build of flash-attn documents, and how a reason says so.
 CK_ARCHS = ("gfx90a", "gfx942", "gfx950")
 TRITON_ARCH_PREFIXES = ("gfx90a", "gfx942", "gfx950", "gfx11", "gfx12")
+ROCM_COVERAGE = {
+    "CK": ("the CK build covers MI200/MI300/MI350 (gfx90a, gfx942, gfx950); the Triton build "
+           "(FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE) also covers RDNA3/4"),
+    "Triton": "its Triton build covers CDNA (gfx90a, gfx942, gfx950) and RDNA3/4 (gfx11xx, gfx12xx)",
+}
 
 
 class FlashAttn(Backend):
@@ -97,10 +102,8 @@ class FlashAttn(Backend):
         build = self.rocm_build or "CK"
         covered = spec.device.arch in CK_ARCHS if build == "CK" else spec.device.arch.startswith(TRITON_ARCH_PREFIXES)
         if not covered and not out:
-            what = ("the CK build covers MI200/MI300/MI350 (gfx90a, gfx942, gfx950); the Triton build "
-                    "(FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE) also covers RDNA3/4") if build == "CK" else \
-                "its Triton build covers CDNA (gfx90a, gfx942, gfx950) and RDNA3/4 (gfx11xx, gfx12xx)"
-            out.extend(self._undocumented(spec, asked, f"{arch}: no flash-attn kernel for this GPU", f" ({what})"))
+            out.extend(self._undocumented(spec, asked, f"{arch}: no flash-attn kernel for this GPU",
+                                          f" ({ROCM_COVERAGE[build]})"))
         return out
 
     def extra_reasons(self, spec: CallSpec, asked: bool) -> list[str]:
