@@ -316,3 +316,25 @@ def test_a_rocm_build_without_a_gpu_says_so(monkeypatch):
     found = registry.REGISTRY["sdpa-efficient"].probe()
     assert not found.available and found.reason == "no CUDA device (torch built for ROCm (HIP 6.2.41133))"
     assert registry.REGISTRY["sdpa-cudnn"].probe().reason.startswith("cuDNN attention does not exist on ROCm")
+
+
+@pytest.mark.parametrize("triton,build", [(True, "Triton"), (False, "CK")])
+def test_flash_attn_probe_tells_its_rocm_builds_apart(monkeypatch, triton, build):
+    import sys
+    import types
+
+    from lib_attn.kernels.flash import FlashAttn
+
+    package = types.ModuleType("flash_attn")
+    package.flash_attn_func = package.flash_attn_varlen_func = lambda *a, **k: None
+    package.__version__ = "2.8.3"
+    interface = types.ModuleType("flash_attn.flash_attn_interface")
+    interface.USE_TRITON_ROCM = triton
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # no FA3
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133", raising=False)
+    fa = FlashAttn()
+    fa.probe()
+    assert fa.rocm_build == build
+    assert fa.variant(spec(MI300)) == build
