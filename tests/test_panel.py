@@ -112,8 +112,14 @@ def test_setting_components_build_in_blocks(webui_factory, mode):
     values = [c if isinstance(c, str) else c[1] for c in backend.choices]
     assert values == [settings.AUTO, *lib_attn.BACKEND_IDS]  # unavailable ones are listed too
     for b in lib_attn.backends():
-        if not b.available:  # ...with their reason next to the dropdown
-            assert b.id in opts.data_labels[settings.KEY_BACKEND].comment_after
+        if not b.available:  # ...with their reason in the info line gradio draws under the dropdown
+            assert f"{b.id} ({b.reason})" in backend.info
+    # gradio's own info line on every setting that has one, none left to the hosts' settings script,
+    # which cannot place it under a gradio 4 dropdown (Forge) and would draw it twice on A1111
+    for key in (settings.KEY_BACKEND, settings.KEY_VAE_BACKEND, settings.KEY_FP32):
+        assert built[key].info == settings.INFO[key]()
+        assert not opts.data_labels[key].comment_after
+    assert built[settings.KEY_VAE_BACKEND].info.startswith("The VAE attends")
     table = built[settings.KEY_AVAILABILITY]
     assert isinstance(table, gr.HTML)
     assert all(f"<code>{b}</code>" in table.value for b in lib_attn.BACKEND_IDS)

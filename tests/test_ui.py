@@ -110,4 +110,17 @@ def test_override_choices_label_unavailable_backends_in_pairs():
     assert pairs[0] == (ui.USE_SETTING, ui.USE_SETTING)
     for (label, value), info in zip(pairs[1:], lib_attn.backends()):
         assert value == info.id
-        assert label == (info.id if info.available else f"{info.id} — unavailable: {info.reason}")
+        assert label == (info.id if info.available else f"{info.id} (unavailable)")
+        assert len(label) <= len("sdpa-efficient (unavailable)")     # fits the dropdown; reasons go elsewhere
+        assert ui.backend_from_choice(label) == info.id              # what script-info lists is accepted back
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("sdpa", "sdpa"), (" sdpa-math ", "sdpa-math"),
+    ("flash-attn (unavailable)", "flash-attn"),
+    ("flash-attn — unavailable: ModuleNotFoundError: No module named 'flash_attn'", "flash-attn"),
+    ("nonexistent", None), ("m", None), ("flash-attnx", None), ("sdpa fast", None), (123, None), (None, None),
+    (["sdpa"], None),
+])
+def test_backend_from_choice(value, expected):
+    assert ui.backend_from_choice(value) == expected

@@ -100,8 +100,13 @@ def flag_given(entry: Entry) -> bool:
 
 
 def entry_available(entry: Entry) -> bool:
-    """Whether the entry is offered; the reason it is not is logged once per process."""
-    if entry.backend is None:
+    """Whether the entry is offered; the reason it is not is logged once per process.
+
+    An entry whose flag was given is always offered, so that "Automatic" routes attention through the
+    engine as the flag asks; calls its backend cannot take fall back per call, with the reason counted
+    (``flags.startup_notes`` says so at startup).
+    """
+    if entry.backend is None or flag_given(entry):
         return True
     info = available_backends().get(entry.backend)
     if info is not None and info.available:
@@ -247,6 +252,32 @@ def is_ours(optimizer) -> bool:
     return getattr(optimizer, "webui_attn_entry", None) is not None
 
 
+SETTING_PATH = "Settings → Optimizations → Cross attention optimization"
+
+
+def route_hint() -> str:
+    flags_text = ", ".join(f"--{dest.replace('_', '-')}" for dest, _ in flags.OPT_FLAGS)
+    return (f"to route attention through this extension, choose '{ENTRY_BY_KEY['auto'].title}' (or another "
+            f"of its entries) in {SETTING_PATH}, or start the webui with one of {flags_text} or --attn-backend")
+
+
+def routing() -> host.Routing:
+    """Whether attention runs through the engine: A1111's applied optimizer is one of ours and the
+    forwards it patched are still in place. Otherwise what runs instead, and how to route it here."""
+    current = getattr(sys.modules.get("modules.sd_hijack"), "current_optimizer", None)
+    if is_ours(current):
+        if patches.active and patches.intact():
+            return host.ROUTED
+        return host.Routing(False, "A1111's default attention forwards (the webui reset the forwards "
+                                   f"'{current.title()}' patched)",
+                            f"choose '{current.title()}' again in {SETTING_PATH} or reload the model")
+    if current is None:
+        ran_on = "A1111's attention without an optimization (Cross attention optimization: None)"
+    else:
+        ran_on = f"A1111's {current.name} optimizer"
+    return host.Routing(False, ran_on, route_hint())
+
+
 def register(script_callbacks) -> None:
     """Called at entry-script import: flags layer, the optimizer list callback, undo on unload.
 
@@ -254,6 +285,7 @@ def register(script_callbacks) -> None:
     ours the patches (undone at unload) are put back here so the running model keeps this extension.
     """
     flags.apply(_cmd_opts())
+    flags.say_startup(_cmd_opts())
     script_callbacks.on_list_optimizers(list_optimizers)
     script_callbacks.on_script_unloaded(uninstall)
     current = getattr(sys.modules.get("modules.sd_hijack"), "current_optimizer", None)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
+from dataclasses import dataclass
 
 A1111 = "a1111"
 FORGE = "forge"
@@ -49,3 +51,37 @@ def log_once(key, message: str) -> None:
         return
     _said.add(key)
     log(message)
+
+
+class _Prefixed(logging.Formatter):
+    def format(self, record):
+        return f"{PREFIX} {record.getMessage()}"
+
+
+def prefix_engine_log() -> None:
+    """Print the engine's warnings (fallbacks met for the first time) with this extension's prefix, once
+    per process, instead of in whatever format the webui gives the root logger."""
+    logger = logging.getLogger("lib_attn")
+    if any(getattr(h, "webui_attn", False) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(_Prefixed())
+    handler.webui_attn = True
+    logger.addHandler(handler)
+    logger.propagate = False
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Whether attention goes through this extension now, and if not, what runs it instead.
+
+    ``ran_on``: what runs attention when not routed, e.g. "A1111's InvokeAI optimizer"; ``hint``: how
+    to route attention through the extension (shown in the readout, not in the infotext).
+    """
+
+    routed: bool
+    ran_on: str | None = None
+    hint: str | None = None
+
+
+ROUTED = Routing(True)

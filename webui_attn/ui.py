@@ -24,14 +24,41 @@ def gradio_major() -> int:
         return 3
 
 
-def override_choices(pairs: bool = False) -> list:
-    """"use setting" then every backend id; with ``pairs`` unavailable ids are labelled with their reason."""
+UNAVAILABLE = "unavailable"
+
+
+def choice_label(info) -> str:
+    """A backend's dropdown label: its id, marked when it cannot run here (the reason goes in the info
+    line and the availability table, where it has room)."""
+    return info.id if info.available else f"{info.id} ({UNAVAILABLE})"
+
+
+def backend_from_choice(value) -> str | None:
+    """The backend id a dropdown value names: the id itself, or a label shown for it (Forge's
+    ``/sdapi/v1/script-info`` lists labels, and API users send back what it lists). None otherwise."""
+    if not isinstance(value, str):
+        return None
+    text = value.strip()
+    if text in lib_attn.BACKEND_IDS:
+        return text
+    head, _, rest = text.partition(" ")
+    return head if head in lib_attn.BACKEND_IDS and rest.startswith(("(", "—")) else None
+
+
+def choices(first: str, pairs: bool = False) -> list:
+    """``first`` then every backend id; with ``pairs`` (gradio 4) as (label, id) so unavailable ids are marked."""
     if not pairs:
-        return [USE_SETTING, *lib_attn.BACKEND_IDS]
-    out = [(USE_SETTING, USE_SETTING)]
-    for b in lib_attn.backends():
-        out.append((b.id if b.available else f"{b.id} — unavailable: {b.reason}", b.id))
-    return out
+        return [first, *lib_attn.BACKEND_IDS]
+    return [(first, first), *((choice_label(b), b.id) for b in lib_attn.backends())]
+
+
+def override_choices(pairs: bool = False) -> list:
+    """"use setting" then every backend id."""
+    return choices(USE_SETTING, pairs)
+
+
+def unavailable_ids() -> list[str]:
+    return [b.id for b in lib_attn.backends() if not b.available]
 
 
 def _e(text) -> str:
@@ -133,11 +160,14 @@ def accordion(is_img2img: bool, last_report=lambda: None, open: bool = False) ->
     tab = "img2img" if is_img2img else "txt2img"
     with gr.Accordion("Attention backend", open=open, elem_id=f"{ELEM_PREFIX}_{tab}"):
         with gr.Row(elem_classes=["flash-attn-row"]):
+            missing = unavailable_ids()
             override = gr.Dropdown(
                 label="Backend for this generation (UNet / DiT)",
                 choices=override_choices(pairs=gradio_major() >= 4),
                 value=USE_SETTING,
                 elem_id=f"{ELEM_PREFIX}_{tab}_override",
+                info=("Not available here: " + ", ".join(missing) + " (why: Settings → Optimizations)"
+                      if missing else "Every backend is available here."),
             )
             refresh = gr.Button("Show last readout", elem_id=f"{ELEM_PREFIX}_{tab}_refresh",
                                 elem_classes=["flash-attn-refresh"])
