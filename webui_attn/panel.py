@@ -102,10 +102,19 @@ def override_from_params(params: dict) -> str | None:
     return backend if backend in lib_attn.BACKEND_IDS else None
 
 
+#: The webui's element updated at the end of every generation (the comments and time under the image),
+#: created after the scripts' UI in both hosts' output panel; the readout follows it.
+OUTPUT_ELEM = "html_log_{tab}"
+
+
 def ui(script, is_img2img):
     from . import ui as ui_parts
 
-    parts = ui_parts.accordion(is_img2img, last_report)
+    hook = getattr(script, "on_after_component", None)
+    parts = ui_parts.accordion(is_img2img, last_report, refresh=hook is None)
+    if hook is not None:
+        tab = "img2img" if is_img2img else "txt2img"
+        hook(lambda on: ui_parts.follow(on.component, parts["readout"], last_report), elem_id=OUTPUT_ELEM.format(tab=tab))
     script.infotext_fields = [(parts["override"], override_from_params)]
     script.paste_field_names = [INFOTEXT_KEY]
     return [parts["override"]]

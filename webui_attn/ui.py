@@ -76,7 +76,8 @@ def report_html(report) -> str:
                         f"<td class='flash-attn-kernel'>{_e(report.describe(backend))}</td>"
                         f"<td class='flash-attn-count'>×{n:,}</td></tr>")
     if not rows:
-        rows.append("<tr><td colspan='3'>No attention call ran.</td></tr>")
+        ran = f"{report.ran_on}, not through this extension." if report.ran_on else "No attention call ran."
+        rows.append(f"<tr><td colspan='3' class='flash-attn-elsewhere'>{_e(ran)}</td></tr>")
     parts = ["<div class='flash-attn-readout'>",
              "<table class='flash-attn-calls'><thead><tr><th>Role</th><th>Kernel</th><th>Calls</th></tr></thead>",
              "<tbody>" + "".join(rows) + "</tbody></table>"]
@@ -86,6 +87,9 @@ def report_html(report) -> str:
             f"<code>{_e(backend)}</code> passed over ×{n:,}: {_e(reason)}</li>"
             for (role, backend, reason), n in report.fallback_items())
         parts.append(f"<ul class='flash-attn-fallbacks'>{items}</ul>")
+    notes = [*report.notes, *([report.hint] if report.hint else [])]
+    if notes:
+        parts.append("<ul class='flash-attn-notes'>" + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>")
     facts = []
     if report.seconds is not None:
         from lib_attn.report import elapsed_text
@@ -119,13 +123,17 @@ def availability_html(data: dict | None = None) -> str:
         rows.append(f"<tr class='flash-attn-{state}'><td><code>{_e(b['id'])}</code></td>"
                     f"<td class='flash-attn-state' title='{state}'>{mark}</td><td>{_e(b['label'])}</td>"
                     f"<td>{detail}</td></tr>")
+    ignored = "".join(f"<li>{_e(m)}</li>" for m in data.get("ignored_settings") or ())
+    if ignored:
+        ignored = f"<p>Ignored:</p><ul class='flash-attn-ignored'>{ignored}</ul>"
     chains = "".join(f"<li>{_e(ROLE_LABELS.get(role, role))}: {' → '.join(_e(i) for i in chain)}</li>"
                      for role, chain in data["default_chains"].items())
     return ("<div class='flash-attn-availability'>"
             f"<p>Device: {device} · torch {_e(data['torch'])}</p>"
             "<table><thead><tr><th>Backend</th><th></th><th>What</th><th>Version, or why not</th></tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table>"
-            f"<p>Default order on this device (Auto):</p><ul class='flash-attn-chains'>{chains}</ul></div>")
+            f"<p>Default order on this device (Auto):</p><ul class='flash-attn-chains'>{chains}</ul>"
+            f"{ignored}</div>")
 
 
 def _host_options():
@@ -149,11 +157,12 @@ def availability_option(shared):
     return info
 
 
-def accordion(is_img2img: bool, last_report=lambda: None, open: bool = False) -> dict:
+def accordion(is_img2img: bool, last_report=lambda: None, open: bool = False, refresh: bool = True) -> dict:
     """Build the accordion inside the current ``gr.Blocks``; returns its components by name.
 
     ``override``: the per-generation backend dropdown (the script's only argument); ``readout``:
-    the HTML of the last generation; ``refresh``: the button that reloads it from ``last_report()``.
+    the HTML of the last generation; ``refresh``: the button that reloads it from ``last_report()``, only
+    when asked for (a host without a hook to ``follow``), else None.
     """
     import gradio as gr
 
@@ -169,8 +178,17 @@ def accordion(is_img2img: bool, last_report=lambda: None, open: bool = False) ->
                 info=("Not available here: " + ", ".join(missing) + " (why: Settings → Optimizations)"
                       if missing else "Every backend is available here."),
             )
-            refresh = gr.Button("Show last readout", elem_id=f"{ELEM_PREFIX}_{tab}_refresh",
-                                elem_classes=["flash-attn-refresh"])
+            button = None
+            if refresh:
+                button = gr.Button("Show last readout", elem_id=f"{ELEM_PREFIX}_{tab}_refresh",
+                                   elem_classes=["flash-attn-refresh"])
         readout = gr.HTML(value=report_html(last_report()), elem_id=f"{ELEM_PREFIX}_{tab}_readout")
-    refresh.click(fn=lambda: report_html(last_report()), inputs=[], outputs=[readout], show_progress="hidden")
-    return {"override": override, "readout": readout, "refresh": refresh}
+    if button is not None:
+        button.click(fn=lambda: report_html(last_report()), inputs=[], outputs=[readout], show_progress="hidden")
+    return {"override": override, "readout": readout, "refresh": button}
+
+
+def follow(trigger, readout, last_report) -> None:
+    """Redraw ``readout`` from ``last_report()`` whenever ``trigger`` (a component the webui updates at the
+    end of each generation) changes; call inside the Blocks that holds both."""
+    trigger.change(fn=lambda: report_html(last_report()), inputs=[], outputs=[readout], show_progress="hidden")
