@@ -30,8 +30,13 @@ def _clean():
 
 
 def _load(webui_factory, mode):
+    """The webui with this extension in the path: on A1111 its "attn-auto" entry applied, as a model load does."""
     webui = webui_factory(mode)
     webui.load_scripts()
+    if mode == "a1111":
+        from modules import sd_hijack
+        from webui_attn import a1111
+        sd_hijack.model_hijack.apply_optimizations(a1111.ENTRY_BY_KEY["auto"].title)
     classes = webui.script_classes()
     assert classes, "the entry script did not load"
     script = classes[0]()

@@ -53,22 +53,27 @@ def log_once(key, message: str) -> None:
     log(message)
 
 
-class _Prefixed(logging.Formatter):
-    def format(self, record):
-        return f"{PREFIX} {record.getMessage()}"
+class _ToLog(logging.Handler):
+    def emit(self, record):
+        log(record.getMessage())
 
 
 def prefix_engine_log() -> None:
-    """Print the engine's warnings (fallbacks met for the first time) with this extension's prefix, once
-    per process, instead of in whatever format the webui gives the root logger."""
+    """Print the engine's warnings (fallbacks met for the first time) through ``log``, with this
+    extension's prefix, instead of in whatever format the webui gives the root logger; once per process."""
     logger = logging.getLogger("lib_attn")
-    if any(getattr(h, "webui_attn", False) for h in logger.handlers):
+    if any(isinstance(h, _ToLog) for h in logger.handlers):
         return
-    handler = logging.StreamHandler()
-    handler.setFormatter(_Prefixed())
-    handler.webui_attn = True
-    logger.addHandler(handler)
+    logger.addHandler(_ToLog(logging.WARNING))
     logger.propagate = False
+
+
+def unprefix_engine_log() -> None:
+    """Undo ``prefix_engine_log`` (script unload)."""
+    logger = logging.getLogger("lib_attn")
+    for handler in [h for h in logger.handlers if isinstance(h, _ToLog)]:
+        logger.removeHandler(handler)
+    logger.propagate = True
 
 
 @dataclass(frozen=True)
