@@ -129,8 +129,12 @@ def test_status_route_says_what_ran(webui_factory):
     from modules import script_callbacks
     app = FastAPI()
     script_callbacks.app_started_callback(None, app)
+    client = TestClient(app)
+    routing = client.get(api.ROUTE).json()["routing"]
+    assert routing["routed"] is False and routing["ran_on"] == "A1111's InvokeAI optimizer"
+    assert AUTO_TITLE in routing["hint"]
     txt2img(runner)
-    body = TestClient(app).get(api.ROUTE).json()["last_report"]
+    body = client.get(api.ROUTE).json()["last_report"]
     assert body["calls"] == [] and body["ran_on"] == "A1111's InvokeAI optimizer"
     assert body["text"][0].startswith("Attention: A1111's InvokeAI optimizer, not through this extension")
 
@@ -295,3 +299,14 @@ def test_engine_warnings_carry_the_prefix(webui_factory, capsys):
     out = capsys.readouterr().out
     assert any(line.startswith(f"{host.PREFIX} attention: flash-attn passed over") for line in out.splitlines())
     assert json.dumps(report.to_dict())
+
+
+def test_forge_says_at_startup_what_a_flag_does(webui_factory, capsys):
+    info = {b.id: b for b in lib_attn.backends()}["flash-attn"]
+    if info.available:
+        pytest.skip("flash-attn runs here")
+    runner, _, _ = start(webui_factory, "forge", ["--opt-flash-attention"])
+    lines = [line for line in prefixed(capsys.readouterr().out) if "--opt-flash-attention" in line]
+    assert len(lines) == 1 and f"flash-attn ({info.reason})" in lines[0]
+    txt2img(runner)
+    assert panel.last_report().fallbacks == {("unet", "flash-attn", "not available: " + info.reason): 3}

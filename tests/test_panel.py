@@ -279,6 +279,7 @@ def test_api_route_returns_availability_and_last_report(webui_factory, mode):
 
     empty = client.get(api.ROUTE)
     assert empty.status_code == 200 and empty.json()["last_report"] is None
+    assert empty.json()["routing"] == {"routed": True, "ran_on": None, "hint": None}
     assert [b["id"] for b in empty.json()["availability"]["backends"]] == list(lib_attn.BACKEND_IDS)
 
     _generate(script, "sdpa-math")

@@ -1,7 +1,8 @@
 """A read-only JSON route: what can run here and what ran in the last generation.
 
-``GET /flash-attention/v1/status`` returns ``{"availability": …, "last_report": … or null}``;
-the availability part is the data of the Settings table, the report that of the readout.
+``GET /flash-attention/v1/status`` returns ``{"availability": …, "routing": …, "last_report": … or null}``;
+the availability part is the data of the Settings table, ``routing`` whether attention goes through the
+extension now (and if not, what runs it), the report that of the readout.
 """
 from __future__ import annotations
 
@@ -73,7 +74,10 @@ def status() -> dict:
     from . import panel
 
     report = panel.last_report()
-    return {"availability": availability(), "last_report": None if report is None else report.to_dict()}
+    route = panel.routing()
+    return {"availability": availability(),
+            "routing": {"routed": route.routed, "ran_on": route.ran_on, "hint": route.hint},
+            "last_report": None if report is None else report.to_dict()}
 
 
 def register(app) -> bool:
