@@ -217,7 +217,11 @@ def test_empty_args_are_the_ui_default(webui_factory, capsys):
 def test_labels_listed_for_the_dropdown_are_accepted_back(webui_factory, mode):
     """Forge's script-info lists a dropdown's labels; each one sent back picks its backend."""
     runner, _, _ = start(webui_factory, mode, optimization=AUTO_TITLE)
-    for label, backend in ui.override_choices(pairs=True)[1:]:
+    control = runner.alwayson_scripts[0].controls[0]
+    listed = [c[0] if isinstance(c, tuple) else c for c in control.choices]    # script-info's rule
+    assert listed[0] == ui.USE_SETTING
+    labels = dict(ui.override_choices(pairs=True)[1:])                          # gradio 4's labels
+    for label, backend in [*zip(listed[1:], lib_attn.BACKEND_IDS), *labels.items()]:
         txt2img(runner, [label])
         report = panel.last_report()
         assert not report.notes, label

@@ -99,6 +99,15 @@ def flag_given(entry: Entry) -> bool:
     return bool(getattr(opts, entry.cmd_opt, False))
 
 
+def priority(entry: Entry) -> int:
+    """The entry's rank among A1111's optimizers: the one place that decides what "Automatic" picks."""
+    if flag_given(entry):
+        return FLAG_PRIORITY + entry.rank
+    if entry.key == "auto" and auto_beats_a1111():
+        return AUTO_PRIORITY
+    return 0
+
+
 def entry_available(entry: Entry) -> bool:
     """Whether the entry is offered; the reason it is not is logged once per process.
 
@@ -219,11 +228,7 @@ def _make_class(base, entry: Entry):
 
         @property
         def priority(self):
-            if flag_given(entry):
-                return FLAG_PRIORITY + entry.rank
-            if entry.key == "auto" and auto_beats_a1111():
-                return AUTO_PRIORITY
-            return 0
+            return priority(entry)
 
         def title(self):
             return entry.title
