@@ -16,6 +16,7 @@ gr = pytest.importorskip("gradio")
 import lib_attn  # noqa: E402
 from lib_attn.report import parse_infotext  # noqa: E402
 from tests.doubles.fixtures import webui_factory  # noqa: E402,F401
+from tests.ui_helpers import event_handler  # noqa: E402
 from webui_attn import a1111, forge, host, layers, panel, settings, ui  # noqa: E402
 
 AUTO_TITLE = a1111.ENTRY_BY_KEY["auto"].title
@@ -254,7 +255,8 @@ def test_bad_settings_from_the_api_are_logged_noted_and_listed(webui_factory, ca
     processed, _ = txt2img(runner)
     report = panel.last_report()
     assert len(report.notes) == 2 and all("ignored" in n for n in report.notes)
-    assert lib_attn.config().fp32 == "cast" and lib_attn.config().preference["unet"] == layers.merged()["preference"]["unet"]
+    assert layers.get_layer("settings") is None                 # both ignored: Auto, as if unset
+    assert lib_attn.config().fp32 == "cast"
     assert all(f"Attention note: {n}" in processed.comments for n in report.notes)
     from webui_attn.api import availability
     ignored = availability()["ignored_settings"]
@@ -270,25 +272,12 @@ def test_readout_redraws_when_the_generation_ends(webui_factory, mode):
     script = runner.alwayson_scripts[0]
     readout = next(c for c in demo.blocks.values() if getattr(c, "elem_id", None) == "flash_attn_txt2img_readout")
     assert not any(getattr(c, "elem_id", "") == "flash_attn_txt2img_refresh" for c in demo.blocks.values())
-    fn, outputs = _handler(demo, output.html_log)
+    fn, outputs = event_handler(demo, output.html_log)
     assert outputs == [readout._id]
     assert "No generation yet" in fn()
     txt2img(runner, ["sdpa-math"])
     assert fn() == ui.report_html(panel.last_report()) and "sdpa-math" in fn()
     assert script.args_to - script.args_from == 1
-
-
-def _handler(demo, trigger):
-    """The function gradio runs when ``trigger`` changes, and its output ids (gradio 3 and 4 layouts)."""
-    if isinstance(demo.fns, dict):
-        for fn in demo.fns.values():
-            if trigger._id in [t[0] for t in fn.targets]:
-                return fn.fn, [block._id for block in fn.outputs]
-    else:
-        for dep, fn in zip(demo.dependencies, demo.fns):
-            if trigger._id in [t if isinstance(t, int) else t[0] for t in dep["targets"]]:
-                return fn.fn, dep["outputs"]
-    raise AssertionError("no event handler on the component")
 
 
 # --- 12: one prefix ------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ gr = pytest.importorskip("gradio")
 
 import lib_attn  # noqa: E402
 from lib_attn.report import MIB, Report, Vram  # noqa: E402
+from tests.ui_helpers import event_handler  # noqa: E402
 from webui_attn import ui  # noqa: E402
 from webui_attn.api import XFORMERS_BLOCKED, availability, cpu_model  # noqa: E402
 
@@ -20,20 +21,6 @@ def _report():
         seconds=12.3,
         vram=Vram(3 * 1024 * MIB, 4 * 1024 * MIB, 6 * 1024 * MIB, 80 * 1024 * MIB),
     )
-
-
-def _handler(demo, trigger):
-    """The function gradio runs when ``trigger`` fires, and the ids of its output components
-    (gradio 3 keeps events in ``dependencies`` beside ``fns``; gradio 4 in ``fns`` by id)."""
-    if isinstance(demo.fns, dict):
-        for fn in demo.fns.values():
-            if trigger._id in [t[0] for t in fn.targets]:
-                return fn.fn, [block._id for block in fn.outputs]
-    else:
-        for dep, fn in zip(demo.dependencies, demo.fns):
-            if trigger._id in [t if isinstance(t, int) else t[0] for t in dep["targets"]]:
-                return fn.fn, dep["outputs"]
-    raise AssertionError("no event handler on the component")
 
 
 def _values(choices):
@@ -53,7 +40,7 @@ def test_accordion_builds_in_blocks_and_refreshes_the_readout():
     assert isinstance(parts["readout"], gr.HTML)
     assert "No generation yet" in parts["readout"].value
 
-    fn, outputs = _handler(demo, parts["refresh"])
+    fn, outputs = event_handler(demo, parts["refresh"])
     assert outputs == [parts["readout"]._id]
     assert "No generation yet" in fn()
     shown["report"] = _report()

@@ -114,7 +114,8 @@ def ui(script, is_img2img):
     parts = ui_parts.accordion(is_img2img, last_report, refresh=hook is None)
     if hook is not None:
         tab = "img2img" if is_img2img else "txt2img"
-        hook(lambda on: ui_parts.follow(on.component, parts["readout"], last_report), elem_id=OUTPUT_ELEM.format(tab=tab))
+        hook(lambda on: ui_parts.follow(on.component, parts["readout"], last_report),
+             elem_id=OUTPUT_ELEM.format(tab=tab))
     script.infotext_fields = [(parts["override"], override_from_params)]
     script.paste_field_names = [INFOTEXT_KEY]
     return [parts["override"]]
