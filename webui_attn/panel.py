@@ -69,11 +69,6 @@ def read_override(args) -> tuple[str | None, str | None]:
                   f"{', '.join(lib_attn.BACKEND_IDS)} (over the API: \"args\": [\"<id>\"], a list)")
 
 
-def override_value(args) -> str | None:
-    """The override's backend id from the script's arguments; None for "use setting", no value or a bad one."""
-    return read_override(args)[0]
-
-
 def routing() -> host.Routing:
     """Whether attention goes through this extension in the running host, from its adapter."""
     kind = host.detect()
