@@ -277,7 +277,8 @@ def routing() -> host.Routing:
                                    f"'{current.title()}' patched)",
                             f"choose '{current.title()}' again in {SETTING_PATH} or reload the model")
     if current is None:
-        ran_on = "A1111's attention without an optimization (Cross attention optimization: None)"
+        ran_on = ("A1111's attention without an optimization (Cross attention optimization \"None\", "
+                  "--disable-opt-split-attention, or no model loaded yet)")
     else:
         ran_on = f"A1111's {current.name} optimizer"
     return host.Routing(False, ran_on, route_hint())
