@@ -8,25 +8,24 @@ import argparse
 
 GROUP_TITLE = "sd-webui-flash-attention"
 
-_FALLBACK = ("A call it cannot take falls back to the next backend of the chain (ending in plain PyTorch) "
-             "and is counted; see --attn-strict.")
+_FALLBACK = ("A call it cannot take (all of them when it cannot run here) falls back to the next backend of "
+             "the chain (ending in plain PyTorch) and is counted with the reason; see --attn-strict.")
 
 FLAGS = (
     ("--opt-flash-attention", dict(
         action="store_true",
-        help="Use flash-attn (FlashAttention 2/3) for UNet and DiT attention; 'Automatic' picks it when available. "
+        help="Use flash-attn (FlashAttention 2/3) for UNet and DiT attention; 'Automatic' picks it. "
              "Head dims above 256 (VAE), fp32 under --attn-fp32 keep, and non-CUDA calls fall back. " + _FALLBACK)),
     ("--opt-cudnn-attention", dict(
         action="store_true",
-        help="Use PyTorch's cuDNN attention for UNet and DiT attention; 'Automatic' picks it when available. "
+        help="Use PyTorch's cuDNN attention for UNet and DiT attention; 'Automatic' picks it. "
              + _FALLBACK)),
     ("--opt-efficient-attention", dict(
         action="store_true",
-        help="Use PyTorch's memory-efficient attention for UNet and DiT attention; 'Automatic' picks it when "
-             "available. " + _FALLBACK)),
+        help="Use PyTorch's memory-efficient attention for UNet and DiT attention; 'Automatic' picks it. " + _FALLBACK)),
     ("--opt-sage-attention", dict(
         action="store_true",
-        help="Use SageAttention (quantised QK) for UNet and DiT attention; 'Automatic' picks it when available. "
+        help="Use SageAttention (quantised QK) for UNet and DiT attention; 'Automatic' picks it. "
              "Head dims it does not support (SD1.5's 160, the VAE's 512) fall back. " + _FALLBACK)),
     ("--attn-backend", dict(
         metavar="ID[,ID...]", default=None,

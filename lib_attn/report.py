@@ -20,6 +20,7 @@ _ROLE_ORDER = ("unet", "dit", "vae", "text")
 
 INFOTEXT_KEY = "Attention"
 INFOTEXT_FALLBACKS_KEY = "Attention fallbacks"
+INFOTEXT_NOTE_KEY = "Attention note"
 
 
 def _mib_up(n: int) -> int:
@@ -166,6 +167,9 @@ class Report:
     ``calls``: {(role, backend id): n}; ``fallbacks``: {(role, backend id passed over, reason): n};
     ``kernels``: {backend id: description with version, e.g. "flash-attn 2.8.3 (FA3)"};
     ``seconds``: wall time of the generation, or None; ``vram``: a ``Vram`` or None (CPU, unmeasured).
+    ``notes``: what the user should know about this generation (an override or setting that was ignored,
+    and why); ``ran_on``: what ran attention when it did not go through the engine (e.g. "A1111's
+    InvokeAI optimizer"); ``hint``: how to route attention through the engine then (readout only).
     """
 
     calls: dict = field(default_factory=dict)
@@ -173,6 +177,9 @@ class Report:
     kernels: dict = field(default_factory=dict)
     seconds: float | None = None
     vram: Vram | None = None
+    notes: tuple = ()
+    ran_on: str | None = None
+    hint: str | None = None
 
     @classmethod
     def from_recording(cls, rec, seconds: float | None = None, vram: Vram | None = None) -> "Report":
@@ -220,7 +227,9 @@ class Report:
         for role in self.roles():
             ran = " + ".join(f"{self.describe(b)} ×{n:,}" for b, n in self.backends(role))
             parts.append(self._prefix(role) + ran)
-        return " · ".join(parts) if parts else "no attention calls"
+        if parts:
+            return " · ".join(parts)
+        return f"{self.ran_on}, not through this extension" if self.ran_on else "no attention calls"
 
     def fallbacks_text(self) -> str:
         return "; ".join(f"{self._prefix(role)}{backend} ×{n:,}: {_clean(reason)}"
@@ -236,6 +245,7 @@ class Report:
         out = [f"{INFOTEXT_KEY}: " + " · ".join(head)]
         if self.fallbacks:
             out.append(f"{INFOTEXT_FALLBACKS_KEY}: {self.fallbacks_text()}")
+        out.extend(f"{INFOTEXT_NOTE_KEY}: {note}" for note in (*self.notes, *([self.hint] if self.hint else ())))
         return out
 
     def text(self) -> str:
@@ -253,6 +263,8 @@ class Report:
             out[INFOTEXT_KEY] = "; ".join(segments)
         if self.fallbacks:
             out[INFOTEXT_FALLBACKS_KEY] = self.fallbacks_text()
+        if self.notes:
+            out[INFOTEXT_NOTE_KEY] = "; ".join(_clean(note) for note in self.notes)
         return out
 
     @classmethod
@@ -293,6 +305,9 @@ class Report:
             "vram": None if self.vram is None else self.vram.to_dict(),
             "text": self.lines(),
             "infotext": self.to_infotext(),
+            "notes": list(self.notes),
+            "ran_on": self.ran_on,
+            "hint": self.hint,
         }
 
     @classmethod
@@ -304,7 +319,8 @@ class Report:
         v = data.get("vram")
         vram = None if not v else Vram(v["active_peak_bytes"], v["reserved_peak_bytes"], v["system_peak_bytes"],
                                        v["total_bytes"], v.get("source", "host"), bool(v.get("peaks_bounded")))
-        return cls(calls, fallbacks, kernels, data.get("seconds"), vram)
+        return cls(calls, fallbacks, kernels, data.get("seconds"), vram, tuple(data.get("notes") or ()),
+                   data.get("ran_on"), data.get("hint"))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), ensure_ascii=False)

@@ -8,6 +8,7 @@ from modules import script_callbacks, scripts
 from webui_attn import host, panel
 
 HOST = host.detect()
+host.prefix_engine_log()
 
 if HOST == host.A1111:
     from webui_attn import a1111
@@ -29,6 +30,7 @@ def _on_app_started(demo, app):
 
 script_callbacks.on_ui_settings(_on_ui_settings)
 script_callbacks.on_app_started(_on_app_started)
+script_callbacks.on_script_unloaded(host.unprefix_engine_log)
 
 
 class FlashAttentionScript(scripts.Script):

@@ -127,10 +127,34 @@ def test_against_xformers_auto_wins_only_with_a_faster_kernel(webui_factory, mon
     assert selected().title() == expected
 
 
-def test_flag_for_a_missing_package_leaves_a1111_choice(webui_factory, monkeypatch):
-    simulate_backends(monkeypatch, {"sdpa", "math"})
-    start(webui_factory, ["--opt-flash-attention"], device="cuda")
-    assert selected().name == "Doggettx"
+@pytest.mark.parametrize("flag,key,backend", [
+    ("--opt-flash-attention", "flash", "flash-attn"),
+    ("--opt-sage-attention", "sage", "sage"),
+    ("--opt-cudnn-attention", "cudnn", "sdpa-cudnn"),
+])
+def test_flag_for_a_backend_that_cannot_run_still_routes_through_the_engine(
+        webui_factory, monkeypatch, capsys, flag, key, backend):
+    """CPU: the flag's backend cannot run (no package, or no CUDA); its entry is offered anyway, "Automatic"
+    picks it, each call falls back with the reason counted, and startup says so in one line."""
+    monkeypatch.setattr(host, "_said", set())
+    info = {b.id: b for b in lib_attn.backends()}[backend]
+    if info.available:
+        pytest.skip(f"{backend} runs here")
+    webui = start(webui_factory, [flag], device="cpu")
+    assert selected().title() == TITLES[key]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"{host.PREFIX} --")]
+    assert lines == [f"{host.PREFIX} {flag}: UNet/DiT attention goes through this extension, {backend} first; "
+                     f"cannot run here: {backend} ({info.reason}), so its calls fall back per call, counted "
+                     f"with the reason in the readout"]
+    import ldm.modules.attention as ldm_attention
+    module = ldm_attention.CrossAttention(320, None, 8, 40)
+    with lib_attn.recording() as rec:
+        module(torch.randn(1, 16, 320))
+        module(torch.randn(1, 16, 320))
+    assert rec.fallbacks == {("unet", backend, "not available: " + info.reason): 2}
+    assert sum(rec.calls.values()) == 2
+    webui.reload_ui()                                     # said once per process
+    assert f"{host.PREFIX} --" not in capsys.readouterr().out
 
 
 def test_unknown_backend_id_leaves_a1111_choice(webui_factory, monkeypatch, capsys):

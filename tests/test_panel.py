@@ -30,8 +30,13 @@ def _clean():
 
 
 def _load(webui_factory, mode):
+    """The webui with this extension in the path: on A1111 its "attn-auto" entry applied, as a model load does."""
     webui = webui_factory(mode)
     webui.load_scripts()
+    if mode == "a1111":
+        from modules import sd_hijack
+        from webui_attn import a1111
+        sd_hijack.model_hijack.apply_optimizations(a1111.ENTRY_BY_KEY["auto"].title)
     classes = webui.script_classes()
     assert classes, "the entry script did not load"
     script = classes[0]()
@@ -112,8 +117,14 @@ def test_setting_components_build_in_blocks(webui_factory, mode):
     values = [c if isinstance(c, str) else c[1] for c in backend.choices]
     assert values == [settings.AUTO, *lib_attn.BACKEND_IDS]  # unavailable ones are listed too
     for b in lib_attn.backends():
-        if not b.available:  # ...with their reason next to the dropdown
-            assert b.id in opts.data_labels[settings.KEY_BACKEND].comment_after
+        if not b.available:  # ...with their reason in the info line gradio draws under the dropdown
+            assert f"{b.id} ({b.reason})" in backend.info
+    # gradio's own info line on every setting that has one, none left to the hosts' settings script,
+    # which cannot place it under a gradio 4 dropdown (Forge) and would draw it twice on A1111
+    for key in (settings.KEY_BACKEND, settings.KEY_VAE_BACKEND, settings.KEY_FP32):
+        assert built[key].info == settings.INFO[key]()
+        assert not opts.data_labels[key].comment_after
+    assert built[settings.KEY_VAE_BACKEND].info.startswith("The VAE attends")
     table = built[settings.KEY_AVAILABILITY]
     assert isinstance(table, gr.HTML)
     assert all(f"<code>{b}</code>" in table.value for b in lib_attn.BACKEND_IDS)
@@ -268,6 +279,7 @@ def test_api_route_returns_availability_and_last_report(webui_factory, mode):
 
     empty = client.get(api.ROUTE)
     assert empty.status_code == 200 and empty.json()["last_report"] is None
+    assert empty.json()["routing"] == {"routed": True, "ran_on": None, "hint": None}
     assert [b["id"] for b in empty.json()["availability"]["backends"]] == list(lib_attn.BACKEND_IDS)
 
     _generate(script, "sdpa-math")

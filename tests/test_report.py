@@ -258,6 +258,7 @@ def test_json_exact():
                  "Attention fallbacks: VAE flash-attn ×2: head_dim 512 > 256"],
         "infotext": {"Attention": "flash-attn 2.8.3; VAE sdpa-efficient torch 2.3.1",
                      "Attention fallbacks": "VAE flash-attn ×2: head_dim 512 > 256"},
+        "notes": [], "ran_on": None, "hint": None,
     }
 
 
@@ -274,3 +275,19 @@ def test_dit_and_unet_in_one_generation_stay_apart():
     assert report.calls_text() == "sdpa ×3 · DiT flash-attn ×5 · Text sdpa-math ×1"
     back = Report.from_infotext(report.to_infotext())
     assert set(back.calls) == {("unet", "sdpa"), ("dit", "flash-attn"), ("text", "sdpa-math")}
+
+
+def test_notes_and_what_ran_elsewhere():
+    """Attention that did not go through the engine is named as such, never as engine calls; notes (an
+    ignored override or setting) reach the readout and the infotext, the hint only the readout."""
+    report = Report(seconds=21.0, notes=("override 'x' ignored", "setting a='b' ignored"),
+                    ran_on="A1111's InvokeAI optimizer", hint="choose attn-auto")
+    assert report.lines() == [
+        "Attention: A1111's InvokeAI optimizer, not through this extension · 21.0 sec.",
+        "Attention note: override 'x' ignored",
+        "Attention note: setting a='b' ignored",
+        "Attention note: choose attn-auto",
+    ]
+    assert report.to_infotext() == {"Attention note": "override 'x' ignored; setting a='b' ignored"}
+    assert Report.from_infotext(report.to_infotext()) is None       # nothing to paste back as a backend
+    assert Report.from_dict(json.loads(report.to_json())) == report

@@ -1,5 +1,6 @@
 """The UI builds inside a real gradio Blocks (A1111's gradio 3.41.2) and shows the engine's data."""
 import html
+import sys
 
 import pytest
 
@@ -7,8 +8,9 @@ gr = pytest.importorskip("gradio")
 
 import lib_attn  # noqa: E402
 from lib_attn.report import MIB, Report, Vram  # noqa: E402
+from tests.ui_helpers import event_handler  # noqa: E402
 from webui_attn import ui  # noqa: E402
-from webui_attn.api import availability  # noqa: E402
+from webui_attn.api import XFORMERS_BLOCKED, availability, cpu_model  # noqa: E402
 
 
 def _report():
@@ -19,20 +21,6 @@ def _report():
         seconds=12.3,
         vram=Vram(3 * 1024 * MIB, 4 * 1024 * MIB, 6 * 1024 * MIB, 80 * 1024 * MIB),
     )
-
-
-def _handler(demo, trigger):
-    """The function gradio runs when ``trigger`` fires, and the ids of its output components
-    (gradio 3 keeps events in ``dependencies`` beside ``fns``; gradio 4 in ``fns`` by id)."""
-    if isinstance(demo.fns, dict):
-        for fn in demo.fns.values():
-            if trigger._id in [t[0] for t in fn.targets]:
-                return fn.fn, [block._id for block in fn.outputs]
-    else:
-        for dep, fn in zip(demo.dependencies, demo.fns):
-            if trigger._id in [t if isinstance(t, int) else t[0] for t in dep["targets"]]:
-                return fn.fn, dep["outputs"]
-    raise AssertionError("no event handler on the component")
 
 
 def _values(choices):
@@ -52,7 +40,7 @@ def test_accordion_builds_in_blocks_and_refreshes_the_readout():
     assert isinstance(parts["readout"], gr.HTML)
     assert "No generation yet" in parts["readout"].value
 
-    fn, outputs = _handler(demo, parts["refresh"])
+    fn, outputs = event_handler(demo, parts["refresh"])
     assert outputs == [parts["readout"]._id]
     assert "No generation yet" in fn()
     shown["report"] = _report()
@@ -91,9 +79,41 @@ def test_availability_table_lists_every_backend_with_reason_or_version():
         else:
             assert "✗" in row and html.escape(b.reason, quote=True) in row
     device = lib_attn.device_info()
-    assert html.escape(device.name) in text
-    for role in lib_attn.ROLES:
-        assert " → ".join(lib_attn.default_chain(role, device)) in text
+    if device.type == "cpu":   # the processor, not the machine's architecture
+        assert f"<p>Device: CPU ({html.escape(cpu_model())}) · torch" in text
+    else:
+        assert html.escape(device.name) in text
+    for role in ("unet", "dit", "vae"):
+        label = ui.ROLE_LABELS[role]
+        assert f"<li>{label}: " + " → ".join(lib_attn.default_chain(role, device)) + "</li>" in text
+    assert "Text encoder" not in text     # neither host sends its text encoder through the engine
+
+
+def test_cpu_model_reads_the_processor_name():
+    name = cpu_model()
+    assert name and name != "x86_64"
+    try:
+        with open("/proc/cpuinfo") as f:
+            listed = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        listed = []
+    if listed:
+        assert name == listed[0]
+
+
+def test_xformers_blocked_by_a1111_is_named(monkeypatch):
+    """A1111's import hook puts None in sys.modules["xformers"] unless started with --xformers."""
+    halted = "ModuleNotFoundError: import of xformers halted; None in sys.modules"
+    infos = [lib_attn.BackendInfo(b.id, b.label, False, halted if b.id == "xformers" else "other", "")
+             for b in lib_attn.backends()]
+    monkeypatch.setattr(lib_attn, "backends", lambda: list(infos))
+    monkeypatch.setitem(sys.modules, "xformers", None)
+    rows = {row["id"]: row for row in availability()["backends"]}
+    assert rows["xformers"]["reason"] == f"{XFORMERS_BLOCKED} ({halted})"
+    assert "unless it is started with --xformers" in XFORMERS_BLOCKED
+    assert rows["sdpa"]["reason"] == "other"
+    monkeypatch.delitem(sys.modules, "xformers")      # not blocked (another cause): the engine's text alone
+    assert {r["id"]: r for r in availability()["backends"]}["xformers"]["reason"] == halted
 
 
 def test_availability_data_matches_the_engine():
@@ -110,4 +130,17 @@ def test_override_choices_label_unavailable_backends_in_pairs():
     assert pairs[0] == (ui.USE_SETTING, ui.USE_SETTING)
     for (label, value), info in zip(pairs[1:], lib_attn.backends()):
         assert value == info.id
-        assert label == (info.id if info.available else f"{info.id} — unavailable: {info.reason}")
+        assert label == (info.id if info.available else f"{info.id} (unavailable)")
+        assert len(label) <= len("sdpa-efficient (unavailable)")     # fits the dropdown; reasons go elsewhere
+        assert ui.backend_from_choice(label) == info.id              # what script-info lists is accepted back
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("sdpa", "sdpa"), (" sdpa-math ", "sdpa-math"),
+    ("flash-attn (unavailable)", "flash-attn"),
+    ("flash-attn — unavailable: ModuleNotFoundError: No module named 'flash_attn'", "flash-attn"),
+    ("nonexistent", None), ("m", None), ("flash-attnx", None), ("sdpa fast", None), (123, None), (None, None),
+    (["sdpa"], None),
+])
+def test_backend_from_choice(value, expected):
+    assert ui.backend_from_choice(value) == expected

@@ -121,9 +121,23 @@ def flag_given(entry: Entry) -> bool:
     return bool(getattr(opts, entry.cmd_opt, False))
 
 
+def priority(entry: Entry) -> int:
+    """The entry's rank among A1111's optimizers: the one place that decides what "Automatic" picks."""
+    if flag_given(entry):
+        return FLAG_PRIORITY + entry.rank
+    if entry.key == "auto" and auto_beats_a1111():
+        return AUTO_PRIORITY
+    return 0
+
+
 def entry_available(entry: Entry) -> bool:
-    """Whether the entry is offered; the reason it is not is logged once per process."""
-    if entry.backend is None:
+    """Whether the entry is offered; the reason it is not is logged once per process.
+
+    An entry whose flag was given is always offered, so that "Automatic" routes attention through the
+    engine as the flag asks; calls its backend cannot take fall back per call, with the reason counted
+    (``flags.startup_notes`` says so at startup).
+    """
+    if entry.backend is None or flag_given(entry):
         return True
     info = available_backends().get(entry.backend)
     if info is not None and info.available:
@@ -236,11 +250,7 @@ def _make_class(base, entry: Entry):
 
         @property
         def priority(self):
-            if flag_given(entry):
-                return FLAG_PRIORITY + entry.rank
-            if entry.key == "auto" and auto_beats_a1111():
-                return AUTO_PRIORITY
-            return 0
+            return priority(entry)
 
         def title(self):
             return entry.title
@@ -269,6 +279,33 @@ def is_ours(optimizer) -> bool:
     return getattr(optimizer, "webui_attn_entry", None) is not None
 
 
+SETTING_PATH = "Settings → Optimizations → Cross attention optimization"
+
+
+def route_hint() -> str:
+    flags_text = ", ".join(f"--{dest.replace('_', '-')}" for dest, _ in flags.OPT_FLAGS)
+    return (f"to route attention through this extension, choose '{ENTRY_BY_KEY['auto'].title}' (or another "
+            f"of its entries) in {SETTING_PATH}, or start the webui with one of {flags_text} or --attn-backend")
+
+
+def routing() -> host.Routing:
+    """Whether attention runs through the engine: A1111's applied optimizer is one of ours and the
+    forwards it patched are still in place. Otherwise what runs instead, and how to route it here."""
+    current = getattr(sys.modules.get("modules.sd_hijack"), "current_optimizer", None)
+    if is_ours(current):
+        if patches.active and patches.intact():
+            return host.ROUTED
+        return host.Routing(False, "A1111's default attention forwards (the webui reset the forwards "
+                                   f"'{current.title()}' patched)",
+                            f"choose '{current.title()}' again in {SETTING_PATH} or reload the model")
+    if current is None:
+        ran_on = ("A1111's attention without an optimization (Cross attention optimization \"None\", "
+                  "--disable-opt-split-attention, or no model loaded yet)")
+    else:
+        ran_on = f"A1111's {current.name} optimizer"
+    return host.Routing(False, ran_on, route_hint())
+
+
 def register(script_callbacks) -> None:
     """Called at entry-script import: flags layer, the optimizer list callback, undo on unload.
 
@@ -276,6 +313,7 @@ def register(script_callbacks) -> None:
     ours the patches (undone at unload) are put back here so the running model keeps this extension.
     """
     flags.apply(_cmd_opts())
+    flags.say_startup(_cmd_opts())
     script_callbacks.on_list_optimizers(list_optimizers)
     script_callbacks.on_script_unloaded(uninstall)
     current = getattr(sys.modules.get("modules.sd_hijack"), "current_optimizer", None)

@@ -1,27 +1,63 @@
 """A read-only JSON route: what can run here and what ran in the last generation.
 
-``GET /flash-attention/v1/status`` returns ``{"availability": …, "last_report": … or null}``;
-the availability part is the data of the Settings table, the report that of the readout.
+``GET /flash-attention/v1/status`` returns ``{"availability": …, "routing": …, "last_report": … or null}``;
+the availability part is the data of the Settings table, ``routing`` whether attention goes through the
+extension now (and if not, what runs it), the report that of the readout.
 """
 from __future__ import annotations
+
+import platform
+import sys
 
 import lib_attn
 from lib_attn import _compat
 
+
 ROUTE = "/flash-attention/v1/status"
+#: Roles the hosts send through the engine; neither sends its text encoder.
+ROUTED_ROLES = ("unet", "dit", "vae")
+XFORMERS_BLOCKED = "A1111 blocks importing xformers unless it is started with --xformers"
+
+
+def cpu_model() -> str:
+    """The processor's model name (Linux: /proc/cpuinfo), else what the platform module says."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Hardware", "Processor") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown processor"
+
+
+def device_name(device) -> str:
+    return f"CPU ({cpu_model()})" if device.type == "cpu" else device.name
+
+
+def _reason(backend_id: str, reason: str | None) -> str | None:
+    """The engine's reason, with the host's part in it named (A1111's import hook puts None in
+    ``sys.modules["xformers"]`` unless the webui was started with --xformers)."""
+    if backend_id == "xformers" and reason and "xformers" in sys.modules and sys.modules["xformers"] is None:
+        return f"{XFORMERS_BLOCKED} ({reason})"
+    return reason or None
 
 
 def availability(device=None) -> dict:
-    """Torch version, the device, each backend (available, version, or why not) and the default chains.
+    """Torch version, the device, each backend (available, version, or why not), the default chains of the
+    roles the hosts route, and the stored settings being ignored.
 
     ``device`` (a ``DeviceInfo``) describes another device than this machine's (tests, docs)."""
+    from . import settings
+
     device = device or lib_attn.device_info()
     return {
         "torch": _compat.TORCH_VERSION_TEXT,
         "device": {
             "type": device.type,
             "index": device.index,
-            "name": device.name,
+            "name": device_name(device),
             "capability": None if device.capability is None else f"{device.capability[0]}.{device.capability[1]}",
             "total_memory_bytes": device.total_memory,
             "platform": device.platform,
@@ -31,10 +67,12 @@ def availability(device=None) -> dict:
         },
         "backends": [
             {"id": b.id, "label": b.label, "available": b.available, "version": b.version or None,
-             "reason": b.reason or None}
+             "reason": _reason(b.id, b.reason)}
             for b in lib_attn.backends()
         ],
-        "default_chains": {role: list(lib_attn.default_chain(role, device)) for role in lib_attn.ROLES},
+        "default_chains": {role: list(lib_attn.default_chain(role, device)) for role in lib_attn.ROLES
+                           if role in ROUTED_ROLES},
+        "ignored_settings": settings.problems(settings.read(settings._shared_opts())),
     }
 
 
@@ -42,7 +80,10 @@ def status() -> dict:
     from . import panel
 
     report = panel.last_report()
-    return {"availability": availability(), "last_report": None if report is None else report.to_dict()}
+    route = panel.routing()
+    return {"availability": availability(),
+            "routing": {"routed": route.routed, "ran_on": route.ran_on, "hint": route.hint},
+            "last_report": None if report is None else report.to_dict()}
 
 
 def register(app) -> bool:

@@ -109,6 +109,32 @@ def apply(cmd_opts) -> dict | None:
     return layer
 
 
+def startup_note(cmd_opts) -> str | None:
+    """One line on the UNet/DiT chain the flags give: it goes through the engine even when a backend in
+    it cannot run here, whose calls then fall back per call with the reason counted. None without flags."""
+    chain = valid_chain(cmd_opts, "attn_backend")
+    if chain:
+        given = f"--attn-backend {','.join(chain)}"
+    else:
+        chain = opt_flag_ids(cmd_opts)
+        given = " ".join(f"--{dest.replace('_', '-')}" for dest, backend in OPT_FLAGS if backend in chain)
+    if not chain:
+        return None
+    text = f"{given}: UNet/DiT attention goes through this extension, {chain[0]} first"
+    infos = {b.id: b for b in lib_attn.backends()}
+    missing = [f"{i} ({infos[i].reason})" for i in chain if i in infos and not infos[i].available]
+    if missing:
+        text += (f"; cannot run here: {'; '.join(missing)}, so its calls fall back per call, counted with the "
+                 f"reason in the readout")
+    return text
+
+
+def say_startup(cmd_opts) -> None:
+    note = startup_note(cmd_opts)
+    if note:
+        host.log_once(("startup", note), note)
+
+
 def fp32_for_upcast(upcast: bool) -> str | None:
     """The per-call fp32 policy when the host asked for fp32 attention: ``keep`` unless a layer chose one.
 

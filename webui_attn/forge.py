@@ -55,6 +55,14 @@ def install() -> list[str]:
     return patches.targets()
 
 
+def routing() -> host.Routing:
+    """Whether attention runs through the engine: every rebinding made at startup is still in place."""
+    if patches.active and patches.intact():
+        return host.ROUTED
+    return host.Routing(False, "Forge's own attention (backend.attention)",
+                        "this extension's patches are not in place; the startup log says why")
+
+
 def uninstall() -> int:
     """Put every original back; safe to call again."""
     return patches.undo()
@@ -71,5 +79,7 @@ def apply() -> list[str]:
 def register(script_callbacks) -> None:
     """Called at entry-script import: patch now (Forge has no optimizer hook), undo on unload."""
     targets = apply()
+    from modules import shared
+    flags.say_startup(shared.cmd_opts)
     host.log_once(("forge-patched", tuple(targets)), f"attention routed through lib_attn: {', '.join(targets)}")
     script_callbacks.on_script_unloaded(uninstall)

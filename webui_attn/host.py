@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
+from dataclasses import dataclass
 
 A1111 = "a1111"
 FORGE = "forge"
@@ -49,3 +51,42 @@ def log_once(key, message: str) -> None:
         return
     _said.add(key)
     log(message)
+
+
+class _ToLog(logging.Handler):
+    def emit(self, record):
+        log(record.getMessage())
+
+
+def prefix_engine_log() -> None:
+    """Print the engine's warnings (fallbacks met for the first time) through ``log``, with this
+    extension's prefix, instead of in whatever format the webui gives the root logger; once per process."""
+    logger = logging.getLogger("lib_attn")
+    if any(isinstance(h, _ToLog) for h in logger.handlers):
+        return
+    logger.addHandler(_ToLog(logging.WARNING))
+    logger.propagate = False
+
+
+def unprefix_engine_log() -> None:
+    """Undo ``prefix_engine_log`` (script unload)."""
+    logger = logging.getLogger("lib_attn")
+    for handler in [h for h in logger.handlers if isinstance(h, _ToLog)]:
+        logger.removeHandler(handler)
+    logger.propagate = True
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Whether attention goes through this extension now, and if not, what runs it instead.
+
+    ``ran_on``: what runs attention when not routed, e.g. "A1111's InvokeAI optimizer"; ``hint``: how
+    to route attention through the extension (shown in the readout, not in the infotext).
+    """
+
+    routed: bool
+    ran_on: str | None = None
+    hint: str | None = None
+
+
+ROUTED = Routing(True)

@@ -7,13 +7,15 @@ generation's calls whatever thread makes them.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 
 import lib_attn
-from lib_attn.report import INFOTEXT_FALLBACKS_KEY, INFOTEXT_KEY, Report, VramProbe, host_vram, monitor_running
+from lib_attn.report import (INFOTEXT_FALLBACKS_KEY, INFOTEXT_KEY, INFOTEXT_NOTE_KEY, Report, VramProbe, host_vram,
+                             monitor_running)
 
-from . import layers, settings
+from . import host, layers, settings
 from .flags import DENOISER_ROLES
 
 TITLE = "Flash Attention"
@@ -31,6 +33,8 @@ class _Generation:
     rec: object
     probe: VramProbe | None
     previous_layer: dict | None
+    notes: tuple
+    routing: host.Routing
 
     def close(self) -> None:
         self.context.__exit__(None, None, None)
@@ -46,10 +50,35 @@ def last_report() -> Report | None:
     return _last
 
 
-def override_value(args) -> str | None:
-    """The override's backend id from the script's arguments; None for "use setting" or no value."""
+def read_override(args) -> tuple[str | None, str | None]:
+    """(backend id or None, problem or None) from the script's arguments.
+
+    "use setting" or no argument: no override. A backend id, or a dropdown label of one: that id.
+    Anything else is a problem, named with the valid values; the generation then runs as if no override
+    was given (a script cannot refuse a request: the webuis catch and log its errors and go on).
+    """
+    from .ui import USE_SETTING, backend_from_choice
+
     value = args[0] if args else None
-    return value if value in lib_attn.BACKEND_IDS else None
+    if value is None or value == USE_SETTING:
+        return None, None
+    backend = backend_from_choice(value)
+    if backend is not None:
+        return backend, None
+    return None, (f"override {value!r} ignored (not a backend id), the setting used; valid: {USE_SETTING}, "
+                  f"{', '.join(lib_attn.BACKEND_IDS)} (over the API: \"args\": [\"<id>\"], a list)")
+
+
+def routing() -> host.Routing:
+    """Whether attention goes through this extension in the running host, from its adapter."""
+    kind = host.detect()
+    if kind == host.A1111:
+        from . import a1111
+        return a1111.routing()
+    if kind == host.FORGE:
+        from . import forge
+        return forge.routing()
+    return host.Routing(False, "the webui's own attention (neither A1111 nor Forge recognised)")
 
 
 def generation_layer(override: str | None) -> dict | None:
@@ -68,10 +97,20 @@ def override_from_params(params: dict) -> str | None:
     return backend if backend in lib_attn.BACKEND_IDS else None
 
 
+#: The webui's element updated at the end of every generation (the comments and time under the image),
+#: created after the scripts' UI in both hosts' output panel; the readout follows it.
+OUTPUT_ELEM = "html_log_{tab}"
+
+
 def ui(script, is_img2img):
     from . import ui as ui_parts
 
-    parts = ui_parts.accordion(is_img2img, last_report)
+    hook = getattr(script, "on_after_component", None)
+    parts = ui_parts.accordion(is_img2img, last_report, refresh=hook is None)
+    if hook is not None:
+        tab = "img2img" if is_img2img else "txt2img"
+        hook(lambda on: ui_parts.follow(on.component, parts["readout"], last_report),
+             elem_id=OUTPUT_ELEM.format(tab=tab))
     script.infotext_fields = [(parts["override"], override_from_params)]
     script.paste_field_names = [INFOTEXT_KEY]
     return [parts["override"]]
@@ -106,25 +145,43 @@ def _close_stale(job) -> None:
         _open.pop().close()
 
 
+def _notes(override: str | None, problem: str | None, route: host.Routing, opts) -> tuple:
+    """What this generation's readout and infotext should say beside the calls."""
+    notes = []
+    if problem:
+        host.log(problem)
+        notes.append(problem)
+    notes.extend(settings.problems(settings.read(opts)))
+    if override and not route.routed:
+        notes.append(f"override {override!r} not applied: attention runs on {route.ran_on}")
+    return tuple(notes)
+
+
 def process(p, *args):
     """Before sampling: apply settings and override, start this generation's counters."""
     shared = _shared()
     job = _job(shared)
+    override, problem = read_override(args)
+    route = routing()
+    opts = getattr(shared, "opts", None)
+    notes = _notes(override, problem, route, opts)
     with _lock:
         _close_stale(job)
-        settings.apply(getattr(shared, "opts", None))
+        settings.apply(opts)
         previous = layers.get_layer("generation")
-        layers.set_layer("generation", generation_layer(override_value(args)))
+        layers.set_layer("generation", generation_layer(override))
         context = lib_attn.recording()
         rec = context.__enter__()
         probe = None
         if not monitor_running(getattr(shared, "mem_mon", None)):
             probe = VramProbe(getattr(shared, "device", None)).start()
-        _open.append(_Generation(p, job, context, rec, probe, previous))
+        _open.append(_Generation(p, job, context, rec, probe, previous, notes, route))
     params = getattr(p, "extra_generation_params", None)
     if params is not None:
         params[INFOTEXT_KEY] = _infotext_entry(rec, INFOTEXT_KEY)
         params[INFOTEXT_FALLBACKS_KEY] = _infotext_entry(rec, INFOTEXT_FALLBACKS_KEY)
+        if notes:
+            params[INFOTEXT_NOTE_KEY] = Report(notes=notes).to_infotext()[INFOTEXT_NOTE_KEY]
 
 
 def _take(p) -> _Generation | None:
@@ -146,10 +203,27 @@ def postprocess(p, processed, *args):
             return
         gen.close()
     vram = host_vram(getattr(shared, "mem_mon", None)) if gen.probe is None else gen.probe.stop()
-    report = Report.from_recording(gen.rec, vram=vram)
+    report = dataclasses.replace(Report.from_recording(gen.rec, vram=vram), notes=gen.notes,
+                                 ran_on=gen.routing.ran_on, hint=gen.routing.hint)
     _last = report
+    settle_infotext(p, report)
     if settings.readout_enabled(getattr(shared, "opts", None)):
         show(p, processed, report)
+
+
+def settle_infotext(p, report: Report) -> None:
+    """Replace the lazy infotext entries with their final text: the webuis' API serialises ``info`` with
+    ``extra_generation_params`` after postprocess, and writes a callable there as null."""
+    params = getattr(p, "extra_generation_params", None)
+    if params is None:
+        return
+    final = report.to_infotext()
+    for key in (INFOTEXT_KEY, INFOTEXT_FALLBACKS_KEY, INFOTEXT_NOTE_KEY):
+        if key in params:
+            if final.get(key) is None:
+                del params[key]
+            else:
+                params[key] = final[key]
 
 
 def show(p, processed, report: Report) -> None:

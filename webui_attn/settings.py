@@ -6,12 +6,10 @@ leaves the choice to the weaker layers: command-line flags, the A1111 optimizer,
 """
 from __future__ import annotations
 
-import html
-
 import lib_attn
 from lib_attn.config import FP32_POLICIES
 
-from . import layers
+from . import host, layers
 from .flags import DENOISER_ROLES
 
 SECTION = ("optimizations", "Optimizations", "sd")
@@ -35,24 +33,39 @@ def backend_choices() -> list[str]:
 
 
 def unavailable_text() -> str:
-    """The backends that cannot run here, each with its reason, as HTML for the dropdowns' info line."""
-    missing = [f"{b.id} ({html.escape(b.reason)})" for b in lib_attn.backends() if not b.available]
+    """The backends that cannot run here, each with its reason (plain text, for a dropdown's info line)."""
+    missing = [f"{b.id} ({b.reason})" for b in lib_attn.backends() if not b.available]
     return "Not available here: " + "; ".join(missing) if missing else "Every backend is available here."
 
 
-def _choice_labels() -> list:
-    """Choices as (label, value) where gradio takes pairs (4.x): unavailable ids carry their reason."""
-    out = [(AUTO, AUTO)]
-    for b in lib_attn.backends():
-        out.append((b.id if b.available else f"{b.id} — unavailable: {b.reason}", b.id))
-    return out
+INFO = {
+    KEY_BACKEND: lambda: ("Auto: the command-line flag or chosen optimizer if any, else the fastest that can take "
+                          "each call. " + unavailable_text()),
+    KEY_VAE_BACKEND: lambda: "The VAE attends over one head of 512 channels, which flash-attn and SageAttention "
+                             "cannot take.",
+    KEY_FP32: lambda: "cast: run half-only kernels in bf16/fp16 and cast the output back; keep: only kernels that "
+                      "take fp32",
+}
 
 
-def _dropdown_args():
-    from . import ui
+def _component_args(key: str):
+    """Arguments of a setting's component, built when the settings page is.
 
-    choices = _choice_labels() if ui.gradio_major() >= 4 else backend_choices()
-    return {"choices": choices}
+    The info line is gradio's own ``info`` argument, which gradio 3 and 4 both draw: the hosts' script
+    that draws ``OptionInfo.info()`` text finds no label element in a gradio 4 dropdown, so on Forge
+    that text never shows.
+    """
+    def args():
+        from . import ui
+
+        out = {"info": INFO[key]()}
+        if key == KEY_FP32:
+            out["choices"] = list(FP32_CHOICES)
+        else:
+            out["choices"] = ui.choices(AUTO, pairs=ui.gradio_major() >= 4)
+        return out
+
+    return args
 
 
 def read(opts) -> dict:
@@ -65,9 +78,25 @@ def read(opts) -> dict:
 
 
 def _backend_id(value) -> str | None:
-    """A setting's backend id, or None for Auto and for a value that is no backend id (stale config)."""
-    value = str(value or "").strip()
-    return value if value in lib_attn.BACKEND_IDS else None
+    """A setting's backend id (a dropdown label names its id too), or None for Auto and for a value that
+    is no backend id (stale config, a bad API value: ``problems`` names those)."""
+    from .ui import backend_from_choice
+
+    return backend_from_choice(value)
+
+
+def problems(values: dict) -> list[str]:
+    """One message per stored value that is ignored, naming the setting, the value and the valid ones."""
+    out = []
+    for key in (KEY_BACKEND, KEY_VAE_BACKEND):
+        value = values.get(key)
+        if value not in (None, AUTO) and _backend_id(value) is None:
+            out.append(f"setting {key}={value!r} ignored (not a backend id), {AUTO} used; valid: "
+                       f"{', '.join(backend_choices())}")
+    fp32 = values.get(KEY_FP32)
+    if fp32 is not None and fp32 not in FP32_CHOICES:
+        out.append(f"setting {KEY_FP32}={fp32!r} ignored, {AUTO} used; valid: {', '.join(FP32_CHOICES)}")
+    return out
 
 
 def layer_from(values: dict) -> dict | None:
@@ -93,7 +122,10 @@ def apply(opts=None) -> dict:
     """Push the current settings to the engine; returns the merged configuration now in force."""
     if opts is None:
         opts = _shared_opts()
-    return layers.set_layer("settings", layer_from(read(opts)))
+    values = read(opts)
+    for message in problems(values):
+        host.log_once(("setting", message), message)
+    return layers.set_layer("settings", layer_from(values))
 
 
 def readout_enabled(opts=None) -> bool:
@@ -121,18 +153,13 @@ def options(shared) -> dict:
     from . import ui
 
     OptionInfo = shared.OptionInfo
-    unavailable = unavailable_text()
     entries = {
         KEY_BACKEND: OptionInfo(AUTO, "Attention backend for the UNet / DiT (flash-attention extension)",
-                                gr.Dropdown, _dropdown_args, onchange=_on_change)
-        .info("Auto: the command-line flag or chosen optimizer if any, else the fastest that can take each call. "
-              + unavailable),
-        KEY_VAE_BACKEND: OptionInfo(AUTO, "Attention backend for the VAE", gr.Dropdown, _dropdown_args,
-                                    onchange=_on_change)
-        .info("The VAE attends over one head of 512 channels, which flash-attn and SageAttention cannot take."),
-        KEY_FP32: OptionInfo(AUTO, "fp32 attention inputs", gr.Radio, {"choices": list(FP32_CHOICES)},
-                             onchange=_on_change)
-        .info("cast: run half-only kernels in bf16/fp16 and cast the output back; keep: only kernels that take fp32"),
+                                gr.Dropdown, _component_args(KEY_BACKEND), onchange=_on_change),
+        KEY_VAE_BACKEND: OptionInfo(AUTO, "Attention backend for the VAE", gr.Dropdown,
+                                    _component_args(KEY_VAE_BACKEND), onchange=_on_change),
+        KEY_FP32: OptionInfo(AUTO, "fp32 attention inputs", gr.Radio, _component_args(KEY_FP32),
+                             onchange=_on_change),
         KEY_STRICT: OptionInfo(False, "Strict: stop the generation when a chosen backend cannot take a call",
                                gr.Checkbox, onchange=_on_change),
         KEY_READOUT: OptionInfo(True, "Show which attention kernels ran, their fallbacks, time and VRAM under the image",

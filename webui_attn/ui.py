@@ -24,14 +24,41 @@ def gradio_major() -> int:
         return 3
 
 
-def override_choices(pairs: bool = False) -> list:
-    """"use setting" then every backend id; with ``pairs`` unavailable ids are labelled with their reason."""
+UNAVAILABLE = "unavailable"
+
+
+def choice_label(info) -> str:
+    """A backend's dropdown label: its id, marked when it cannot run here (the reason goes in the info
+    line and the availability table, where it has room)."""
+    return info.id if info.available else f"{info.id} ({UNAVAILABLE})"
+
+
+def backend_from_choice(value) -> str | None:
+    """The backend id a dropdown value names: the id itself, or a label shown for it (Forge's
+    ``/sdapi/v1/script-info`` lists labels, and API users send back what it lists). None otherwise."""
+    if not isinstance(value, str):
+        return None
+    text = value.strip()
+    if text in lib_attn.BACKEND_IDS:
+        return text
+    head, _, rest = text.partition(" ")
+    return head if head in lib_attn.BACKEND_IDS and rest.startswith(("(", "—")) else None
+
+
+def choices(first: str, pairs: bool = False) -> list:
+    """``first`` then every backend id; with ``pairs`` (gradio 4) as (label, id) so unavailable ids are marked."""
     if not pairs:
-        return [USE_SETTING, *lib_attn.BACKEND_IDS]
-    out = [(USE_SETTING, USE_SETTING)]
-    for b in lib_attn.backends():
-        out.append((b.id if b.available else f"{b.id} — unavailable: {b.reason}", b.id))
-    return out
+        return [first, *lib_attn.BACKEND_IDS]
+    return [(first, first), *((choice_label(b), b.id) for b in lib_attn.backends())]
+
+
+def override_choices(pairs: bool = False) -> list:
+    """"use setting" then every backend id."""
+    return choices(USE_SETTING, pairs)
+
+
+def unavailable_ids() -> list[str]:
+    return [b.id for b in lib_attn.backends() if not b.available]
 
 
 def _e(text) -> str:
@@ -49,7 +76,8 @@ def report_html(report) -> str:
                         f"<td class='flash-attn-kernel'>{_e(report.describe(backend))}</td>"
                         f"<td class='flash-attn-count'>×{n:,}</td></tr>")
     if not rows:
-        rows.append("<tr><td colspan='3'>No attention call ran.</td></tr>")
+        ran = f"{report.ran_on}, not through this extension." if report.ran_on else "No attention call ran."
+        rows.append(f"<tr><td colspan='3' class='flash-attn-elsewhere'>{_e(ran)}</td></tr>")
     parts = ["<div class='flash-attn-readout'>",
              "<table class='flash-attn-calls'><thead><tr><th>Role</th><th>Kernel</th><th>Calls</th></tr></thead>",
              "<tbody>" + "".join(rows) + "</tbody></table>"]
@@ -59,6 +87,9 @@ def report_html(report) -> str:
             f"<code>{_e(backend)}</code> passed over ×{n:,}: {_e(reason)}</li>"
             for (role, backend, reason), n in report.fallback_items())
         parts.append(f"<ul class='flash-attn-fallbacks'>{items}</ul>")
+    notes = [*report.notes, *([report.hint] if report.hint else [])]
+    if notes:
+        parts.append("<ul class='flash-attn-notes'>" + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>")
     facts = []
     if report.seconds is not None:
         from lib_attn.report import elapsed_text
@@ -96,13 +127,17 @@ def availability_html(data: dict | None = None) -> str:
         rows.append(f"<tr class='flash-attn-{state}'><td><code>{_e(b['id'])}</code></td>"
                     f"<td class='flash-attn-state' title='{state}'>{mark}</td><td>{_e(b['label'])}</td>"
                     f"<td>{detail}</td></tr>")
+    ignored = "".join(f"<li>{_e(m)}</li>" for m in data.get("ignored_settings") or ())
+    if ignored:
+        ignored = f"<p>Ignored:</p><ul class='flash-attn-ignored'>{ignored}</ul>"
     chains = "".join(f"<li>{_e(ROLE_LABELS.get(role, role))}: {' → '.join(_e(i) for i in chain)}</li>"
                      for role, chain in data["default_chains"].items())
     return ("<div class='flash-attn-availability'>"
             f"<p>Device: {device} · torch {_e(data['torch'])}</p>"
             "<table><thead><tr><th>Backend</th><th></th><th>What</th><th>Version, or why not</th></tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table>"
-            f"<p>Default order on this device (Auto):</p><ul class='flash-attn-chains'>{chains}</ul></div>")
+            f"<p>Default order on this device (Auto):</p><ul class='flash-attn-chains'>{chains}</ul>"
+            f"{ignored}</div>")
 
 
 def _host_options():
@@ -126,25 +161,38 @@ def availability_option(shared):
     return info
 
 
-def accordion(is_img2img: bool, last_report=lambda: None, open: bool = False) -> dict:
+def accordion(is_img2img: bool, last_report=lambda: None, open: bool = False, refresh: bool = True) -> dict:
     """Build the accordion inside the current ``gr.Blocks``; returns its components by name.
 
     ``override``: the per-generation backend dropdown (the script's only argument); ``readout``:
-    the HTML of the last generation; ``refresh``: the button that reloads it from ``last_report()``.
+    the HTML of the last generation; ``refresh``: the button that reloads it from ``last_report()``, only
+    when asked for (a host without a hook to ``follow``), else None.
     """
     import gradio as gr
 
     tab = "img2img" if is_img2img else "txt2img"
     with gr.Accordion("Attention backend", open=open, elem_id=f"{ELEM_PREFIX}_{tab}"):
         with gr.Row(elem_classes=["flash-attn-row"]):
+            missing = unavailable_ids()
             override = gr.Dropdown(
                 label="Backend for this generation (UNet / DiT)",
                 choices=override_choices(pairs=gradio_major() >= 4),
                 value=USE_SETTING,
                 elem_id=f"{ELEM_PREFIX}_{tab}_override",
+                info=("Not available here: " + ", ".join(missing) + " (why: Settings → Optimizations)"
+                      if missing else "Every backend is available here."),
             )
-            refresh = gr.Button("Show last readout", elem_id=f"{ELEM_PREFIX}_{tab}_refresh",
-                                elem_classes=["flash-attn-refresh"])
+            button = None
+            if refresh:
+                button = gr.Button("Show last readout", elem_id=f"{ELEM_PREFIX}_{tab}_refresh",
+                                   elem_classes=["flash-attn-refresh"])
         readout = gr.HTML(value=report_html(last_report()), elem_id=f"{ELEM_PREFIX}_{tab}_readout")
-    refresh.click(fn=lambda: report_html(last_report()), inputs=[], outputs=[readout], show_progress="hidden")
-    return {"override": override, "readout": readout, "refresh": refresh}
+    if button is not None:
+        button.click(fn=lambda: report_html(last_report()), inputs=[], outputs=[readout], show_progress="hidden")
+    return {"override": override, "readout": readout, "refresh": button}
+
+
+def follow(trigger, readout, last_report) -> None:
+    """Redraw ``readout`` from ``last_report()`` whenever ``trigger`` (a component the webui updates at the
+    end of each generation) changes; call inside the Blocks that holds both."""
+    trigger.change(fn=lambda: report_html(last_report()), inputs=[], outputs=[readout], show_progress="hidden")

@@ -21,6 +21,8 @@ class StableDiffusionProcessing:
         self.override_settings = dict(override_settings or {})
         self.extra_generation_params = {}
         self.comments = {}
+        self.scripts = None
+        self.is_api = False
 
     def comment(self, text):
         self.comments[text] = 1
@@ -39,7 +41,13 @@ class Processed:
         self.comments = "".join(f"{comment}\n" for comment in p.comments) if comments == "" else comments
         self.width = p.width
         self.height = p.height
-        self.extra_generation_params = p.extra_generation_params
+        self.extra_generation_params = p.extra_generation_params  # the same dict, as in A1111
+
+    def js(self):
+        """What the HTTP API returns as ``info``: a JSON dump that writes what it cannot serialise as null."""
+        obj = {"prompt": self.prompt, "seed": self.seed, "width": self.width, "height": self.height,
+               "extra_generation_params": self.extra_generation_params, "infotexts": [self.info]}
+        return json.dumps(obj, default=lambda o: None)
 
 
 def quote(text):
@@ -72,3 +80,17 @@ def create_infotext(p, all_prompts=None, all_seeds=None, all_subseeds=None, comm
     text = ", ".join(k if k == v else f"{k}: {quote(v)}" for k, v in generation_params.items() if v is not None)
     prompt_text = p.prompt if use_main_prompt else all_prompts[index]
     return f"{prompt_text}\n{text}".strip()
+
+
+def process_images(p):
+    """The order of one generation: always-on scripts' ``process``, sampling and decoding (here: the
+    callable ``p.sd_model(p)``, if any), each image's infotext, ``Processed``, scripts' ``postprocess``."""
+    if p.scripts is not None:
+        p.scripts.process(p)
+    if callable(p.sd_model):
+        p.sd_model(p)
+    infotext = create_infotext(p, index=0)
+    processed = Processed(p, [], seed=p.all_seeds[0], info=infotext)
+    if p.scripts is not None:
+        p.scripts.postprocess(p, processed)
+    return processed

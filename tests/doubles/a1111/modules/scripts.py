@@ -1,15 +1,27 @@
-"""Double of modules/scripts.py: the Script base class, AlwaysVisible, and script loading.
+"""Double of modules/scripts.py: the Script base class, AlwaysVisible, script loading and the runner.
 
 ``load_scripts(extension_dirs)`` does what A1111's does for an attention extension: clear callbacks, then
 import every ``<ext>/scripts/*.py`` as a new module named after the file, with ``<ext>`` on sys.path only
 while it loads. Calling it again is what "Reload UI" does.
+
+``ScriptRunner`` (``scripts_txt2img`` / ``scripts_img2img``) does what A1111's does for always-on scripts:
+``initialize_scripts`` makes one instance per script, ``setup_ui`` builds their UI (inside a gr.Blocks)
+and gives each its ``args_from``/``args_to``, ``after_component`` runs the callbacks scripts registered
+with ``on_after_component`` for that elem_id, and ``process``/``postprocess`` call each script with its
+slice of ``p.script_args``, catching and reporting (``errors.report``) each script's exception and going on.
 """
 import os
 import sys
+from dataclasses import dataclass
 
 from modules import errors, script_callbacks, script_loading
 
 AlwaysVisible = object()
+
+
+@dataclass
+class OnComponent:
+    component: object
 
 current_basedir = None
 scripts_data = []      # (script class, path, basedir, module)
@@ -28,6 +40,8 @@ class Script:
     group = None
     infotext_fields = None
     paste_field_names = None
+    on_after_component_elem_id = None
+    controls = None
 
     def title(self):
         raise NotImplementedError()
@@ -77,6 +91,12 @@ class Script:
     def describe(self):
         return ""
 
+    def on_after_component(self, callback, *, elem_id):
+        """``callback(OnComponent)`` runs right after the component with ``elem_id`` is created."""
+        if self.on_after_component_elem_id is None:
+            self.on_after_component_elem_id = []
+        self.on_after_component_elem_id.append((elem_id, callback))
+
     def elem_id(self, item_id):
         title = "".join(c for c in self.title().lower().replace(" ", "_") if c.isalnum() or c == "_")
         return f"script_{'img2img' if self.is_img2img else 'txt2img'}_{title}_{item_id}"
@@ -117,3 +137,83 @@ def load_scripts(extension_dirs):
                 sys.path = syspath
                 current_basedir = None
     return list(loaded_modules)
+
+
+class ScriptRunner:
+    def __init__(self):
+        self.scripts = []
+        self.alwayson_scripts = []
+        self.inputs = [None]
+        self.on_after_component_elem_id = {}
+
+    def initialize_scripts(self, is_img2img):
+        self.scripts.clear()
+        self.alwayson_scripts.clear()
+        for script_class, path, _, _ in scripts_data:
+            try:
+                script = script_class()
+            except Exception:
+                errors.report(f"Error # failed to initialize Script {path}: ", exc_info=True)
+                continue
+            script.filename = path
+            script.is_txt2img = not is_img2img
+            script.is_img2img = is_img2img
+            script.tabname = "img2img" if is_img2img else "txt2img"
+            if script.show(is_img2img) is AlwaysVisible:
+                script.alwayson = True
+                self.scripts.append(script)
+                self.alwayson_scripts.append(script)
+        self.apply_on_before_component_callbacks()
+
+    def apply_on_before_component_callbacks(self):
+        for script in self.scripts:
+            on_after = script.on_after_component_elem_id or []
+            for elem_id, callback in on_after:
+                self.on_after_component_elem_id.setdefault(elem_id, []).append((callback, script))
+            on_after.clear()
+
+    def setup_ui(self):
+        """Build every script's UI in the current gr.Blocks; the callbacks registered meanwhile apply to
+        the components created after this (the output panel)."""
+        self.inputs = [None]
+        for script in self.scripts:
+            script.args_from = script.args_to = len(self.inputs)
+            try:
+                controls = script.ui(script.is_img2img)
+            except Exception:
+                errors.report(f"Error creating UI for {script.filename}: ", exc_info=True)
+                continue
+            script.controls = controls
+            if controls is None:
+                continue
+            script.name = script.title().lower()
+            self.inputs.extend(controls)
+            script.args_to = len(self.inputs)
+        self.apply_on_before_component_callbacks()
+        return self.inputs
+
+    def after_component(self, component, **kwargs):
+        for callback, script in self.on_after_component_elem_id.get(getattr(component, "elem_id", None), []):
+            try:
+                callback(OnComponent(component=component))
+            except Exception:
+                errors.report(f"Error running on_after_component: {script.filename}", exc_info=True)
+
+    def process(self, p):
+        for script in self.alwayson_scripts:
+            try:
+                script.process(p, *p.script_args[script.args_from:script.args_to])
+            except Exception:
+                errors.report(f"Error running process: {script.filename}", exc_info=True)
+
+    def postprocess(self, p, processed):
+        for script in self.alwayson_scripts:
+            try:
+                script.postprocess(p, processed, *p.script_args[script.args_from:script.args_to])
+            except Exception:
+                errors.report(f"Error running postprocess: {script.filename}", exc_info=True)
+
+
+scripts_txt2img = ScriptRunner()
+scripts_img2img = ScriptRunner()
+scripts_current = None

@@ -1,0 +1,305 @@
+"""What a user meets in a running webui, through the doubles' own script runner and API handling.
+
+A generation here goes the webui's way: the script runner builds the scripts' UI and gives each its slice
+of ``p.script_args``; an API request's ``alwayson_scripts`` args go over the UI defaults by index; the
+runner catches and logs each script's exception; sampling runs the patched ldm modules, so attention goes
+through whatever optimizer A1111 applied (the engine only when it is one of this extension's).
+"""
+import html
+import json
+
+import pytest
+import torch
+
+gr = pytest.importorskip("gradio")
+
+import lib_attn  # noqa: E402
+from lib_attn.report import parse_infotext  # noqa: E402
+from tests.doubles.fixtures import webui_factory  # noqa: E402,F401
+from tests.ui_helpers import event_handler  # noqa: E402
+from webui_attn import a1111, forge, host, layers, panel, settings, ui  # noqa: E402
+
+AUTO_TITLE = a1111.ENTRY_BY_KEY["auto"].title
+SCRIPT = "flash attention"
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    monkeypatch.setattr(host, "_said", set())
+    lib_attn.reset()
+    panel.reset()
+    yield
+    panel.reset()
+    layers.reset()
+    lib_attn.reset()
+
+
+def start(webui_factory, mode="a1111", argv=(), optimization=None):
+    """Start a double as the webui does: scripts, optimizer list, the model's optimizer applied (A1111),
+    the settings page and the txt2img tab (script UI, then the output panel)."""
+    webui = webui_factory(mode, argv=list(argv))
+    webui.load_scripts()
+    from modules import script_callbacks, scripts, sd_hijack, ui_common
+    if mode == "a1111":
+        sd_hijack.model_hijack.apply_optimizations(optimization)   # what loading the model does
+    script_callbacks.ui_settings_callback()
+    runner = scripts.scripts_txt2img
+    scripts.scripts_current = runner
+    runner.initialize_scripts(False)
+    with gr.Blocks() as demo:
+        runner.setup_ui()
+        output = ui_common.create_output_panel("txt2img")
+    scripts.scripts_current = None
+    return runner, demo, output
+
+
+def sample(p=None):
+    """Sampling and decoding as the model runs them: the ldm modules A1111 patches (on Forge the rebound
+    ``attention_function`` of ``backend.nn.unet`` and the VAE's)."""
+    if host.detect() == host.FORGE:
+        import backend.nn.unet as unet
+        import backend.nn.vae as vae
+        q = torch.randn(1, 16, 320)
+        for _ in range(3):
+            unet.attention_function(q, q, q, 8)
+        x = torch.randn(1, 64, 4, 4)
+        vae.attention_function_single_head_spatial(x, x, x)
+        return
+    import ldm.modules.attention as ldm_attention
+    import ldm.modules.diffusionmodules.model as ldm_model
+    block = ldm_attention.CrossAttention(320, None, 8, 40)
+    vae = ldm_model.AttnBlock(64)
+    with torch.no_grad():
+        for _ in range(3):
+            block(torch.randn(1, 16, 320))
+        vae(torch.randn(1, 64, 4, 4))
+
+
+def txt2img(runner, args=None):
+    """One ``/sdapi/v1/txt2img`` request with ``alwayson_scripts`` for this extension when ``args`` is given."""
+    from modules.api import api
+    alwayson = None if args is None else {"Flash Attention": {"args": args}}
+    return api.txt2img(runner, alwayson_scripts=alwayson, sd_model=sample, prompt="a cat")
+
+
+def prefixed(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(host.PREFIX)]
+
+
+# --- 1, 2: the extension is not in the path --------------------------------------------------------------
+
+@pytest.mark.parametrize("optimization,ran_on", [
+    (None, "A1111's InvokeAI optimizer"),                  # CPU: A1111's "Automatic" picks InvokeAI
+    ("sdp - scaled dot product", "A1111's sdp optimizer"),
+    ("None", "A1111's attention without an optimization"),
+])
+def test_a1111_builtin_in_use_is_named_and_no_infotext_claims_otherwise(webui_factory, optimization, ran_on):
+    runner, _, _ = start(webui_factory, optimization=optimization)
+    processed, info = txt2img(runner)
+    report = panel.last_report()
+    assert report.calls == {} and report.ran_on.startswith(ran_on)
+    head = report.lines()[0]
+    assert head.startswith(f"Attention: {ran_on}") and "not through this extension" in head
+    hint = report.lines()[-1]
+    assert hint.startswith("Attention note: to route attention through this extension") and AUTO_TITLE in hint
+    assert "--opt-flash-attention" in hint and "Settings → Optimizations → Cross attention optimization" in hint
+    assert all(line in processed.comments for line in report.lines())   # under the image
+    params = parse_infotext(processed.info)
+    assert "Attention" not in params and "Attention fallbacks" not in params and "Attention note" not in params
+    assert "Attention" not in info["extra_generation_params"]
+    assert html.escape(ran_on) in ui.report_html(report)                   # the accordion
+
+
+def test_override_that_cannot_apply_says_why(webui_factory):
+    runner, _, _ = start(webui_factory)
+    processed, info = txt2img(runner, ["sdpa-math"])
+    report = panel.last_report()
+    note = "override 'sdpa-math' not applied: attention runs on A1111's InvokeAI optimizer"
+    assert report.notes == (note,)
+    assert f"Attention note: {note}" in processed.comments
+    assert parse_infotext(processed.info)["Attention note"] == note
+    assert info["extra_generation_params"]["Attention note"] == note
+
+
+def test_status_route_says_what_ran(webui_factory):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from webui_attn import api
+    runner, _, _ = start(webui_factory)
+    from modules import script_callbacks
+    app = FastAPI()
+    script_callbacks.app_started_callback(None, app)
+    client = TestClient(app)
+    routing = client.get(api.ROUTE).json()["routing"]
+    assert routing["routed"] is False and routing["ran_on"] == "A1111's InvokeAI optimizer"
+    assert AUTO_TITLE in routing["hint"]
+    txt2img(runner)
+    body = client.get(api.ROUTE).json()["last_report"]
+    assert body["calls"] == [] and body["ran_on"] == "A1111's InvokeAI optimizer"
+    assert body["text"][0].startswith("Attention: A1111's InvokeAI optimizer, not through this extension")
+
+
+def test_our_entry_whose_forwards_a1111_reset_is_not_claimed(webui_factory):
+    runner, _, _ = start(webui_factory, optimization=AUTO_TITLE)
+    from modules import sd_hijack
+    sd_hijack.undo_optimizations()          # e.g. training: resets the forwards without our undo()
+    txt2img(runner)
+    report = panel.last_report()
+    assert report.calls == {} and "reset the forwards" in report.ran_on
+    assert AUTO_TITLE in report.hint
+
+
+def test_forge_without_patches_is_named(webui_factory):
+    runner, _, _ = start(webui_factory, "forge")
+    forge.uninstall()
+    txt2img(runner)
+    assert panel.last_report().ran_on == "Forge's own attention (backend.attention)"
+
+
+# --- routed: override honoured, API info carries the text -------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["a1111", "forge"])
+def test_routed_override_is_honoured_and_api_info_has_the_infotext_text(webui_factory, mode):
+    runner, _, _ = start(webui_factory, mode, optimization=AUTO_TITLE)
+    processed, info = txt2img(runner, ["sdpa-math"])
+    report = panel.last_report()
+    assert report.backends("unet") == [("sdpa-math", 3)] and report.ran_on is None and not report.notes
+    params = parse_infotext(processed.info)
+    assert params["Attention"] == report.to_infotext()["Attention"]
+    assert info["extra_generation_params"]["Attention"] == params["Attention"]    # not null
+    assert "Attention note" not in info["extra_generation_params"]
+
+
+def test_api_info_carries_the_fallbacks_text(webui_factory):
+    runner, _, _ = start(webui_factory, "forge")
+    processed, info = txt2img(runner, ["flash-attn"])
+    report = panel.last_report()
+    if not report.fallbacks:
+        pytest.skip("flash-attn runs here")
+    assert info["extra_generation_params"]["Attention fallbacks"] == report.to_infotext()["Attention fallbacks"]
+
+
+# --- 5, 6: the override's values ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["a1111", "forge"])
+@pytest.mark.parametrize("args,seen", [
+    (["nonexistent"], "'nonexistent'"),
+    ([123], "123"),
+    ("math", "'m'"),          # a string, not a list: the webui takes its first character
+])
+def test_bad_override_is_logged_and_noted(webui_factory, capsys, mode, args, seen):
+    runner, _, _ = start(webui_factory, mode, optimization=AUTO_TITLE)
+    capsys.readouterr()
+    processed, info = txt2img(runner, args)
+    report = panel.last_report()
+    auto = lib_attn.explain(*[torch.randn(1, 8, 16, 40)] * 3, role="unet").backend
+    assert report.backends("unet") == [(auto, 3)]                          # the setting (Auto) ran
+    (line,) = [line for line in prefixed(capsys.readouterr().out) if "override" in line]
+    assert f"override {seen} ignored" in line and ", ".join(lib_attn.BACKEND_IDS) in line
+    assert "use setting" in line
+    (note,) = report.notes
+    assert note.startswith(f"override {seen} ignored")
+    assert f"Attention note: {note}" in processed.comments
+    assert parse_infotext(processed.info)["Attention note"] == note
+    assert info["extra_generation_params"]["Attention note"] == note
+
+
+def test_empty_args_are_the_ui_default(webui_factory, capsys):
+    """``"args": []`` leaves the UI default ("use setting") in place: the webui passes the script exactly
+    what it passes when the key is left out, so there is nothing to tell apart."""
+    runner, _, _ = start(webui_factory, optimization=AUTO_TITLE)
+    txt2img(runner, [])
+    assert panel.last_report().notes == ()
+    assert "override" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", ["a1111", "forge"])
+def test_labels_listed_for_the_dropdown_are_accepted_back(webui_factory, mode):
+    """Forge's script-info lists a dropdown's labels; each one sent back picks its backend."""
+    runner, _, _ = start(webui_factory, mode, optimization=AUTO_TITLE)
+    control = runner.alwayson_scripts[0].controls[0]
+    listed = [c[0] if isinstance(c, tuple) else c for c in control.choices]    # script-info's rule
+    assert listed[0] == ui.USE_SETTING
+    labels = dict(ui.override_choices(pairs=True)[1:])                          # gradio 4's labels
+    for label, backend in [*zip(listed[1:], lib_attn.BACKEND_IDS), *labels.items()]:
+        txt2img(runner, [label])
+        report = panel.last_report()
+        assert not report.notes, label
+        assert report.fallbacks or report.backends("unet") == [(backend, 3)], label
+        assert backend in {b for (_, b, _) in report.fallbacks} | {b for (_, b) in report.calls}, label
+
+
+def test_a_raising_script_does_not_stop_the_generation(webui_factory, capsys, monkeypatch):
+    """The runner catches each script's exception (as A1111 does): the generation goes on without us."""
+    runner, _, _ = start(webui_factory, optimization=AUTO_TITLE)
+    monkeypatch.setattr(panel, "settings", None)          # any failure inside process
+    processed, info = txt2img(runner, ["sdpa"])
+    assert processed is not None and "Error running process" in capsys.readouterr().err
+
+
+# --- 7: bad values stored through /sdapi/v1/options ---------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["a1111", "forge"])
+def test_bad_settings_from_the_api_are_logged_noted_and_listed(webui_factory, capsys, mode):
+    runner, _, _ = start(webui_factory, mode, optimization=AUTO_TITLE)
+    from modules.api import api
+    capsys.readouterr()
+    api.set_config({settings.KEY_BACKEND: "definitely-not-a-backend", settings.KEY_FP32: "sideways"})
+    lines = prefixed(capsys.readouterr().out)
+    backend_line = next(line for line in lines if "definitely-not-a-backend" in line)
+    assert settings.KEY_BACKEND in backend_line and ", ".join(lib_attn.BACKEND_IDS) in backend_line
+    fp32_line = next(line for line in lines if "sideways" in line)
+    assert settings.KEY_FP32 in fp32_line and "Auto, cast, keep" in fp32_line
+
+    processed, _ = txt2img(runner)
+    report = panel.last_report()
+    assert len(report.notes) == 2 and all("ignored" in n for n in report.notes)
+    assert layers.get_layer("settings") is None                 # both ignored: Auto, as if unset
+    assert lib_attn.config().fp32 == "cast"
+    assert all(f"Attention note: {n}" in processed.comments for n in report.notes)
+    from webui_attn.api import availability
+    ignored = availability()["ignored_settings"]
+    assert ignored == list(report.notes)
+    assert "definitely-not-a-backend" in ui.availability_html()
+
+
+# --- 8: the readout follows each generation ------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["a1111", "forge"])
+def test_readout_redraws_when_the_generation_ends(webui_factory, mode):
+    runner, demo, output = start(webui_factory, mode, optimization=AUTO_TITLE)
+    script = runner.alwayson_scripts[0]
+    readout = next(c for c in demo.blocks.values() if getattr(c, "elem_id", None) == "flash_attn_txt2img_readout")
+    assert not any(getattr(c, "elem_id", "") == "flash_attn_txt2img_refresh" for c in demo.blocks.values())
+    fn, outputs = event_handler(demo, output.html_log)
+    assert outputs == [readout._id]
+    assert "No generation yet" in fn()
+    txt2img(runner, ["sdpa-math"])
+    assert fn() == ui.report_html(panel.last_report()) and "sdpa-math" in fn()
+    assert script.args_to - script.args_from == 1
+
+
+# --- 12: one prefix ------------------------------------------------------------------------------------------
+
+def test_engine_warnings_carry_the_prefix(webui_factory, capsys):
+    runner, _, _ = start(webui_factory, "forge")
+    capsys.readouterr()
+    txt2img(runner, ["flash-attn"])
+    report = panel.last_report()
+    if not report.fallbacks:
+        pytest.skip("flash-attn runs here")
+    out = capsys.readouterr().out
+    assert any(line.startswith(f"{host.PREFIX} attention: flash-attn passed over") for line in out.splitlines())
+    assert json.dumps(report.to_dict())
+
+
+def test_forge_says_at_startup_what_a_flag_does(webui_factory, capsys):
+    info = {b.id: b for b in lib_attn.backends()}["flash-attn"]
+    if info.available:
+        pytest.skip("flash-attn runs here")
+    runner, _, _ = start(webui_factory, "forge", ["--opt-flash-attention"])
+    lines = [line for line in prefixed(capsys.readouterr().out) if "--opt-flash-attention" in line]
+    assert len(lines) == 1 and f"flash-attn ({info.reason})" in lines[0]
+    txt2img(runner)
+    assert panel.last_report().fallbacks == {("unet", "flash-attn", "not available: " + info.reason): 3}
