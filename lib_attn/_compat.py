@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -93,3 +94,44 @@ def flash_built() -> bool:
     if probe is None:
         return True  # older torch: unknown here, PyTorch's own per-call check decides
     return bool(probe())
+
+
+# --- when measuring kernels is not allowed (tuning gates) ------------------------------------
+
+def compiling() -> bool:
+    """Whether torch.compile (dynamo) or TorchScript is tracing the current code."""
+    compiler = getattr(torch, "compiler", None)
+    check = getattr(compiler, "is_compiling", None)  # torch >= 2.3
+    if check is None:
+        # torch 2.1/2.2: only dynamo knows; it cannot be tracing when it was never imported.
+        dynamo = sys.modules.get("torch._dynamo")
+        check = getattr(dynamo, "is_compiling", None)
+    if check is not None and check():
+        return True
+    return bool(torch.jit.is_tracing() or torch.jit.is_scripting())
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (recomputation under
+    activation checkpointing calls attention there)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def capturing(device_type: str) -> bool:
+    """Whether the current CUDA stream is capturing a CUDA graph."""
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return False
+    check = getattr(torch.cuda, "is_current_stream_capturing", None)
+    return bool(check is not None and check())
+
+
+def cuda_driver_version() -> int | None:
+    """The CUDA driver's API version (e.g. 12080), or None on a build without CUDA."""
+    query = getattr(torch._C, "_cuda_getDriverVersion", None)
+    if query is None or not torch.cuda.is_available():
+        return None
+    try:
+        return int(query())
+    except RuntimeError:
+        return None
