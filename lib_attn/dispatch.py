@@ -423,7 +423,8 @@ def _recover(key, dec: Decision, exc: Exception, q, k, v, mask, scale):
 
 
 def reset() -> None:
-    """Forget decisions, demotions and the once-only log record (tests)."""
+    """Forget decisions, demotions, tuned marks and the once-only log record (tests)."""
     _cache.clear()
     _failed.clear()
     _reported.clear()
+    stats.forget_tuned()

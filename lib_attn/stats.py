@@ -68,6 +68,10 @@ def note_tuned(role: str, backend: str) -> None:
     _tuned.add((role, backend))
 
 
+def forget_tuned() -> None:
+    _tuned.clear()
+
+
 @contextlib.contextmanager
 def recording():
     """Count into a fresh Recording for the ``with`` block; yields it."""
