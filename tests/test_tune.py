@@ -378,3 +378,23 @@ def test_a_failing_measurement_leaves_the_fixed_order_and_the_call_intact(monkey
     assert rel_err(out, reference(q, k, v)) < 1e-5
     assert lib_attn.explain(q, k, v).source == "order" and dict(CALLS) == {"tt-slow": 1}
     assert any("could not measure" in r.getMessage() for r in caplog.records)
+
+
+def test_tune_command_ranks_a_models_calls_and_clear_forgets_them(capsys):
+    from lib_attn import shapes
+    from lib_attn.__main__ import main
+
+    assert main(["tune", "--model", "sd15", "--res", "64"]) == 0
+    text = capsys.readouterr().out
+    calls = shapes.model_calls("sd15", 64)
+    assert f"results in {tune.cache_path()}" in text and "winner" in text and "fixed order" in text
+    assert f"tuning cost: " in text and f"for {len(calls)} call kinds" in text
+    for call in calls:
+        line = next(ln for ln in text.splitlines() if ln.startswith(call.where + " "))
+        assert line.split()[-5] in ("sdpa", "math") and line.rstrip().endswith("ms") and "×" in line
+    assert len(tune.table()["entries"]) == len(calls)
+    assert lib_attn.config().tune == "auto"  # the command's tuning was scoped
+    assert main(["tune", "--model", "sd15", "--res", "64"]) == 0
+    assert capsys.readouterr().out.count(" stored") == len(calls)  # a second run measures nothing
+    assert main(["tune", "--clear"]) == 0
+    assert "removed" in capsys.readouterr().out and not tune.table()["entries"]
