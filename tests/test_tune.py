@@ -398,3 +398,38 @@ def test_tune_command_ranks_a_models_calls_and_clear_forgets_them(capsys):
     assert capsys.readouterr().out.count(" stored") == len(calls)  # a second run measures nothing
     assert main(["tune", "--clear"]) == 0
     assert "removed" in capsys.readouterr().out and not tune.table()["entries"]
+
+
+# --- switches: flag, setting, the webui's layers, the JSON route ---------------------------------
+
+def test_flag_and_setting_reach_the_engine():
+    import argparse
+
+    from tests.test_preload import parser_with_flags
+    from webui_attn import api, flags, layers, settings
+
+    opts = parser_with_flags().parse_args(["--attn-tune", "on"])
+    assert flags.layer_from(opts) == {"tune": "on"} and flags.problems(opts) == []
+    with pytest.raises(SystemExit):
+        parser_with_flags().parse_args(["--attn-tune", "fast"])
+    assert parser_with_flags().parse_args([]).attn_tune is None
+    assert flags.problems(argparse.Namespace(attn_tune="fast")) == ["--attn-tune 'fast': must be on or off. The flag is ignored."]
+    assert settings.DEFAULTS[settings.KEY_TUNE] == "Auto"
+    assert settings.layer_from({settings.KEY_TUNE: "Auto"}) is None
+    assert settings.layer_from({settings.KEY_TUNE: "off"}) == {"tune": "off"}
+    try:
+        layers.set_layer("flags", flags.layer_from(opts))
+        assert lib_attn.config().tune == "on"
+        layers.set_layer("settings", settings.layer_from({settings.KEY_TUNE: "off"}))  # the setting wins
+        assert lib_attn.config().tune == "off"
+        layers.set_layer("settings", None)
+        q, k, v = qkv()
+        lib_attn.attention(q, k, v)
+        status = api.tuning()
+        assert status["mode"] == "on" and status["active"] and status["file"] == tune.cache_path()
+        (entry,) = status["entries"]
+        assert entry["call"]["shape"] == [1, 2, 48, 40, 16] and set(entry["timings"]) == {"sdpa", "math"}
+        assert entry["winner"] == min(entry["timings"], key=entry["timings"].get)
+        assert status["fingerprint"]["torch"] == torch.__version__
+    finally:
+        layers.reset()

@@ -1,7 +1,8 @@
 """A read-only JSON route: what can run here and what ran in the last generation.
 
-``GET /flash-attention/v1/status`` returns ``{"availability": …, "last_report": … or null}``;
-the availability part is the data of the Settings table, the report that of the readout.
+``GET /flash-attention/v1/status`` returns ``{"availability": …, "tuning": …, "last_report": … or null}``;
+the availability part is the data of the Settings table, the tuning part the stored rankings of this
+machine, the report that of the readout.
 """
 from __future__ import annotations
 
@@ -32,11 +33,22 @@ def availability() -> dict:
     }
 
 
+def tuning() -> dict:
+    """The tuning mode, whether it measures on this device, and this machine's stored rankings
+    (``lib_attn.tune.table``: the file, the fingerprint, one entry per call signature)."""
+    from lib_attn import tune
+
+    device = lib_attn.device_info()
+    mode = lib_attn.config().tune
+    return dict(tune.table(device), mode=mode, active=tune.enabled(mode, device.type))
+
+
 def status() -> dict:
     from . import panel
 
     report = panel.last_report()
-    return {"availability": availability(), "last_report": None if report is None else report.to_dict()}
+    return {"availability": availability(), "tuning": tuning(),
+            "last_report": None if report is None else report.to_dict()}
 
 
 def register(app) -> bool:
