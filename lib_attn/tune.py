@@ -5,14 +5,16 @@ What runs, per call signature (the key the dispatcher caches decisions under), u
 
 * each candidate once on the call's own inputs: that output is checked against a reference, and the
   call warms the kernel up (lazy initialisation, autotuning, JIT compiles stay out of the timings);
-* one timed call, unless the checked call was already more than ``SLOWER`` times slower than the
-  fastest median so far, or longer than ``BUDGET_S`` and slower than it (then that call is its time);
-* up to ``REPS`` - 2 more timed calls within an equal share of ``BUDGET_S``, unless the timed call was
-  more than ``SLOWER`` times slower than the fastest median so far or longer than ``BUDGET_S``.
+  a candidate whose checked call took more than ``SLOWER`` times the fastest checked call, or longer
+  than ``BUDGET_S`` and longer than the fastest, stops here (that call is its time);
+* one timed call of each other candidate; those more than ``SLOWER`` times slower than the fastest
+  of these, or longer than ``BUDGET_S``, stop here;
+* up to ``REPS`` - 2 rounds of one timed call per remaining candidate, as many as fit in
+  ``BUDGET_S``; rounds interleave the candidates, so drift affects them alike.
 
-So a signature costs at most about two calls of each candidate that may win, one of each that
-cannot, and ``BUDGET_S`` of repetitions. CUDA events time a GPU, ``time.perf_counter`` anything
-else. The fastest median wins.
+So a signature costs one checked call of each candidate, about one more of each that may win, and at
+most ``BUDGET_S`` of rounds. CUDA events time a GPU, ``time.perf_counter`` anything else. The fastest
+median wins.
 
 Output check: the reference is the engine's own chunked ``math`` in fp32 (fp64 for fp64 inputs) over
 at most ``CHECK_ROWS`` evenly spaced query rows, so its memory stays bounded (the VAE's 16384-key call
@@ -374,41 +376,59 @@ def measure(candidates: list, q, k, v, mask, scale, layout: str) -> Ranking:
     """Check and time every candidate on this call (see the module's docstring for the bounds)."""
     timer = _Timer(q.device)
     rows = check_rows(_bhsd(q, layout).shape[2])
-    timings, rejected = {}, {}
-    best = None
-    share = BUDGET_S / max(len(candidates), 1)
+    samples, rejected = {}, {}
+    calls = {c.id: (lambda run=c.run: run(q, k, v, mask, scale)) for c in candidates}
+
+    def timed(bid: str, n: int) -> None:
+        try:
+            samples[bid] += timer.times(calls[bid], n)
+        except Exception as exc:  # noqa: BLE001 - a failing candidate is a reason, as at run time
+            if is_sticky(exc):
+                raise
+            del samples[bid]
+            rejected[bid] = failure_text(exc)
+
     with torch.no_grad():
         ref = reference(q, k, v, mask, scale, layout, rows)
-        for c in candidates:
-            def call(run=c.run):
-                return run(q, k, v, mask, scale)
+        first = {}
+        for c in candidates:  # the checked call, which also warms the kernel up
             try:
-                t0 = time.perf_counter()
-                out = call()
                 timer.sync()
-                first = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                out = calls[c.id]()
+                timer.sync()
+                first[c.id] = time.perf_counter() - t0
                 bound = BOUNDS.get(c.dtype, BOUNDS[torch.float16]) * (APPROXIMATE_FACTOR if c.approximate else 1)
                 reason = check(out, q.shape, layout, rows, ref, bound)
                 del out
-                if reason:
-                    rejected[c.id] = reason
-                    continue
-                if best is not None and (first > SLOWER * best or (first > BUDGET_S and first > best)):
-                    # Clearly slower, even counting its one-time costs: the checked call is its time.
-                    samples = [first]
-                else:
-                    samples = timer.times(call, 1)
-                if best is None or samples[0] <= min(SLOWER * best, BUDGET_S):
-                    more = min(REPS - 2, int(share / max(samples[0], 1e-9)))
-                    if more > 0:
-                        samples += timer.times(call, more)
-            except Exception as exc:  # noqa: BLE001 - a failing candidate is a reason, as at run time
+            except Exception as exc:  # noqa: BLE001 - as above
                 if is_sticky(exc):
                     raise
-                rejected[c.id] = failure_text(exc)
-                continue
-            timings[c.id] = _median(samples)
-            best = timings[c.id] if best is None else min(best, timings[c.id])
+                reason = failure_text(exc)
+            if reason:
+                rejected[c.id] = reason
+                first.pop(c.id, None)
+        if first:
+            fastest = min(first.values())
+            for bid, t in first.items():
+                samples[bid] = []
+                if bid != min(first, key=first.get) and (t > SLOWER * fastest or (t > BUDGET_S and t > fastest)):
+                    # Clearly slower, even counting its one-time costs: the checked call is its time.
+                    samples[bid] = [t]
+            # Rounds over the candidates still in the race, so that drift affects them alike.
+            racing = [bid for bid in first if not samples[bid]]
+            for bid in racing:
+                timed(bid, 1)
+            racing = [bid for bid in racing if bid in samples]
+            if racing:
+                best = min(samples[bid][0] for bid in racing)
+                racing = [bid for bid in racing if samples[bid][0] <= min(SLOWER * best, BUDGET_S)]
+                round_s = sum(samples[bid][0] for bid in racing)
+                for _ in range(min(REPS - 2, int(BUDGET_S / max(round_s, 1e-9)))):
+                    for bid in racing:
+                        if bid in samples:
+                            timed(bid, 1)
+    timings = {bid: _median(ts) for bid, ts in samples.items() if ts}
     ordered = dict(sorted(timings.items(), key=lambda item: item[1]))
     return Ranking("measured", ordered, rejected)
 
