@@ -76,11 +76,13 @@ class Candidate:
 @dataclass(frozen=True)
 class Ranking:
     """``timings``: backend id -> median seconds, fastest first; ``rejected``: id -> reason;
-    ``source``: ``"measured"`` (now) or ``"stored"`` (from the file)."""
+    ``source``: ``"measured"`` (now) or ``"stored"`` (from the file); ``keep``: False when a candidate
+    ran out of memory, which may not happen on the next run, so the ranking is not stored."""
 
     source: str
     timings: dict
     rejected: dict
+    keep: bool = True
 
     @property
     def winner(self) -> str | None:
@@ -430,7 +432,7 @@ def measure(candidates: list, q, k, v, mask, scale, layout: str) -> Ranking:
                             timed(bid, 1)
     timings = {bid: _median(ts) for bid, ts in samples.items() if ts}
     ordered = dict(sorted(timings.items(), key=lambda item: item[1]))
-    return Ranking("measured", ordered, rejected)
+    return Ranking("measured", ordered, rejected, not any("out of memory" in r.lower() for r in rejected.values()))
 
 
 def rank(spec, fp32: str, candidates: list, inputs: tuple | None) -> Ranking | None:
@@ -464,7 +466,8 @@ def rank(spec, fp32: str, candidates: list, inputs: tuple | None) -> Ranking | N
         new["rejected"].update(ranking.rejected)
         new["winner"] = min(new["timings"], key=new["timings"].get) if new["timings"] else None
         new["measured"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        _store.put(key, fp, sig, new)
+        if ranking.keep:
+            _store.put(key, fp, sig, new)
     log.info("attention tuning: %s: %s", sig, ", ".join(
         [f"{i} {t * 1e3:.3g} ms" for i, t in ranking.timings.items()]
         + [f"{i} rejected ({r})" for i, r in ranking.rejected.items()]))

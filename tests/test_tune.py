@@ -433,3 +433,15 @@ def test_flag_and_setting_reach_the_engine():
         assert status["fingerprint"]["torch"] == torch.__version__
     finally:
         layers.reset()
+
+
+def test_a_candidate_out_of_memory_is_rejected_for_now_but_not_stored(monkeypatch):
+    def oom(self, q, k, v, mask, scale):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+    monkeypatch.setattr(tune_backends.Raises, "run", oom)
+    ranked_chain()
+    q, k, v = qkv()
+    lib_attn.attention(q, k, v)
+    d = lib_attn.explain(q, k, v)
+    assert d.source == "measured" and d.reasons_for("tt-raise")[0].startswith("OutOfMemoryError: CUDA out of memory")
+    assert tune.table()["entries"] == []  # the next process measures again
