@@ -60,7 +60,7 @@ def test_tuning_picks_the_fastest_correct_backend_and_says_why_the_others_lost()
     assert rec.tuned == {("unet", "tt-quick")}
     assert "[tuned: measured]" in str(d) and "output check failed" in str(d)
     # Every candidate ran a bounded number of times, the winner once more for the call itself.
-    assert 2 <= CALLS["tt-slow"] <= tune.REPS + 1 and CALLS["tt-wrong"] == 1 and CALLS["tt-raise"] == 1
+    assert 1 <= CALLS["tt-slow"] <= tune.REPS and CALLS["tt-wrong"] == 1 and CALLS["tt-raise"] == 1
     before = dict(CALLS)
     lib_attn.attention(q, k, v)
     assert CALLS["tt-quick"] == before["tt-quick"] + 1 and CALLS["tt-slow"] == before["tt-slow"]
@@ -140,7 +140,7 @@ def run_process(cache: str) -> dict:
 def test_a_second_process_uses_the_stored_ranking_without_measuring(tmp_path):
     first = run_process(str(tmp_path / "shared"))
     assert first["source"] == "measured" and first["backend"] == "tt-quick"
-    assert first["calls"]["tt-slow"] >= 2 and first["calls"]["tt-wrong"] == 1
+    assert first["calls"]["tt-slow"] >= 1 and first["calls"]["tt-wrong"] == 1
     second = run_process(str(tmp_path / "shared"))
     assert second == {"calls": {"tt-quick": 1}, "source": "stored", "backend": "tt-quick"}
 
