@@ -37,7 +37,7 @@ class _Ids(Sequence):
         return item in REGISTRY
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, (Sequence, _Ids)) and not isinstance(other, str) and tuple(self) == tuple(other)
+        return isinstance(other, Sequence) and not isinstance(other, str) and tuple(self) == tuple(other)
 
     __hash__ = None
 
