@@ -30,6 +30,7 @@ what another process wrote since it was read.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -323,7 +324,10 @@ def reference(q, k, v, mask, scale, layout: str, rows: torch.Tensor) -> torch.Te
         mask = as_4d(mask)
         if mask.shape[-2] != 1:
             mask = mask[..., rows, :]
-    return REGISTRY["math"].run(q[:, :, rows].to(compute), k.to(compute), v.to(compute), mask, scale)
+    # The hosts run under autocast, which would compute these matmuls in half precision.
+    off = torch.autocast(q.device.type, enabled=False) if q.device.type in ("cuda", "cpu") else contextlib.nullcontext()
+    with off:
+        return REGISTRY["math"].run(q[:, :, rows].to(compute), k.to(compute), v.to(compute), mask, scale)
 
 
 def check(out, expected_shape, layout: str, rows, ref, bound: float) -> str:

@@ -445,3 +445,12 @@ def test_a_candidate_out_of_memory_is_rejected_for_now_but_not_stored(monkeypatc
     d = lib_attn.explain(q, k, v)
     assert d.source == "measured" and d.reasons_for("tt-raise")[0].startswith("OutOfMemoryError: CUDA out of memory")
     assert tune.table()["entries"] == []  # the next process measures again
+
+
+def test_the_reference_stays_fp32_under_autocast():
+    q, k, v = make_qkv(1, 2, 80, 50, 32, torch.float32, seed=7)
+    rows = tune.check_rows(80)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = tune.reference(q, k, v, None, None, "bhsd", rows)
+    assert ref.dtype == torch.float32
+    assert rel_err(ref, reference(q, k, v)[:, :, rows]) < 1e-6
