@@ -135,3 +135,18 @@ def cuda_driver_version() -> int | None:
         return int(query())
     except RuntimeError:
         return None
+
+
+def autocast_dtype(device_type: str):
+    """The dtype autocast computes in on ``device_type`` when it is on there, else None."""
+    try:
+        if not torch.is_autocast_enabled(device_type):  # torch >= 2.4 takes the device type
+            return None
+        return torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError, RuntimeError):
+        pass
+    if device_type == "cuda":
+        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+    if device_type == "cpu":
+        return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+    return None

@@ -209,7 +209,10 @@ def decide_tuned(spec: CallSpec, chain, pool, fp32: str, explicit: bool, failed:
     if ranking is None:
         return None
     if ranking.winner is None:  # every candidate failed its check: the rest of the chain, in order
-        return decide(spec, chain, fp32=fp32, explicit=explicit, failed=failed, excluded=ranking.rejected)
+        try:
+            return decide(spec, chain, fp32=fp32, explicit=explicit, failed=failed, excluded=ranking.rejected)
+        except ValueError:  # nothing left: a check must never stop a generation that ran without it
+            return decide(spec, chain, fp32=fp32, explicit=explicit, failed=failed)
     rejected += [(bid, [reason]) for bid, reason in ranking.rejected.items()]
     preferred = _preferred(chain, None, explicit)
     if preferred in ranking.timings:

@@ -20,7 +20,8 @@ Output check: the reference is the engine's own chunked ``math`` in fp32 (fp64 f
 at most ``CHECK_ROWS`` evenly spaced query rows, so its memory stays bounded (the VAE's 16384-key call
 needs the fp32 keys and values plus a 64-row score block). A candidate fails when its output has a
 non-finite value, or when its relative L2 error over those rows exceeds the bound of the dtype it
-computes in (``BOUNDS``; four times that for an ``approximate`` backend).
+computes in (``BOUNDS``; autocast's dtype when it is on and its bound is looser; four times that for
+an ``approximate`` backend).
 
 Results are stored in ``tuning.json`` in ``cache_dir()``, keyed by a fingerprint of the machine and
 its software (device facts, driver, torch, CUDA, cuDNN, each backend's version, lib_attn) and by the
@@ -394,6 +395,8 @@ def measure(candidates: list, q, k, v, mask, scale, layout: str) -> Ranking:
             del samples[bid]
             rejected[bid] = failure_text(exc)
 
+    # Under the host's autocast a kernel computes in autocast's dtype: its bound applies when looser.
+    autocast = _compat.autocast_dtype(q.device.type)
     with torch.no_grad():
         ref = reference(q, k, v, mask, scale, layout, rows)
         first = {}
@@ -404,7 +407,8 @@ def measure(candidates: list, q, k, v, mask, scale, layout: str) -> Ranking:
                 out = calls[c.id]()
                 timer.sync()
                 first[c.id] = time.perf_counter() - t0
-                bound = BOUNDS.get(c.dtype, BOUNDS[torch.float16]) * (APPROXIMATE_FACTOR if c.approximate else 1)
+                bound = max(BOUNDS.get(c.dtype, BOUNDS[torch.float16]), BOUNDS.get(autocast, 0.0))
+                bound *= APPROXIMATE_FACTOR if c.approximate else 1
                 reason = check(out, q.shape, layout, rows, ref, bound)
                 del out
             except Exception as exc:  # noqa: BLE001 - as above

@@ -454,3 +454,22 @@ def test_the_reference_stays_fp32_under_autocast():
         ref = tune.reference(q, k, v, None, None, "bhsd", rows)
     assert ref.dtype == torch.float32
     assert rel_err(ref, reference(q, k, v)[:, :, rows]) < 1e-6
+
+
+def test_under_autocast_kernels_are_held_to_autocasts_bound():
+    lib_attn.configure(tune="on")
+    q, k, v = make_qkv(2, 4, 96, 77, 40, torch.float32, seed=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = lib_attn.attention(q, k, v)
+        d = lib_attn.explain(q, k, v)
+    assert d.source == "measured" and set(d.timings) == {"sdpa", "math"} and not d.rejected, str(d)
+    assert rel_err(out, reference(q, k, v)) < tune.BOUNDS[torch.bfloat16]
+
+
+def test_when_every_backend_fails_its_check_the_call_still_runs(monkeypatch):
+    lib_attn.configure(tune="on")
+    monkeypatch.setattr(tune, "check", lambda *a: "output check failed: rel err 1.0e+00 > 5.0e-03")
+    q, k, v = qkv()
+    out = lib_attn.attention(q, k, v)
+    assert rel_err(out, reference(q, k, v)) < 1e-5
+    assert lib_attn.explain(q, k, v).backend == "sdpa"
