@@ -136,7 +136,7 @@ class Decision:
                  f"{f', inputs cast to {self.cast}' if self.cast else ''}"]
         if self.source != "order":
             lines[0] += f" [tuned: {self.source}]"
-        lines += [f"  {bid}: median {t * 1e3:.3g} ms" for bid, t in self.timings.items()]
+        lines += [f"  {bid}: median {_tune.ms_text(t)}" for bid, t in self.timings.items()]
         lines += [f"  passed over {bid}: {'; '.join(reasons)}" for bid, reasons in self.rejected]
         return "\n".join(lines)
 

@@ -203,7 +203,7 @@ def render(doc: dict) -> str:
         if d["stored"]:
             ranked = sorted(d["stored"]["timings"].items(), key=lambda item: item[1])
             lines.append("        stored tuning: " + ", ".join(
-                [f"{bid} {t * 1e3:.3g} ms" for bid, t in ranked]
+                [f"{bid} {tune.ms_text(t)}" for bid, t in ranked]
                 + [f"{bid} rejected ({why})" for bid, why in d["stored"]["rejected"].items()]))
         for bid, reasons in d["rejected"]:
             why = "not available (see backends)" if bid in unavailable else "; ".join(reasons)

@@ -373,6 +373,12 @@ class _Timer:
         return out
 
 
+def ms_text(seconds: float) -> str:
+    """A median for people: ``2188 ms``, ``45.6 ms``, ``0.123 ms``."""
+    ms = seconds * 1e3
+    return f"{ms:.0f} ms" if ms >= 100 else f"{ms:.3g} ms"
+
+
 def _median(values: list) -> float:
     s = sorted(values)
     mid = len(s) // 2
@@ -477,6 +483,6 @@ def rank(spec, fp32: str, candidates: list, inputs: tuple | None) -> Ranking | N
         if ranking.keep:
             _store.put(key, fp, sig, new)
     log.info("attention tuning: %s: %s", sig, ", ".join(
-        [f"{i} {t * 1e3:.3g} ms" for i, t in ranking.timings.items()]
+        [f"{i} {ms_text(t)}" for i, t in ranking.timings.items()]
         + [f"{i} rejected ({r})" for i, r in ranking.rejected.items()]))
     return ranking
