@@ -416,6 +416,11 @@ def test_flag_and_setting_reach_the_engine():
         parser_with_flags().parse_args(["--attn-tune", "fast"])
     assert parser_with_flags().parse_args([]).attn_tune is None
     assert flags.problems(argparse.Namespace(attn_tune="fast")) == ["--attn-tune 'fast': must be on or off. The flag is ignored."]
+    # A registered id is valid wherever a built-in one is.
+    assert flags.parse_ids("tt-quick, sdpa") == (["tt-quick", "sdpa"], [])
+    assert settings.layer_from({settings.KEY_BACKEND: "tt-quick"}) == {
+        "preference": {"unet": ["tt-quick"], "dit": ["tt-quick"]}}
+    assert "tt-quick" in settings.backend_choices()
     assert settings.DEFAULTS[settings.KEY_TUNE] == "Auto"
     assert settings.layer_from({settings.KEY_TUNE: "Auto"}) is None
     assert settings.layer_from({settings.KEY_TUNE: "off"}) == {"tune": "off"}
