@@ -41,6 +41,13 @@ FLAGS = (
         help="fp32 attention inputs (--no-half, upcast attention): 'cast' runs half-only kernels in "
              "bf16/fp16 and casts the result back; 'keep' stays fp32 and falls back to a kernel that "
              "takes fp32. Default: cast, or keep when the webui asks for upcast attention.")),
+    ("--attn-tune", dict(
+        choices=("on", "off"), default=None,
+        help="Tuning: on the first call of each call kind, time every backend that can take it (checking its "
+             "output) and run the fastest correct one; results are kept across runs in "
+             "$LIB_ATTN_CACHE_DIR/tuning.json (default ~/.cache/lib_attn). 'on' measures on every device, 'off' "
+             "keeps the fixed order. Default: on for CUDA GPUs. A single chosen backend is never re-ranked; "
+             "one that fails the check falls back like any other.")),
     ("--attn-strict", dict(
         action="store_true",
         help="Raise an error instead of falling back when the chosen backend cannot take a call "

@@ -7,6 +7,8 @@
         ...
     with lib_attn.recording() as rec:                  # what ran, per (role, backend)
         ...
+    lib_attn.configure(tune="on")                      # rank the kernels by measuring them
+    lib_attn.register_backend(MyKernel())              # a lib_attn.Backend subclass
 
 Importing this package imports torch and nothing of any webui, and does not initialise CUDA.
 """
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 from . import kernels as _kernels
 from . import dispatch as _dispatch
-from .kernels import BACKEND_IDS
+from .kernels import BACKEND_IDS, Backend, Status
 from .config import Config, configure, use
 from .config import current as config
 from .device import DeviceInfo, device_info
@@ -30,6 +32,7 @@ __all__ = [
     "attention", "explain", "backends", "configure", "use", "config", "recording", "last_recording",
     "default_chain", "device_info", "reset", "BACKEND_IDS", "ROLES", "LAYOUTS", "AttentionFallbackError",
     "BackendInfo", "CallSpec", "Config", "Decision", "DeviceInfo", "Recording",
+    "Backend", "Status", "register_backend", "unregister_backend",
 ]
 
 
@@ -53,7 +56,24 @@ def backends() -> list[BackendInfo]:
     return out
 
 
+def register_backend(backend: Backend) -> None:
+    """Add a backend: an instance of a ``lib_attn.Backend`` subclass (see its docstring and the README).
+
+    Its ``id`` becomes valid wherever a built-in id is (chains, per-call ``backend``, flags, settings).
+    It is never in a default chain: a user's chain names it. Registering an id again replaces the
+    earlier backend; decisions taken so far are dropped.
+    """
+    _kernels.register(backend)
+    _dispatch.reset()
+
+
+def unregister_backend(backend_id: str) -> None:
+    """Remove a registered backend; decisions taken so far are dropped."""
+    _kernels.unregister(backend_id)
+    _dispatch.reset()
+
+
 def reset() -> None:
     """Back to a fresh state: default configuration, no cached decision or demotion (tests)."""
-    configure(preference="auto", fp32="cast", strict=False)
+    configure(preference="auto", fp32="cast", strict=False, tune="auto")
     _dispatch.reset()

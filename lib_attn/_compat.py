@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -150,3 +151,57 @@ def aotriton_missing(arch: str, kernel: str = "flash") -> str | None:
 
 def aotriton_max_head_dim() -> int:
     return 512 if TORCH_VERSION >= (2, 7) else 256
+# --- when measuring kernels is not allowed (tuning gates) ------------------------------------
+
+def compiling() -> bool:
+    """Whether torch.compile (dynamo) or TorchScript is tracing the current code."""
+    compiler = getattr(torch, "compiler", None)
+    check = getattr(compiler, "is_compiling", None)  # torch >= 2.3
+    if check is None:
+        # torch 2.1/2.2: only dynamo knows; it cannot be tracing when it was never imported.
+        dynamo = sys.modules.get("torch._dynamo")
+        check = getattr(dynamo, "is_compiling", None)
+    if check is not None and check():
+        return True
+    return bool(torch.jit.is_tracing() or torch.jit.is_scripting())
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (recomputation under
+    activation checkpointing calls attention there)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def capturing(device_type: str) -> bool:
+    """Whether the current CUDA stream is capturing a CUDA graph."""
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return False
+    check = getattr(torch.cuda, "is_current_stream_capturing", None)
+    return bool(check is not None and check())
+
+
+def cuda_driver_version() -> int | None:
+    """The CUDA driver's API version (e.g. 12080), or None on a build without CUDA."""
+    query = getattr(torch._C, "_cuda_getDriverVersion", None)
+    if query is None or not torch.cuda.is_available():
+        return None
+    try:
+        return int(query())
+    except RuntimeError:
+        return None
+
+
+def autocast_dtype(device_type: str):
+    """The dtype autocast computes in on ``device_type`` when it is on there, else None."""
+    try:
+        if not torch.is_autocast_enabled(device_type):  # torch >= 2.4 takes the device type
+            return None
+        return torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError, RuntimeError):
+        pass
+    if device_type == "cuda":
+        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+    if device_type == "cpu":
+        return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+    return None

@@ -1,7 +1,8 @@
 """``python -m lib_attn bench``: time every backend on the attention calls of real models.
 
 For each model's calls (``lib_attn.shapes``) and every backend column ("auto" =
-the engine's current configuration, then each backend id pinned per call):
+the engine's current configuration with tuning on unless ``--tune off``, so it
+runs what tuning ranks fastest; then each backend id pinned per call):
 
 * time per call: median and p20/p80 over samples taken in interleaved rounds
   (the backend order rotates every round so clock and thermal drift cancel);
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import lib_attn
-from lib_attn import shapes
+from lib_attn import shapes, tune
 from lib_attn.device import miopen_text
 from lib_attn.doctor import environment
 
@@ -216,6 +217,8 @@ class Cell:
     ran: str = ""  # backend id that really ran (from the recording)
     kernel: str = ""  # the engine's description of the kernel that ran
     cast: Optional[str] = None
+    tuned: str = ""  # auto: how the engine chose ("measured", "stored", "order")
+    timings_us: Optional[Dict[str, float]] = None  # auto, tuned: each candidate's median from tuning
     median_us: Optional[float] = None
     p20_us: Optional[float] = None
     p80_us: Optional[float] = None
@@ -339,6 +342,7 @@ def _memory_worker() -> None:
     """Subprocess entry: cells as JSON on stdin; one JSON line per cell on stdout."""
     spec = json.load(sys.stdin)
     torch.set_num_threads(spec["threads"])
+    lib_attn.configure(tune=spec.get("tune", "auto"))  # the parent's rankings, read from the tuning file
     cpu = torch.device("cpu")
     warmed = set()
     for cell in spec["cells"]:
@@ -376,7 +380,7 @@ def measure_cpu_memory(jobs: List[Tuple[shapes.AttentionCall, str, Optional[str]
     env = dict(os.environ)
     env["PYTHONPATH"] = package_root + os.pathsep + env.get("PYTHONPATH", "")
     env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed blocks leave the resident set at once
-    payload = {"threads": torch.get_num_threads(),
+    payload = {"threads": torch.get_num_threads(), "tune": lib_attn.config().tune,
                "cells": [{"call": asdict(c), "dtype": d, "backend": b} for c, d, b in jobs]}
     with tempfile.TemporaryFile(mode="w+") as errors:
         proc = subprocess.Popen([sys.executable, "-c", "from lib_attn.bench import _memory_worker; "
@@ -541,6 +545,7 @@ class BenchSettings:
     memory: bool = True
     progress: bool = True
     seed: int = 0
+    tune: str = "on"  # the auto column's tuning mode
 
 
 def resolve_columns(requested: Optional[List[str]]) -> Tuple[List[str], Dict[str, str]]:
@@ -591,6 +596,11 @@ def _prepare(cell: Cell, call, q, k, v, rows, ref, unavailable: Dict[str, str],
         return lib_attn.attention(q, k, v, role=call.role, backend=pinned)
 
     try:
+        if pinned is None:
+            fn()  # the call kind's first call: tuning measures here, outside every sample
+            decision = lib_attn.explain(q, k, v, role=call.role)
+            cell.tuned = decision.source
+            cell.timings_us = {b: t * 1e6 for b, t in decision.timings.items()} or None
         with lib_attn.recording() as rec:
             t0 = time.perf_counter()
             out = fn()
@@ -636,6 +646,11 @@ def _plan_rounds(estimates: List[float], budget: float, settings: BenchSettings)
 
 def run(settings: BenchSettings) -> dict:
     """Run the benchmark and return the result document (see ``SCHEMA``)."""
+    with lib_attn.use(tune=settings.tune):
+        return _run(settings)
+
+
+def _run(settings: BenchSettings) -> dict:
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     env = environment(device)
     columns, unavailable = resolve_columns(settings.backends)
@@ -723,6 +738,7 @@ def run(settings: BenchSettings) -> dict:
             "dtypes": sorted({dt for _, dt in rows_calls}), "columns": columns,
             "timer": timer.method, "budget_s_per_row": budget, "min_rounds": settings.min_rounds,
             "max_samples": settings.max_samples, "memory_method": memory_method,
+            "tune": settings.tune, "tuning_file": tune.cache_path(),
             "first_run_is_a_sample_above_s": None if timer.cuda else FIRST_RUN_SAMPLE_S,
             "reference": f"float64 softmax(QKᵀ/√d)V on up to {ERROR_ROWS} evenly spaced query rows",
             "inputs": "A1111 layout: (b, s, h·d) viewed (b, s, h, d) and transposed to (b, h, s, d)",
@@ -868,6 +884,12 @@ def render(doc: dict) -> str:
                + (f", CUDA {v['cuda']}, cuDNN {v['cudnn']}" if v.get("cuda") else "")
                + (f", HIP {v['hip']}, MIOpen {miopen_text(v.get('miopen'))}" if v.get("hip") else "")
                + f"; timer {doc['settings']['timer']}")
+    if AUTO in doc["settings"]["columns"]:
+        tuned = doc["settings"].get("tune", "auto")
+        out.append("auto: " + ("tuned: the engine measured (or read from "
+                               f"{doc['settings'].get('tuning_file')}) each call kind's candidates and runs the "
+                               "fastest correct one; 'auto ran' says measured or stored" if tuned == "on" else
+                               f"tuning {tuned}: the engine's fixed order"))
     results = doc["results"]
     columns = doc["settings"]["columns"]
     h200 = doc["settings"]["h200_floor"]
@@ -890,7 +912,8 @@ def render(doc: dict) -> str:
                 cell = index[(model, res, dt, c["where"], col)]
                 row.append(fmt_spread(cell) if cell["status"] == "ok" else _na(cell, notes))
             auto = index.get((model, res, dt, c["where"], AUTO))
-            row.append(auto["ran"] if auto and auto["ran"] else "-")
+            tuned = f" ({auto.get('tuned')})" if auto and auto.get("tuned") not in (None, "", "order") else ""
+            row.append(auto["ran"] + tuned if auto and auto["ran"] else "-")
             rows.append(row)
         step_row = [f"ms per {unit}", "", "", ""]
         tput_row = ["TFLOP/s", "", "", ""]

@@ -1,4 +1,4 @@
-"""The engine's configuration: preference chains per role, fp32 policy, strict mode."""
+"""The engine's configuration: preference chains per role, fp32 policy, strict mode, tuning."""
 from __future__ import annotations
 
 import contextlib
@@ -8,6 +8,9 @@ from .kernels import BACKEND_IDS
 from .spec import ROLES
 
 FP32_POLICIES = ("cast", "keep")
+#: ``auto``: measure on CUDA devices, fixed order elsewhere; ``on``: measure on every device;
+#: ``off``: the fixed order everywhere.
+TUNE_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -17,6 +20,7 @@ class Config:
     preference: dict = field(default_factory=lambda: {role: None for role in ROLES})
     fp32: str = "cast"
     strict: bool = False
+    tune: str = "auto"
 
 
 _config = Config()
@@ -63,20 +67,32 @@ def current() -> Config:
     return _config
 
 
-def configure(preference=None, fp32=None, strict=None) -> Config:
+def _tune_mode(value) -> str:
+    if value is True or value is False:
+        return "on" if value else "off"
+    if value not in TUNE_MODES:
+        raise ValueError(f"tune {value!r} is not one of {', '.join(TUNE_MODES)}")
+    return value
+
+
+def configure(preference=None, fp32=None, strict=None, tune=None) -> Config:
     """Change the configuration; an argument left at None keeps its current value.
 
     ``preference``: ``"auto"``, a list of backend ids for every role, or a dict role -> list
     (``"auto"`` or ``[]`` for the default chain). ``fp32``: ``"cast"`` (fp32 inputs are cast to
     bf16/fp16 for half-only kernels, output cast back) or ``"keep"`` (only fp32-capable kernels).
-    ``strict``: when True, every fallback raises ``AttentionFallbackError``.
+    ``strict``: when True, every fallback raises ``AttentionFallbackError``. ``tune``: ``"auto"``
+    (measure on CUDA devices), ``"on"`` (measure on every device) or ``"off"`` (fixed order); True and
+    False stand for on and off. Measuring ranks the backends that take a call kind on its first call,
+    and is kept on disk (see ``lib_attn.tune``).
     """
     pref = _config.preference if preference is None else normalise_preference(preference)
     if fp32 is not None and fp32 not in FP32_POLICIES:
         raise ValueError(f"fp32 policy {fp32!r} is not one of {', '.join(FP32_POLICIES)}")
     if strict is not None and not isinstance(strict, bool):
         raise ValueError(f"strict must be a bool, got {type(strict).__name__}")
-    _set(Config(pref, _config.fp32 if fp32 is None else fp32, _config.strict if strict is None else strict))
+    mode = _config.tune if tune is None else _tune_mode(tune)
+    _set(Config(pref, _config.fp32 if fp32 is None else fp32, _config.strict if strict is None else strict, mode))
     return _config
 
 
@@ -89,10 +105,10 @@ def _set(new: Config) -> None:
 
 
 @contextlib.contextmanager
-def use(preference=None, fp32=None, strict=None):
+def use(preference=None, fp32=None, strict=None, tune=None):
     """``configure`` for the duration of a ``with`` block; the previous state returns on exit."""
     saved = _config
-    configure(preference, fp32, strict)
+    configure(preference, fp32, strict, tune)
     try:
         yield _config
     finally:

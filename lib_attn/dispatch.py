@@ -1,7 +1,9 @@
 """The dispatcher: a pure chain over the backends, decided once per call signature.
 
 ``decide`` walks a role's chain and returns the first backend whose reasons list is empty, keeping
-every rejection. ``attention`` caches that decision under the call's metadata, so the hot path does a
+every rejection. With tuning on, the first call of a signature asks ``tune`` to rank every backend of
+the chain in force that takes it, and the fastest correct one is decided instead (``Decision.source``
+says which way). ``attention`` caches the decision under the call's metadata, so the hot path does a
 dict lookup, one counter increment and the kernel call: no probing and no reason strings.
 """
 from __future__ import annotations
@@ -14,9 +16,10 @@ import torch
 from . import _compat
 from . import config as _config
 from . import stats
+from . import tune as _tune
 from .kernels import REGISTRY, Status, status
-from .kernels.base import failure_text
 from .kernels.flash import CK_ARCHS, TRITON_ARCH_PREFIXES
+from .kernels.base import failure_text, is_sticky
 from .device import DeviceInfo
 from .spec import CallSpec, spec_of, validate
 
@@ -129,12 +132,31 @@ def chain_for(role: str, device: DeviceInfo, backend: str | None, cfg, spec: Cal
     return _dedupe(head + default_chain(role, device, spec=spec)), bool(head)
 
 
+def tuning_chain(role: str, device: DeviceInfo, backend: str | None, cfg, spec: CallSpec | None = None) -> tuple | None:
+    """The backends ranked for a call when tuning applies, else None.
+
+    Under Auto, the default chain (never an ``approximate`` backend: those are ranked only where the
+    user's chain names them); the user's own chain when it names more than one backend. A single
+    named backend (per call or configured) is never second-guessed.
+    """
+    if backend is not None or not _tune.enabled(cfg.tune, device.type):
+        return None
+    named = cfg.preference.get(role)
+    if named:
+        return named if len(named) > 1 else None
+    return tuple(b for b in default_chain(role, device, spec=spec) if not REGISTRY[b].approximate)
+
+
 @dataclass
 class Decision:
     """What runs for a call signature. ``backend``: the id that runs; ``rejected``: (id, reasons) for
     every backend ahead of it in the chain; ``variant``: the package's kernel (e.g. "FA3");
     ``cast``: the dtype fp32 inputs are cast to, or None; ``preferred``: the backend the configuration
-    put first (the first available one for a default chain)."""
+    put first (the first available one for a default chain); ``source``: how the backend was chosen,
+    ``"measured"`` (tuning ranked the candidates on this call), ``"stored"`` (the ranking came from
+    the tuning file) or ``"order"`` (the chain's fixed order); ``timings``: backend id -> median
+    seconds of each candidate tuning ranked, fastest first (empty under ``"order"``). A candidate
+    tuning rejected is in ``rejected`` with its reason (``output check failed: ...`` or its error)."""
 
     backend: str
     rejected: list = field(default_factory=list)
@@ -145,6 +167,9 @@ class Decision:
     run: object = field(default=None, repr=False)
     count_key: tuple = ()
     fallback_key: tuple | None = None
+    source: str = "order"
+    timings: dict = field(default_factory=dict)
+    final: bool = field(default=True, repr=False)  # False: decided where tuning was blocked, not cached
 
     @property
     def fallback(self) -> bool:
@@ -159,47 +184,96 @@ class Decision:
     def __str__(self) -> str:
         lines = [f"{self.backend}{f' ({self.variant})' if self.variant else ''}"
                  f"{f', inputs cast to {self.cast}' if self.cast else ''}"]
+        if self.source != "order":
+            lines[0] += f" [tuned: {self.source}]"
+        lines += [f"  {bid}: median {_tune.ms_text(t)}" for bid, t in self.timings.items()]
         lines += [f"  passed over {bid}: {'; '.join(reasons)}" for bid, reasons in self.rejected]
         return "\n".join(lines)
 
 
+def _verdict(spec: CallSpec, bid: str, st: Status, fp32: str, asked: bool, failed: dict | None,
+             excluded: dict | None = None):
+    """(reasons, cast, run_spec) of one backend for ``spec``; no reasons means it takes the call."""
+    if not st.available:
+        return [f"not available: {st.reason}"], None, spec
+    if failed and bid in failed:
+        return [f"failed at run time: {failed[bid]}"], None, spec
+    if excluded and bid in excluded:
+        return [excluded[bid]], None, spec
+    backend = REGISTRY[bid]
+    cast, run_spec = None, spec
+    if spec.dtype == torch.float32 and fp32 == "cast" and not backend.takes_dtype(torch.float32, spec.device.type):
+        cast = spec.device.half_dtype
+        run_spec = spec.with_dtype(cast)
+    reasons = backend.reasons(run_spec, asked=asked)
+    if fp32 == "keep" and spec.dtype == torch.float32:
+        reasons = [r + " (fp32 policy: keep)" if r.startswith("dtype") else r for r in reasons]
+    return reasons, cast, run_spec
+
+
+def _preferred(chain, statuses: dict | None, explicit: bool) -> str | None:
+    if explicit:
+        return chain[0]
+    return next((bid for bid in chain if (statuses[bid] if statuses is not None else status(bid)).available), None)
+
+
 def decide(spec: CallSpec, chain, statuses: dict | None = None, fp32: str = "cast", explicit: bool = False,
-           failed: dict | None = None) -> Decision:
+           failed: dict | None = None, excluded: dict | None = None) -> Decision:
     """Walk ``chain`` for ``spec`` and return the first backend that takes it.
 
     ``statuses`` maps ids to probe results (the real probes when None); ``explicit`` says the chain's
     head was named by the user, so its first entry is the preferred one even when not installed;
-    ``failed`` maps ids to a run-time failure that demoted them for this signature.
+    ``failed`` maps ids to a run-time failure that demoted them for this signature; ``excluded``
+    maps ids to the reason tuning rejected them for it.
     """
     rejected = []
-    preferred = chain[0] if explicit else None
+    preferred = _preferred(chain, statuses, explicit)
     for bid in chain:
         st: Status = statuses[bid] if statuses is not None else status(bid)
-        if not st.available:
-            rejected.append((bid, [f"not available: {st.reason}"]))
-            continue
-        if preferred is None:
-            preferred = bid
-        if failed and bid in failed:
-            rejected.append((bid, [f"failed at run time: {failed[bid]}"]))
-            continue
-        backend = REGISTRY[bid]
-        cast, run_spec = None, spec
-        if spec.dtype == torch.float32 and fp32 == "cast" and not backend.takes_dtype(torch.float32, spec.device.type):
-            cast = spec.device.half_dtype
-            run_spec = spec.with_dtype(cast)
-        reasons = backend.reasons(run_spec, asked=explicit and bid == chain[0])
-        if fp32 == "keep" and spec.dtype == torch.float32:
-            reasons = [r + " (fp32 policy: keep)" if r.startswith("dtype") else r for r in reasons]
+        reasons, cast, run_spec = _verdict(spec, bid, st, fp32, explicit and bid == chain[0], failed, excluded)
         if reasons:
             rejected.append((bid, reasons))
             continue
-        return _decision(backend, rejected, cast, preferred, spec, run_spec)
+        return _decision(REGISTRY[bid], rejected, cast, preferred, spec, run_spec)
     raise ValueError(f"no backend takes this call ({spec.describe()}): "
                      + "; ".join(f"{bid}: {', '.join(r)}" for bid, r in rejected))
 
 
-def _decision(backend, rejected, cast, preferred, spec, run_spec) -> Decision:
+def decide_tuned(spec: CallSpec, chain, pool, fp32: str, explicit: bool, failed: dict | None,
+                 inputs: tuple | None) -> Decision | None:
+    """Rank the backends of ``pool`` that take ``spec`` (``tune.rank``) and decide the fastest correct
+    one; None when none takes it or nothing is stored and ``inputs`` is None. ``chain`` is the full
+    chain in force, ``inputs`` the call's (q, k, v, mask, scale) to measure on."""
+    rejected, takers = [], {}
+    for bid in pool:
+        reasons, cast, run_spec = _verdict(spec, bid, status(bid), fp32, explicit and bid == chain[0], failed)
+        if reasons:
+            rejected.append((bid, reasons))
+        else:
+            takers[bid] = (REGISTRY[bid], cast, run_spec)
+    if not takers:
+        return None
+    candidates = [_tune.Candidate(bid, _wrap(b.runner(rs), spec.layout != b.layout, cast), cast or spec.dtype,
+                                  b.approximate) for bid, (b, cast, rs) in takers.items()]
+    ranking = _tune.rank(spec, fp32, candidates, inputs)
+    if ranking is None:
+        return None
+    if ranking.winner is None:  # every candidate failed its check: the rest of the chain, in order
+        try:
+            return decide(spec, chain, fp32=fp32, explicit=explicit, failed=failed, excluded=ranking.rejected)
+        except ValueError:  # nothing left: a check must never stop a generation that ran without it
+            return decide(spec, chain, fp32=fp32, explicit=explicit, failed=failed)
+    rejected += [(bid, [reason]) for bid, reason in ranking.rejected.items()]
+    preferred = _preferred(chain, None, explicit)
+    if preferred in ranking.timings:
+        preferred = ranking.winner  # it took the call and passed its check: being slower is no fallback
+    backend, cast, run_spec = takers[ranking.winner]
+    dec = _decision(backend, rejected, cast, preferred, spec, run_spec, ranking.source)
+    dec.timings = dict(ranking.timings)
+    return dec
+
+
+def _decision(backend, rejected, cast, preferred, spec, run_spec, source: str = "order") -> Decision:
     variant = backend.variant(run_spec)
     run = _wrap(backend.runner(run_spec), spec.layout != backend.layout, cast)
     fallback_key = None
@@ -207,9 +281,12 @@ def _decision(backend, rejected, cast, preferred, spec, run_spec) -> Decision:
         reasons = next((r for bid, r in rejected if bid == preferred), [])
         fallback_key = (spec.role, preferred, "; ".join(reasons))
     stats.note_kernel(backend.id, " ".join(p for p in (backend.id, status(backend.id).version, f"({variant})" if variant else "") if p))
+    if source != "order":
+        stats.note_tuned(spec.role, backend.id)
     # The decision outlives the call: it must not keep the call's tensors alive.
     spec = replace(spec, tensors=None)
-    return Decision(backend.id, rejected, variant, cast, preferred, spec, run, (spec.role, backend.id), fallback_key)
+    return Decision(backend.id, rejected, variant, cast, preferred, spec, run, (spec.role, backend.id), fallback_key,
+                    source)
 
 
 def _wrap(run, transpose: bool, cast):
@@ -258,8 +335,9 @@ def _key(q, k, v, mask, layout, role, backend, fp32):
             layout, role, backend, fp32)
 
 
-def _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key) -> Decision:
-    """Validate a call and decide for it; ``key`` is its signature (None when it has none)."""
+def _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key, measure=True) -> Decision:
+    """Validate a call and decide for it; ``key`` is its signature (None when it has none).
+    ``measure``: tuning may run kernels on this call's inputs (not for ``explain``)."""
     validate(q, k, v, mask, layout, role, scale)
     if backend is not None and backend not in REGISTRY:
         raise ValueError(f"unknown backend id {backend!r}; valid ids: {', '.join(REGISTRY)}")
@@ -268,17 +346,34 @@ def _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key) -> Deci
     cfg = _config.current()
     spec = spec_of(q, k, v, mask, layout, role)
     chain, explicit = chain_for(role, spec.device, backend, cfg, spec)
-    return decide(spec, chain, fp32=fp32 or cfg.fp32, explicit=explicit, failed=_failed.get(key))
+    fp32 = fp32 or cfg.fp32
+    pool = tuning_chain(role, spec.device, backend, cfg, spec)
+    if pool:
+        if _tune.blocked(spec.device.type):
+            # Tracing, capture or backward: the fixed order serves this call, and is not cached, so
+            # that the signature's first ordinary call still tunes.
+            dec = decide(spec, chain, fp32=fp32, explicit=explicit, failed=_failed.get(key))
+            dec.final = False
+            return dec
+        inputs = (q, k, v, mask, scale) if measure and key is not None else None
+        dec = decide_tuned(spec, chain, pool, fp32, explicit, _failed.get(key), inputs)
+        if dec is not None:
+            return dec
+    return decide(spec, chain, fp32=fp32, explicit=explicit, failed=_failed.get(key))
 
 
 def explain(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", backend=None, fp32=None) -> Decision:
-    """The decision ``attention`` would take for this call, without running a kernel."""
+    """The decision ``attention`` would take for this call, without running a kernel.
+
+    After the signature's first call this is the cached decision. Before it, with tuning on, it is
+    the stored ranking when the tuning file has one, else the fixed order (``source == "order"``).
+    """
     try:
         key = _key(q, k, v, mask, layout, role, backend, fp32)
         found = _cache.get(key)
     except (AttributeError, TypeError, IndexError, RuntimeError):
         key = found = None
-    return found or _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key)
+    return found or _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key, measure=False)
 
 
 def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", backend=None, fp32=None):
@@ -298,7 +393,9 @@ def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", bac
                layout, role, backend, fp32)
         dec = _cache[key]
     except KeyError:
-        dec = _cache[key] = _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key)
+        dec = _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key)
+        if dec.final:
+            _cache[key] = dec
     except (AttributeError, TypeError, RuntimeError):  # not tensors (or an unhashable argument)
         key = None
         dec = _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key)
@@ -329,9 +426,6 @@ def _report_once(fallback_key: tuple, ran_on: str) -> None:
         log.warning("attention: %s passed over for %s calls (%s); running %s instead", preferred, role, reasons, ran_on)
 
 
-_STICKY = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address")
-
-
 def _is_oom(exc: BaseException) -> bool:
     oom = getattr(torch.cuda, "OutOfMemoryError", None)
     return (oom is not None and isinstance(exc, oom)) or "out of memory" in str(exc).lower()
@@ -355,7 +449,7 @@ def _recover(key, dec: Decision, exc: Exception, q, k, v, mask, scale):
         out = _wrap(REGISTRY["math"].run, dec.spec.layout != "bhsd", None)(q, k, v, mask, scale)
         stats.calls[(dec.spec.role, "math")] += 1
         return out
-    sticky = any(s in str(exc) for s in _STICKY)
+    sticky = is_sticky(exc)
     recoverable = isinstance(exc, (RuntimeError, NotImplementedError, ValueError, TypeError, AssertionError))
     if sticky or not recoverable or dec.backend == "math" or key is None:
         raise exc
@@ -382,7 +476,8 @@ def _recover(key, dec: Decision, exc: Exception, q, k, v, mask, scale):
 
 
 def reset() -> None:
-    """Forget decisions, demotions and the once-only log record (tests)."""
+    """Forget decisions, demotions, tuned marks and the once-only log record (tests)."""
     _cache.clear()
     _failed.clear()
     _reported.clear()
+    stats.forget_tuned()

@@ -18,8 +18,9 @@ from typing import List, Optional
 import torch
 
 import lib_attn
-from lib_attn import shapes
+from lib_attn import shapes, tune
 from lib_attn.device import default_device, miopen_text
+from lib_attn.spec import spec_of
 
 GPU_DEFAULT_DTYPE = {"unet": torch.float16, "vae": torch.float16, "dit": torch.bfloat16}
 
@@ -119,7 +120,15 @@ def environment(device: Optional[torch.device] = None, info=None) -> dict:
 def _config_dict() -> dict:
     cfg = lib_attn.config()
     pref = {role: (list(p) if p else "auto") for role, p in (cfg.preference or {}).items()}
-    return {"preference": pref, "fp32": cfg.fp32, "strict": bool(cfg.strict)}
+    return {"preference": pref, "fp32": cfg.fp32, "strict": bool(cfg.strict), "tune": cfg.tune}
+
+
+def _tuning_dict(device: torch.device) -> dict:
+    """The tuning mode, whether it measures on this device, and the stored file."""
+    mode = lib_attn.config().tune
+    table = tune.table(lib_attn.device_info(device))
+    return {"mode": mode, "active": tune.enabled(mode, device.type), "file": table["file"],
+            "stored": len(table["entries"])}
 
 
 def _empty_inputs(call: shapes.AttentionCall, dtype: torch.dtype, device: torch.device):
@@ -151,11 +160,13 @@ def decisions(device: torch.device, dtype: Optional[torch.dtype] = None,
     for model in models:
         for call in shapes.model_calls(model, res):
             dt = dtype or (GPU_DEFAULT_DTYPE[call.role] if device.type != "cpu" else torch.float32)
+            stored = None
             if info is not None:
                 d = _described(call, dt, info)
             else:
                 q, k, v = _empty_inputs(call, dt, device)
                 d = lib_attn.explain(q, k, v, role=call.role)
+                stored = tune.lookup(spec_of(q, k, v, None, "bhsd", call.role), lib_attn.config().fp32)
                 del q, k, v
             cast = getattr(d, "cast", None)
             out.append({
@@ -165,6 +176,9 @@ def decisions(device: torch.device, dtype: Optional[torch.dtype] = None,
                 "backend": d.backend, "variant": getattr(d, "variant", "") or "",
                 "cast": str(cast).replace("torch.", "") if cast else None,
                 "rejected": [[bid, list(reasons)] for bid, reasons in (d.rejected or [])],
+                "source": d.source,
+                "stored": None if stored is None else {"timings": stored["timings"], "rejected": stored["rejected"],
+                                                       "measured": stored.get("measured")},
             })
     return out
 
@@ -178,6 +192,7 @@ def report(device: Optional[torch.device] = None, dtype: Optional[torch.dtype] =
     doc = environment(device, info)
     doc["schema"] = "lib_attn.doctor/1"
     doc["config"] = _config_dict()
+    doc["tuning"] = _tuning_dict(device)
     doc["decisions"] = decisions(device, dtype, info=info)
     if info is not None:
         doc["described"] = True
@@ -209,7 +224,10 @@ def render(doc: dict) -> str:
     pref_text = next(iter(prefs.values())) if same and prefs else \
         "; ".join(f"{r}: {p}" for r, p in prefs.items())
     lines.append(f"  config    preference {pref_text}, fp32 {cfg['fp32']}, "
-                 f"strict {'on' if cfg['strict'] else 'off'}")
+                 f"strict {'on' if cfg['strict'] else 'off'}, tune {cfg['tune']}")
+    t = doc["tuning"]
+    lines.append(f"  tuning    {'measures' if t['active'] else 'off'} on {dev['type']}; {t['stored']} call kinds "
+                 f"stored for this machine in {t['file']}")
     lines += ["", "backends"]
     w = max(len(b["id"]) for b in doc["backends"])
     for b in doc["backends"]:
@@ -229,7 +247,13 @@ def render(doc: dict) -> str:
         shape = ",".join(str(x) for x in d["shape"])
         extra = "".join([f" ({d['variant']})" if d["variant"] else "",
                          f" [cast to {d['cast']}]" if d["cast"] else ""])
-        lines.append(f"    {d['where']:<13} {'(' + shape + ')':<21} ×{d['calls']:<3} -> {d['backend']}{extra}")
+        tuned = f" [tuned: {d['source']}]" if d["source"] != "order" else ""
+        lines.append(f"    {d['where']:<13} {'(' + shape + ')':<21} ×{d['calls']:<3} -> {d['backend']}{extra}{tuned}")
+        if d["stored"]:
+            ranked = sorted(d["stored"]["timings"].items(), key=lambda item: item[1])
+            lines.append("        stored tuning: " + ", ".join(
+                [f"{bid} {tune.ms_text(t)}" for bid, t in ranked]
+                + [f"{bid} rejected ({why})" for bid, why in d["stored"]["rejected"].items()]))
         for bid, reasons in d["rejected"]:
             why = "not available (see backends)" if bid in unavailable else "; ".join(reasons)
             lines.append(f"        {bid}: {why}")

@@ -21,6 +21,8 @@ _ROLE_ORDER = ("unet", "dit", "vae", "text")
 INFOTEXT_KEY = "Attention"
 INFOTEXT_FALLBACKS_KEY = "Attention fallbacks"
 INFOTEXT_NOTE_KEY = "Attention note"
+#: After a backend's description where tuning chose it (measured on this machine, or stored).
+TUNED_MARK = " [tuned]"
 
 
 def _mib_up(n: int) -> int:
@@ -169,7 +171,8 @@ class Report:
     ``seconds``: wall time of the generation, or None; ``vram``: a ``Vram`` or None (CPU, unmeasured).
     ``notes``: what the user should know about this generation (an override or setting that was ignored,
     and why); ``ran_on``: what ran attention when it did not go through the engine (e.g. "A1111's
-    InvokeAI optimizer"); ``hint``: how to route attention through the engine then (readout only).
+    InvokeAI optimizer"); ``hint``: how to route attention through the engine then (readout only);
+    ``tuned``: the (role, backend id) pairs that tuning chose rather than the fixed order.
     """
 
     calls: dict = field(default_factory=dict)
@@ -180,13 +183,15 @@ class Report:
     notes: tuple = ()
     ran_on: str | None = None
     hint: str | None = None
+    tuned: frozenset = frozenset()
 
     @classmethod
     def from_recording(cls, rec, seconds: float | None = None, vram: Vram | None = None) -> "Report":
         """From a ``lib_attn.Recording``; ``seconds`` defaults to the recording's own wall time."""
         if seconds is None:
             seconds = getattr(rec, "seconds", None)
-        return cls(dict(rec.calls), dict(rec.fallbacks), dict(rec.kernels), seconds, vram)
+        return cls(dict(rec.calls), dict(rec.fallbacks), dict(rec.kernels), seconds, vram,
+                   frozenset(getattr(rec, "tuned", ())))
 
     # -- ordering ---------------------------------------------------------------------------
     def roles(self) -> list[str]:
@@ -217,6 +222,9 @@ class Report:
         desc = self.kernels.get(backend) or backend
         return desc if desc.split(" ")[0] == backend else f"{backend} ({desc})"
 
+    def _ran(self, role: str, backend: str) -> str:
+        return self.describe(backend) + (TUNED_MARK if (role, backend) in self.tuned else "")
+
     def fallback_items(self) -> list:
         items = list(self.fallbacks.items())
         return sorted(items, key=lambda item: (_role_rank(item[0][0]), -item[1], item[0][1], item[0][2]))
@@ -225,7 +233,7 @@ class Report:
     def calls_text(self) -> str:
         parts = []
         for role in self.roles():
-            ran = " + ".join(f"{self.describe(b)} ×{n:,}" for b, n in self.backends(role))
+            ran = " + ".join(f"{self._ran(role, b)} ×{n:,}" for b, n in self.backends(role))
             parts.append(self._prefix(role) + ran)
         if parts:
             return " · ".join(parts)
@@ -257,7 +265,7 @@ class Report:
         ``Attention fallbacks`` (with counts and reasons). Empty when no attention call ran."""
         segments = []
         for role in self.roles():
-            segments.append(self._prefix(role) + " + ".join(self.describe(b) for b, _ in self.backends(role)))
+            segments.append(self._prefix(role) + " + ".join(self._ran(role, b) for b, _ in self.backends(role)))
         out = {}
         if segments:
             out[INFOTEXT_KEY] = "; ".join(segments)
@@ -277,13 +285,16 @@ class Report:
         value = params.get(INFOTEXT_KEY)
         if not value:
             return None
-        calls, kernels = {}, {}
+        calls, kernels, tuned = {}, {}, set()
         for segment in str(value).split("; "):
             role, rest = _split_prefix(segment.strip())
             for desc in rest.split(" + "):
                 desc = desc.strip()
                 backend = desc.split(" ")[0]
                 calls[(role, backend)] = 0
+                if desc.endswith(TUNED_MARK):
+                    desc = desc[:-len(TUNED_MARK)]
+                    tuned.add((role, backend))
                 kernels[backend] = desc
         fallbacks = {}
         for entry in _split_fallbacks(params.get(INFOTEXT_FALLBACKS_KEY) or ""):
@@ -292,12 +303,13 @@ class Report:
                 continue
             role = _PREFIX_ROLE.get((match["prefix"] or "").strip(), "unet")
             fallbacks[(role, match["backend"], match["reason"])] = int(match["count"].replace(",", ""))
-        return cls(calls, fallbacks, kernels)
+        return cls(calls, fallbacks, kernels, tuned=frozenset(tuned))
 
     # -- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {
-            "calls": [{"role": role, "backend": b, "kernel": self.describe(b), "count": n}
+            "calls": [{"role": role, "backend": b, "kernel": self.describe(b), "count": n,
+                       "tuned": (role, b) in self.tuned}
                       for role in self.roles() for b, n in self.backends(role)],
             "fallbacks": [{"role": role, "backend": b, "reason": reason, "count": n}
                           for (role, b, reason), n in self.fallback_items()],
@@ -319,8 +331,9 @@ class Report:
         v = data.get("vram")
         vram = None if not v else Vram(v["active_peak_bytes"], v["reserved_peak_bytes"], v["system_peak_bytes"],
                                        v["total_bytes"], v.get("source", "host"), bool(v.get("peaks_bounded")))
+        tuned = frozenset((c["role"], c["backend"]) for c in data.get("calls", ()) if c.get("tuned"))
         return cls(calls, fallbacks, kernels, data.get("seconds"), vram, tuple(data.get("notes") or ()),
-                   data.get("ran_on"), data.get("hint"))
+                   data.get("ran_on"), data.get("hint"), tuned)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), ensure_ascii=False)

@@ -11,6 +11,8 @@ from collections import Counter
 
 #: What each backend id ran as, e.g. {"flash-attn": {"flash-attn 2.8.3 (FA3)"}}, filled per decision.
 _kernels: dict[str, set] = {}
+#: (role, backend id) pairs that tuning chose for at least one call signature.
+_tuned: set = set()
 
 
 class Recording:
@@ -32,6 +34,11 @@ class Recording:
         """What each backend that ran was, with its version and variant."""
         used = {backend for _, backend in self.calls}
         return {b: " / ".join(sorted(_kernels.get(b, {b}))) for b in sorted(used)}
+
+    @property
+    def tuned(self) -> set:
+        """(role, backend id) pairs that ran where tuning chose them (for at least one call kind)."""
+        return {pair for pair in self.calls if pair in _tuned}
 
     def total(self, role: str | None = None) -> int:
         return sum(n for (r, _), n in self.calls.items() if role is None or r == role)
@@ -55,6 +62,14 @@ def _make_current(rec: Recording) -> None:
 
 def note_kernel(backend: str, description: str) -> None:
     _kernels.setdefault(backend, set()).add(description)
+
+
+def note_tuned(role: str, backend: str) -> None:
+    _tuned.add((role, backend))
+
+
+def forget_tuned() -> None:
+    _tuned.clear()
 
 
 @contextlib.contextmanager

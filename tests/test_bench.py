@@ -77,11 +77,20 @@ def test_cells_that_ran_have_consistent_numbers(short_run):
         assert r["tflops"] == pytest.approx(4 * c["b"] * c["heads"] * c["q_len"] * c["kv_len"] * c["head_dim"]
                                             / (r["median_us"] * 1e-6) / 1e12)
         if r["backend"] == "auto":
+            # The auto column runs tuned: the candidate tuning measured fastest on this call kind.
+            assert r["tuned"] == "measured" and set(r["timings_us"]) == {"sdpa", "math"}
+            assert r["ran"] == min(r["timings_us"], key=r["timings_us"].get)
             q, k, v = bench.make_inputs(calls_at_res[r["where"]], torch.float32, torch.device("cpu"))
-            assert r["ran"] == lib_attn.explain(q, k, v, role="unet").backend
+            assert r["ran"] in (lib_attn.explain(q, k, v, role="unet").backend, "math")
         else:
             assert r["ran"] == r["backend"]
         assert r["rel_l2_error"] < 1e-5  # float32 against float64
+
+
+def test_the_auto_column_says_it_runs_tuned(short_run):
+    assert short_run["doc"]["settings"]["tune"] == "on"
+    assert "auto: tuned: the engine measured" in short_run["stdout"]
+    assert any(line.rstrip().endswith("(measured)") for line in short_run["stdout"].splitlines())
 
 
 def test_per_step_is_the_call_weighted_sum(short_run):

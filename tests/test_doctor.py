@@ -119,3 +119,24 @@ def test_no_command_prints_usage():
     finally:
         sys.stdout = sys_stdout
     assert "doctor" in out.getvalue() and "bench" in out.getvalue()
+
+
+def test_stored_tuning_is_shown_per_model_shape(monkeypatch, tmp_path):
+    monkeypatch.setenv("LIB_ATTN_CACHE_DIR", str(tmp_path))
+    lib_attn.reset()
+    call = min(shapes.model_calls("sd15"), key=lambda c: c.flops)
+    q, k, v = (torch.randn_like(t) for t in doctor._empty_inputs(call, torch.float32, CPU))
+    try:
+        with lib_attn.use(tune="on"):
+            lib_attn.attention(q, k, v, role=call.role)
+            doc = doctor.report(device=CPU)
+            text = doctor.render(doc)
+    finally:
+        lib_attn.reset()
+    assert doc["tuning"]["mode"] == "on" and doc["tuning"]["active"] and doc["tuning"]["stored"] == 1
+    tuned = [d for d in doc["decisions"] if d["stored"]]
+    assert [(d["model"], d["where"]) for d in tuned] == [("sd15", call.where)]
+    # The decision this process took when it measured; a new process reads the same from the file.
+    assert set(tuned[0]["stored"]["timings"]) == {"sdpa", "math"} and tuned[0]["source"] == "measured"
+    assert f"-> {tuned[0]['backend']} [tuned: measured]" in text and "stored tuning: " in text
+    assert str(tmp_path) in text

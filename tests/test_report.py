@@ -245,8 +245,9 @@ def test_json_exact():
     )
     assert json.loads(report.to_json()) == {
         "calls": [
-            {"role": "unet", "backend": "flash-attn", "kernel": "flash-attn 2.8.3", "count": 1260},
-            {"role": "vae", "backend": "sdpa-efficient", "kernel": "sdpa-efficient torch 2.3.1", "count": 2},
+            {"role": "unet", "backend": "flash-attn", "kernel": "flash-attn 2.8.3", "count": 1260, "tuned": False},
+            {"role": "vae", "backend": "sdpa-efficient", "kernel": "sdpa-efficient torch 2.3.1", "count": 2,
+             "tuned": False},
         ],
         "fallbacks": [{"role": "vae", "backend": "flash-attn", "reason": "head_dim 512 > 256", "count": 2}],
         "seconds": 12.346,
@@ -291,3 +292,22 @@ def test_notes_and_what_ran_elsewhere():
     assert report.to_infotext() == {"Attention note": "override 'x' ignored; setting a='b' ignored"}
     assert Report.from_infotext(report.to_infotext()) is None       # nothing to paste back as a backend
     assert Report.from_dict(json.loads(report.to_json())) == report
+
+
+def test_a_tuned_choice_is_marked_and_parses_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("LIB_ATTN_CACHE_DIR", str(tmp_path))
+    q, k, v = _qkv()
+    vq, vk, vv = _qkv(heads=1, seq=64, dim=512)
+    with lib_attn.recording() as rec:
+        with lib_attn.use(tune="on"):
+            lib_attn.attention(q, k, v, role="unet")
+        lib_attn.attention(vq, vk, vv, role="vae")  # tuning off again: the fixed order
+    report = Report.from_recording(rec)
+    ran = lib_attn.explain(q, k, v, role="unet")
+    assert report.tuned == {("unet", ran.backend)}
+    assert report.calls_text() == f"{report.describe(ran.backend)} [tuned] ×1 · VAE {report.describe('sdpa')} ×1"
+    entries = report.to_infotext()
+    assert entries["Attention"] == f"{report.describe(ran.backend)} [tuned]; VAE {report.describe('sdpa')}"
+    back = Report.from_infotext(_webui_infotext(entries))
+    assert back.tuned == report.tuned and back.kernels == report.kernels and back.to_infotext() == entries
+    assert Report.from_dict(json.loads(report.to_json())).tuned == report.tuned

@@ -1,8 +1,9 @@
 """A read-only JSON route: what can run here and what ran in the last generation.
 
-``GET /flash-attention/v1/status`` returns ``{"availability": …, "routing": …, "last_report": … or null}``;
-the availability part is the data of the Settings table, ``routing`` whether attention goes through the
-extension now (and if not, what runs it), the report that of the readout.
+``GET /flash-attention/v1/status`` returns ``{"availability": …, "routing": …, "tuning": …,
+"last_report": … or null}``; the availability part is the data of the Settings table, ``routing``
+whether attention goes through the extension now (and if not, what runs it), the tuning part the stored
+rankings of this machine, the report that of the readout.
 """
 from __future__ import annotations
 
@@ -76,6 +77,16 @@ def availability(device=None) -> dict:
     }
 
 
+def tuning() -> dict:
+    """The tuning mode, whether it measures on this device, and this machine's stored rankings
+    (``lib_attn.tune.table``: the file, the fingerprint, one entry per call signature)."""
+    from lib_attn import tune
+
+    device = lib_attn.device_info()
+    mode = lib_attn.config().tune
+    return dict(tune.table(device), mode=mode, active=tune.enabled(mode, device.type))
+
+
 def status() -> dict:
     from . import panel
 
@@ -83,6 +94,7 @@ def status() -> dict:
     route = panel.routing()
     return {"availability": availability(),
             "routing": {"routed": route.routed, "ran_on": route.ran_on, "hint": route.hint},
+            "tuning": tuning(),
             "last_report": None if report is None else report.to_dict()}
 
 

@@ -7,7 +7,7 @@ it had not been given.
 from __future__ import annotations
 
 import lib_attn
-from lib_attn.config import FP32_POLICIES
+from lib_attn.config import FP32_POLICIES, TUNE_MODES
 
 from . import host, layers
 
@@ -72,6 +72,9 @@ def problems(cmd_opts) -> list[str]:
     fp32 = getattr(cmd_opts, "attn_fp32", None)
     if fp32 is not None and fp32 not in FP32_POLICIES:
         out.append(f"--attn-fp32 {fp32!r}: must be cast or keep. The flag is ignored.")
+    tune = getattr(cmd_opts, "attn_tune", None)
+    if tune is not None and tune not in TUNE_MODES:
+        out.append(f"--attn-tune {tune!r}: must be on or off. The flag is ignored.")
     return out
 
 
@@ -97,6 +100,9 @@ def layer_from(cmd_opts) -> dict | None:
         layer["fp32"] = fp32
     if getattr(cmd_opts, "attn_strict", False):
         layer["strict"] = True
+    tune = getattr(cmd_opts, "attn_tune", None)
+    if tune in TUNE_MODES:
+        layer["tune"] = tune
     return layer or None
 
 

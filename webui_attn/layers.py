@@ -2,7 +2,7 @@
 
 Sources, weakest first: command-line flags, the A1111 optimizer chosen in the dropdown, the extension's
 settings, the per-generation override. Each source sets its layer; the merged result goes to
-``lib_attn.configure``. A layer is a dict with any of ``preference``, ``fp32``, ``strict``; None clears it. A role whose
+``lib_attn.configure``. A layer is a dict with any of ``preference``, ``fp32``, ``strict``, ``tune``; None clears it. A role whose
 chain a layer leaves out (or sets to "auto") keeps the chain of the layers below.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import lib_attn
 from lib_attn.config import normalise_preference
 
 ORDER = ("flags", "optimizer", "settings", "generation")
-DEFAULTS = {"preference": "auto", "fp32": "cast", "strict": False}
+DEFAULTS = {"preference": "auto", "fp32": "cast", "strict": False, "tune": "auto"}
 
 _layers: dict[str, dict | None] = {name: None for name in ORDER}
 

@@ -7,7 +7,7 @@ leaves the choice to the weaker layers: command-line flags, the A1111 optimizer,
 from __future__ import annotations
 
 import lib_attn
-from lib_attn.config import FP32_POLICIES
+from lib_attn.config import FP32_POLICIES, TUNE_MODES
 
 from . import host, layers
 from .flags import DENOISER_ROLES
@@ -22,9 +22,12 @@ KEY_FP32 = PREFIX + "fp32"
 KEY_STRICT = PREFIX + "strict"
 KEY_READOUT = PREFIX + "readout"
 KEY_AVAILABILITY = PREFIX + "availability"
+KEY_TUNE = PREFIX + "tune"
 
-DEFAULTS = {KEY_BACKEND: AUTO, KEY_VAE_BACKEND: AUTO, KEY_FP32: AUTO, KEY_STRICT: False, KEY_READOUT: True}
+DEFAULTS = {KEY_BACKEND: AUTO, KEY_VAE_BACKEND: AUTO, KEY_FP32: AUTO, KEY_STRICT: False, KEY_READOUT: True,
+            KEY_TUNE: AUTO}
 FP32_CHOICES = (AUTO, *FP32_POLICIES)
+TUNE_CHOICES = (AUTO, "on", "off")
 
 
 def backend_choices() -> list[str]:
@@ -115,6 +118,8 @@ def layer_from(values: dict) -> dict | None:
         layer["fp32"] = fp32
     if values.get(KEY_STRICT):
         layer["strict"] = True
+    if values.get(KEY_TUNE) in TUNE_MODES and values.get(KEY_TUNE) != "auto":
+        layer["tune"] = values[KEY_TUNE]
     return layer or None
 
 
@@ -162,6 +167,11 @@ def options(shared) -> dict:
                              onchange=_on_change),
         KEY_STRICT: OptionInfo(False, "Strict: stop the generation when a chosen backend cannot take a call",
                                gr.Checkbox, onchange=_on_change),
+        KEY_TUNE: OptionInfo(AUTO, "Tune: measure the kernels that can take each call kind and run the fastest",
+                             gr.Radio, {"choices": list(TUNE_CHOICES)}, onchange=_on_change)
+        .info("Auto: the --attn-tune flag, else on for CUDA GPUs. The first call of each kind times every "
+              "candidate and checks its output; results are kept across restarts. off: the fixed order. "
+              "Clear stored results with: python -m lib_attn tune --clear"),
         KEY_READOUT: OptionInfo(True, "Show which attention kernels ran, their fallbacks, time and VRAM under the image",
                                 gr.Checkbox),
     }

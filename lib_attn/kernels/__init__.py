@@ -1,5 +1,11 @@
-"""The backends (one module each) and their registry: every backend once, by stable id, and each one's probe, run once."""
+"""The backends (one module each) and their registry: every backend once, by stable id, and each one's probe, run once.
+
+``REGISTRY`` maps ids to backends, built-ins first, then any added with ``register``. ``BACKEND_IDS``
+is a live, read-only view of its keys: a backend registered later is in it at once.
+"""
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from .base import Backend, Status
 from .flash import FlashAttn
@@ -12,7 +18,40 @@ REGISTRY: dict[str, Backend] = {
     b.id: b
     for b in (FlashAttn(), SdpaCudnn(), SdpaFlash(), SdpaEfficient(), Xformers(), Sage(), Sdpa(), SdpaMath(), Math())
 }
-BACKEND_IDS = tuple(REGISTRY)
+BUILTIN_IDS = tuple(REGISTRY)
+
+
+class _Ids(Sequence):
+    """The registry's ids in order, as a read-only sequence that compares equal to a tuple of them."""
+
+    def __getitem__(self, index):
+        return tuple(REGISTRY)[index]
+
+    def __len__(self) -> int:
+        return len(REGISTRY)
+
+    def __iter__(self):
+        return iter(tuple(REGISTRY))
+
+    def __contains__(self, item) -> bool:
+        return item in REGISTRY
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and not isinstance(other, str) and tuple(self) == tuple(other)
+
+    __hash__ = None
+
+    def __add__(self, other):
+        return tuple(self) + tuple(other)
+
+    def __radd__(self, other):
+        return tuple(other) + tuple(self)
+
+    def __repr__(self) -> str:
+        return repr(tuple(REGISTRY))
+
+
+BACKEND_IDS = _Ids()
 
 _status: dict[str, Status] = {}
 
@@ -27,6 +66,32 @@ def status(backend_id: str) -> Status:
 
 def statuses() -> dict[str, Status]:
     return {bid: status(bid) for bid in BACKEND_IDS}
+
+
+def register(backend: Backend) -> None:
+    """Add ``backend`` (an instance of a ``Backend`` subclass) under its ``id``; it replaces an
+    earlier registration of that id, never a built-in."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"register_backend takes an instance of a lib_attn.Backend subclass, got {type(backend).__name__}")
+    bid = backend.id
+    if not isinstance(bid, str) or not bid.strip() or bid != bid.strip() or "," in bid or bid == "auto":
+        raise ValueError(f"backend id {bid!r} must be a non-empty name without spaces at its ends, commas, or 'auto'")
+    if bid in BUILTIN_IDS:
+        raise ValueError(f"backend id {bid!r} is a built-in backend's id; choose another")
+    if not backend.devices or not backend.dtypes:
+        raise ValueError(f"backend {bid!r} must name its devices and dtypes")
+    if type(backend).run is Backend.run and type(backend).runner is Backend.runner:
+        raise ValueError(f"backend {bid!r} must override run(q, k, v, mask, scale)")
+    REGISTRY[bid] = backend
+    _status.pop(bid, None)
+
+
+def unregister(backend_id: str) -> None:
+    """Remove a registered backend (built-ins stay)."""
+    if backend_id in BUILTIN_IDS:
+        raise ValueError(f"{backend_id!r} is a built-in backend and cannot be removed")
+    REGISTRY.pop(backend_id, None)
+    _status.pop(backend_id, None)
 
 
 def reset_probes() -> None:

@@ -31,6 +31,14 @@ def failure_text(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+#: Errors after which the CUDA context is unusable: re-raised, never a reason to try another backend.
+STICKY_ERRORS = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address")
+
+
+def is_sticky(exc: BaseException) -> bool:
+    return any(s in str(exc) for s in STICKY_ERRORS)
+
+
 def new_output(shape, dtype, device) -> torch.Tensor:
     """Allocate an output a backend fills piece by piece (tests poison it through this one place)."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -80,10 +88,17 @@ def needs_grad(q, k, v) -> bool:
 
 
 class Backend:
-    """Base class. Subclasses set the class attributes and override ``_probe`` and ``run``.
+    """Base class of every backend, built-in or added with ``lib_attn.register_backend``.
 
-    ``run(q, k, v, mask, scale)`` receives tensors in ``layout``, in a dtype from ``dtypes``, on a
-    device the backend accepted, and returns the output in the same layout and dtype.
+    A subclass sets ``id`` (a stable name used in chains, flags and settings), ``label``, ``devices``
+    (device types, e.g. ``("cuda", "cpu")``), ``dtypes`` (torch dtypes it computes in) and, when its
+    results only approximate attention (8-bit QK^T, ...), ``approximate = True``; then it overrides
+    ``run``. ``run(q, k, v, mask, scale)`` receives tensors in ``layout`` (``"bhsd"``: (b, h, seq, d);
+    ``"bshd"``: (b, seq, h, d)), in a dtype from ``dtypes``, on a device the backend accepted; ``mask``
+    is None or as ``attention`` documents it; ``scale`` is a float or None (1/sqrt(d)). It returns the
+    output in the same layout and dtype. ``_probe`` (once per process: is it installed?) and
+    ``extra_reasons`` (per call kind: why not?) may be overridden too; without ``_probe`` the backend
+    counts as available.
     """
 
     id = ""
@@ -91,6 +106,7 @@ class Backend:
     layout = "bhsd"
     devices: tuple[str, ...] = ("cuda",)
     dtypes: tuple[torch.dtype, ...] = HALF
+    approximate = False
     min_sm: int | None = None
     max_head_dim: int | None = None
     head_dim_multiple: int = 1
@@ -111,7 +127,7 @@ class Backend:
         return found
 
     def _probe(self) -> Status:
-        raise NotImplementedError
+        return Status(True, version=str(getattr(self, "version", "") or ""))
 
     def takes_dtype(self, dtype: torch.dtype, device: str) -> bool:
         return dtype in self.dtypes

@@ -24,6 +24,7 @@ SAGE1_HEAD_DIMS = (64, 96, 128)
 class Sage(Backend):
     id = "sage"
     label = "SageAttention (8-bit QK)"
+    approximate = True
     max_head_dim = 128
     masks = (NO_MASK,)
     backward = False

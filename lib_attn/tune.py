@@ -1,0 +1,488 @@
+"""Tuning: rank the backends that take a call kind by measuring them on its first call, check each
+one's output, and keep the ranking on disk so that later processes do not measure again.
+
+What runs, per call signature (the key the dispatcher caches decisions under), under ``no_grad``:
+
+* each candidate once on the call's own inputs: that output is checked against a reference, and the
+  call warms the kernel up (lazy initialisation, autotuning, JIT compiles stay out of the timings);
+  a candidate whose checked call took more than ``SLOWER`` times the fastest checked call, or longer
+  than ``BUDGET_S`` and longer than the fastest, stops here (that call is its time);
+* one timed call of each other candidate; those more than ``SLOWER`` times slower than the fastest
+  of these, or longer than ``BUDGET_S``, stop here;
+* up to ``REPS`` - 2 rounds of one timed call per remaining candidate, as many as fit in
+  ``BUDGET_S``; rounds interleave the candidates, so drift affects them alike.
+
+So a signature costs one checked call of each candidate, about one more of each that may win, and at
+most ``BUDGET_S`` of rounds. CUDA events time a GPU, ``time.perf_counter`` anything else. The fastest
+median wins.
+
+Output check: the reference is the engine's own chunked ``math`` in fp32 (fp64 for fp64 inputs) over
+at most ``CHECK_ROWS`` evenly spaced query rows, so its memory stays bounded (the VAE's 16384-key call
+needs the fp32 keys and values plus a 64-row score block). A candidate fails when its output has a
+non-finite value, or when its relative L2 error over those rows exceeds the bound of the dtype it
+computes in (``BOUNDS``; autocast's dtype when it is on and its bound is looser; four times that for
+an ``approximate`` backend).
+
+Results are stored in ``tuning.json`` in ``cache_dir()``, keyed by a fingerprint of the machine and
+its software (device facts, driver, torch, CUDA, cuDNN, each backend's version, lib_attn) and by the
+signature. A file that cannot be read, parsed or written costs one log line; tuning then works in
+memory. Writes are atomic (a temporary file in the same directory, then ``os.replace``) and merge
+what another process wrote since it was read.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import _compat
+from .kernels import REGISTRY, status
+from .kernels.base import as_4d, failure_text, is_sticky
+from .spec import NO_MASK
+
+log = logging.getLogger("lib_attn")
+
+SCHEMA = "lib_attn.tune/1"
+FILE_NAME = "tuning.json"
+ENV_DIR = "LIB_ATTN_CACHE_DIR"
+
+REPS = 5
+BUDGET_S = 0.3
+SLOWER = 25
+CHECK_ROWS = 64
+#: Largest relative L2 error a kernel computing in this dtype may show against the fp32 reference.
+BOUNDS = {torch.float16: 2e-2, torch.bfloat16: 4e-2, torch.float32: 5e-3, torch.float64: 1e-6}
+APPROXIMATE_FACTOR = 4
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One backend that takes the call: ``run`` takes (q, k, v, mask, scale) as the caller passes
+    them; ``dtype`` is the dtype it computes in (after a cast)."""
+
+    id: str
+    run: object = field(repr=False)
+    dtype: torch.dtype = torch.float32
+    approximate: bool = False
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """``timings``: backend id -> median seconds, fastest first; ``rejected``: id -> reason;
+    ``source``: ``"measured"`` (now) or ``"stored"`` (from the file); ``keep``: False when a candidate
+    ran out of memory, which may not happen on the next run, so the ranking is not stored."""
+
+    source: str
+    timings: dict
+    rejected: dict
+    keep: bool = True
+
+    @property
+    def winner(self) -> str | None:
+        return next(iter(self.timings), None)
+
+
+# --- when tuning applies ---------------------------------------------------------------------
+
+def enabled(mode: str, device_type: str) -> bool:
+    """Whether configuration ``mode`` measures on this device type."""
+    return mode == "on" or (mode == "auto" and device_type == "cuda")
+
+
+def blocked(device_type: str) -> str | None:
+    """Why kernels must not be measured now (tracing, capture, backward), or None."""
+    if _compat.compiling():
+        return "torch.compile or TorchScript is tracing"
+    if _compat.in_backward():
+        return "inside a backward pass"
+    if _compat.capturing(device_type):
+        return "a CUDA graph is being captured"
+    return None
+
+
+# --- keys -------------------------------------------------------------------------------------
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def call_fields(spec, fp32: str) -> dict:
+    """The signature of a call as plain data (what the file stores next to its key)."""
+    mask = spec.mask if spec.mask == NO_MASK else f"{spec.mask} {_dtype_name(spec.mask_dtype)}"
+    return {"role": spec.role, "layout": spec.layout, "dtype": spec.dtype_name,
+            "shape": [spec.batch, spec.heads, spec.q_len, spec.kv_len, spec.head_dim],
+            "mask": mask, "grad": bool(spec.requires_grad), "fp32": fp32}
+
+
+def signature(spec, fp32: str) -> str:
+    f = call_fields(spec, fp32)
+    return " ".join([f["role"], f["layout"], f["dtype"], "x".join(map(str, f["shape"])), f"mask={f['mask']}",
+                     "grad" if f["grad"] else "nograd", f"fp32={fp32}"])
+
+
+def fingerprint(device) -> dict:
+    """What a ranking depends on besides the call: the device (every field of its ``DeviceInfo``),
+    driver, torch, CUDA, cuDNN, lib_attn and each available backend's version."""
+    from . import __version__
+
+    cuda = device.type == "cuda"
+    doc = {
+        "device": dataclasses.asdict(device),
+        "driver": _compat.cuda_driver_version() if cuda else None,
+        "torch": _compat.TORCH_VERSION_TEXT,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda and torch.backends.cudnn.is_available() else None,
+        "lib_attn": __version__,
+        "backends": {bid: status(bid).version for bid in list(REGISTRY) if status(bid).available},
+    }
+    return json.loads(json.dumps(doc, sort_keys=True, default=str))
+
+
+def fingerprint_key(fp: dict) -> str:
+    return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --- the file ---------------------------------------------------------------------------------
+
+def cache_dir() -> str:
+    """``$LIB_ATTN_CACHE_DIR`` when set; else ``%LOCALAPPDATA%\\lib_attn`` on Windows and
+    ``$XDG_CACHE_HOME/lib_attn`` (default ``~/.cache/lib_attn``) elsewhere."""
+    env = os.environ.get(ENV_DIR)
+    if env:
+        return env
+    if os.name == "nt" and os.environ.get("LOCALAPPDATA"):
+        return os.path.join(os.environ["LOCALAPPDATA"], "lib_attn")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "lib_attn")
+
+
+def cache_path() -> str:
+    return os.path.join(cache_dir(), FILE_NAME)
+
+
+def _valid_entry(entry) -> bool:
+    return (isinstance(entry, dict) and isinstance(entry.get("timings"), dict)
+            and isinstance(entry.get("rejected"), dict)
+            and all(isinstance(t, (int, float)) for t in entry["timings"].values()))
+
+
+def _parse(text: str) -> dict:
+    """The machines of a file's text; ValueError when it is not a tuning file."""
+    doc = json.loads(text)
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("machines"), dict):
+        raise ValueError(f"not a {SCHEMA} file")
+    machines = {}
+    for key, machine in doc["machines"].items():
+        if isinstance(machine, dict) and isinstance(machine.get("entries"), dict):
+            entries = {sig: e for sig, e in machine["entries"].items() if _valid_entry(e)}
+            machines[key] = {"fingerprint": machine.get("fingerprint") or {}, "entries": entries}
+    return machines
+
+
+class Store:
+    """The tuning results of this process, mirrored to the file in ``cache_path()``."""
+
+    def __init__(self):
+        self.machines: dict = {}
+        self._path: str | None = None
+        self._logged: set = set()
+
+    def _log_once(self, what: str, path: str, exc: BaseException) -> None:
+        if (what, path) not in self._logged:
+            self._logged.add((what, path))
+            log.warning("attention tuning: %s %s (%s); tuning results are kept in memory", what, path,
+                        failure_text(exc))
+
+    def _read(self, path: str) -> dict:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return _parse(f.read())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            self._log_once("cannot use", path, exc)
+            return {}
+
+    def load(self) -> None:
+        """Read the file once per path (the directory may change between tests)."""
+        path = cache_path()
+        if path != self._path:
+            self._path = path
+            self.machines = self._read(path)
+
+    def entry(self, key: str, sig: str) -> dict | None:
+        self.load()
+        return self.machines.get(key, {}).get("entries", {}).get(sig)
+
+    def put(self, key: str, fp: dict, sig: str, entry: dict) -> None:
+        self.load()
+        self.machines.setdefault(key, {"fingerprint": fp, "entries": {}})["entries"][sig] = entry
+        self._write({key: {sig: entry}})
+
+    def _write(self, ours: dict) -> None:
+        path = self._path
+        directory = os.path.dirname(path)
+        tmp = None
+        try:
+            os.makedirs(directory, exist_ok=True)
+            # Another process may have added entries since this one read the file: keep them.
+            merged = self._read(path) if os.path.exists(path) else {}
+            for key, machine in self.machines.items():
+                slot = merged.setdefault(key, {"fingerprint": machine["fingerprint"], "entries": {}})
+                for sig, entry in machine["entries"].items():
+                    if sig in ours.get(key, {}) or sig not in slot["entries"]:
+                        slot["entries"][sig] = entry
+            fd, tmp = tempfile.mkstemp(prefix=".tuning-", suffix=".tmp", dir=directory)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump({"schema": SCHEMA, "machines": merged}, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+            tmp = None
+            self.machines = merged
+        except OSError as exc:
+            self._log_once("cannot write", path, exc)
+        finally:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+
+    def clear(self) -> bool:
+        """Forget every result, in memory and on disk; True when a file was removed."""
+        self.machines = {}
+        self._path = cache_path()
+        try:
+            os.remove(self._path)
+            return True
+        except FileNotFoundError:
+            return False
+
+
+_store = Store()
+_lock = threading.RLock()
+
+
+def clear() -> bool:
+    """Forget every stored ranking (``python -m lib_attn tune --clear``); True when a file was removed."""
+    with _lock:
+        return _store.clear()
+
+
+def forget_memory() -> None:
+    """Drop the in-memory copy so that the file is read again on next use (tests)."""
+    with _lock:
+        _store._path = None
+        _store.machines = {}
+
+
+def lookup(spec, fp32: str) -> dict | None:
+    """The stored entry for a call on this machine, or None (never measures)."""
+    with _lock:
+        return _store.entry(fingerprint_key(fingerprint(spec.device)), signature(spec, fp32))
+
+
+def table(device=None) -> dict:
+    """The stored rankings of this machine: ``{"file", "fingerprint", "entries": [...]}`` where each
+    entry has ``call`` (its signature as data), ``winner``, ``timings`` and ``rejected``."""
+    from .device import device_info
+
+    device = device or device_info()
+    fp = fingerprint(device)
+    with _lock:
+        _store.load()
+        machine = _store.machines.get(fingerprint_key(fp), {"entries": {}})
+        entries = [dict(e, signature=sig) for sig, e in sorted(machine["entries"].items())]
+    return {"file": cache_path(), "fingerprint": fp, "entries": entries}
+
+
+# --- measuring --------------------------------------------------------------------------------
+
+def _bhsd(t, layout: str):
+    return t.transpose(1, 2) if layout == "bshd" else t
+
+
+def check_rows(q_len: int) -> torch.Tensor:
+    if q_len <= CHECK_ROWS:
+        return torch.arange(q_len)
+    return torch.linspace(0, q_len - 1, CHECK_ROWS).round().long().unique()
+
+
+def reference(q, k, v, mask, scale, layout: str, rows: torch.Tensor) -> torch.Tensor:
+    """The engine's bounded math in fp32 (fp64 for fp64 inputs) on ``rows`` of the queries, bhsd."""
+    q, k, v = (_bhsd(t, layout) for t in (q, k, v))
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rows = rows.to(q.device)
+    if mask is not None:
+        mask = as_4d(mask)
+        if mask.shape[-2] != 1:
+            mask = mask[..., rows, :]
+    # The hosts run under autocast, which would compute these matmuls in half precision.
+    off = torch.autocast(q.device.type, enabled=False) if q.device.type in ("cuda", "cpu") else contextlib.nullcontext()
+    with off:
+        return REGISTRY["math"].run(q[:, :, rows].to(compute), k.to(compute), v.to(compute), mask, scale)
+
+
+def check(out, expected_shape, layout: str, rows, ref, bound: float) -> str:
+    """"" when ``out`` agrees with ``ref`` on ``rows``, else the reason it fails."""
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(expected_shape):
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return f"output check failed: shape {shape}, expected {tuple(expected_shape)}"
+    got = _bhsd(out, layout)[:, :, rows.to(out.device)].to(ref.dtype)
+    if not bool(torch.isfinite(ref).all()):
+        return ""  # non-finite inputs: every kernel returns what they make of them
+    if not bool(torch.isfinite(got).all()):
+        return "output check failed: non-finite values"
+    err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+    if err > bound:
+        return f"output check failed: rel err {err:.1e} > {bound:.1e}"
+    return ""
+
+
+class _Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def times(self, fn, n: int) -> list:
+        if self.cuda:
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+            for start, end in events:
+                start.record()
+                fn()
+                end.record()
+            self.sync()
+            return [s.elapsed_time(e) * 1e-3 for s, e in events]
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return out
+
+
+def ms_text(seconds: float) -> str:
+    """A median for people: ``2188 ms``, ``45.6 ms``, ``0.123 ms``."""
+    ms = seconds * 1e3
+    return f"{ms:.0f} ms" if ms >= 100 else f"{ms:.3g} ms"
+
+
+def _median(values: list) -> float:
+    s = sorted(values)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def measure(candidates: list, q, k, v, mask, scale, layout: str) -> Ranking:
+    """Check and time every candidate on this call (see the module's docstring for the bounds)."""
+    timer = _Timer(q.device)
+    rows = check_rows(_bhsd(q, layout).shape[2])
+    samples, rejected = {}, {}
+    calls = {c.id: (lambda run=c.run: run(q, k, v, mask, scale)) for c in candidates}
+
+    def timed(bid: str, n: int) -> None:
+        try:
+            samples[bid] += timer.times(calls[bid], n)
+        except Exception as exc:  # noqa: BLE001 - a failing candidate is a reason, as at run time
+            if is_sticky(exc):
+                raise
+            del samples[bid]
+            rejected[bid] = failure_text(exc)
+
+    # Under the host's autocast a kernel computes in autocast's dtype: its bound applies when looser.
+    autocast = _compat.autocast_dtype(q.device.type)
+    with torch.no_grad():
+        ref = reference(q, k, v, mask, scale, layout, rows)
+        first = {}
+        for c in candidates:  # the checked call, which also warms the kernel up
+            try:
+                timer.sync()
+                t0 = time.perf_counter()
+                out = calls[c.id]()
+                timer.sync()
+                first[c.id] = time.perf_counter() - t0
+                bound = max(BOUNDS.get(c.dtype, BOUNDS[torch.float16]), BOUNDS.get(autocast, 0.0))
+                bound *= APPROXIMATE_FACTOR if c.approximate else 1
+                reason = check(out, q.shape, layout, rows, ref, bound)
+                del out
+            except Exception as exc:  # noqa: BLE001 - as above
+                if is_sticky(exc):
+                    raise
+                reason = failure_text(exc)
+            if reason:
+                rejected[c.id] = reason
+                first.pop(c.id, None)
+        if first:
+            fastest = min(first.values())
+            for bid, t in first.items():
+                samples[bid] = []
+                if bid != min(first, key=first.get) and (t > SLOWER * fastest or (t > BUDGET_S and t > fastest)):
+                    # Clearly slower, even counting its one-time costs: the checked call is its time.
+                    samples[bid] = [t]
+            # Rounds over the candidates still in the race, so that drift affects them alike.
+            racing = [bid for bid in first if not samples[bid]]
+            for bid in racing:
+                timed(bid, 1)
+            racing = [bid for bid in racing if bid in samples]
+            if racing:
+                best = min(samples[bid][0] for bid in racing)
+                racing = [bid for bid in racing if samples[bid][0] <= min(SLOWER * best, BUDGET_S)]
+                round_s = sum(samples[bid][0] for bid in racing)
+                for _ in range(min(REPS - 2, int(BUDGET_S / max(round_s, 1e-9)))):
+                    for bid in racing:
+                        if bid in samples:
+                            timed(bid, 1)
+    timings = {bid: _median(ts) for bid, ts in samples.items() if ts}
+    ordered = dict(sorted(timings.items(), key=lambda item: item[1]))
+    return Ranking("measured", ordered, rejected, not any("out of memory" in r.lower() for r in rejected.values()))
+
+
+def rank(spec, fp32: str, candidates: list, inputs: tuple | None) -> Ranking | None:
+    """The ranking of ``candidates`` for a call: stored when the file has every candidate of this
+    signature on this machine; else measured on ``inputs`` (q, k, v, mask, scale) and stored; None
+    when nothing is stored and ``inputs`` is None (``explain`` runs no kernel)."""
+    fp = fingerprint(spec.device)
+    key, sig = fingerprint_key(fp), signature(spec, fp32)
+    ids = [c.id for c in candidates]
+    with _lock:
+        entry = _store.entry(key, sig)
+        if entry is not None and all(i in entry["timings"] or i in entry["rejected"] for i in ids):
+            timings = {i: float(t) for i, t in sorted(entry["timings"].items(), key=lambda item: item[1]) if i in ids}
+            return Ranking("stored", timings, {i: str(r) for i, r in entry["rejected"].items() if i in ids})
+        if inputs is None:
+            return None
+        try:
+            ranking = measure(candidates, *inputs, layout=spec.layout)
+        except Exception as exc:  # noqa: BLE001 - e.g. no memory left for the reference: never break a call
+            if is_sticky(exc):
+                raise
+            log.warning("attention tuning: could not measure %s (%s); the fixed order serves it", sig,
+                        failure_text(exc))
+            return None
+        new = {"call": call_fields(spec, fp32), "timings": dict(entry["timings"]) if entry else {},
+               "rejected": dict(entry["rejected"]) if entry else {}}
+        for i in ids:
+            new["timings"].pop(i, None)
+            new["rejected"].pop(i, None)
+        new["timings"].update(ranking.timings)
+        new["rejected"].update(ranking.rejected)
+        new["winner"] = min(new["timings"], key=new["timings"].get) if new["timings"] else None
+        new["measured"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        if ranking.keep:
+            _store.put(key, fp, sig, new)
+    log.info("attention tuning: %s: %s", sig, ", ".join(
+        [f"{i} {ms_text(t)}" for i, t in ranking.timings.items()]
+        + [f"{i} rejected ({r})" for i, r in ranking.rejected.items()]))
+    return ranking
