@@ -123,10 +123,10 @@ def _config_dict() -> dict:
     return {"preference": pref, "fp32": cfg.fp32, "strict": bool(cfg.strict), "tune": cfg.tune}
 
 
-def _tuning_dict(device: torch.device) -> dict:
+def _tuning_dict(device: torch.device, info=None) -> dict:
     """The tuning mode, whether it measures on this device, and the stored file."""
     mode = lib_attn.config().tune
-    table = tune.table(lib_attn.device_info(device))
+    table = tune.table(info or lib_attn.device_info(device))
     return {"mode": mode, "active": tune.enabled(mode, device.type), "file": table["file"],
             "stored": len(table["entries"])}
 
@@ -192,7 +192,7 @@ def report(device: Optional[torch.device] = None, dtype: Optional[torch.dtype] =
     doc = environment(device, info)
     doc["schema"] = "lib_attn.doctor/1"
     doc["config"] = _config_dict()
-    doc["tuning"] = _tuning_dict(device)
+    doc["tuning"] = _tuning_dict(device, info)
     doc["decisions"] = decisions(device, dtype, info=info)
     if info is not None:
         doc["described"] = True

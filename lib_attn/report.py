@@ -191,7 +191,7 @@ class Report:
         if seconds is None:
             seconds = getattr(rec, "seconds", None)
         return cls(dict(rec.calls), dict(rec.fallbacks), dict(rec.kernels), seconds, vram,
-                   frozenset(getattr(rec, "tuned", ())))
+                   tuned=frozenset(getattr(rec, "tuned", ())))
 
     # -- ordering ---------------------------------------------------------------------------
     def roles(self) -> list[str]:
