@@ -37,6 +37,7 @@ def _package_versions() -> dict:
 
 
 def _cudnn_version() -> Optional[int]:
+    """The cuDNN this torch build carries: known from the build alone, with or without a GPU."""
     if not torch.backends.cudnn.is_available():
         return None
     return torch.backends.cudnn.version()
@@ -87,7 +88,7 @@ def environment(device: Optional[torch.device] = None) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "hip": getattr(torch.version, "hip", None),
-        "cudnn": _cudnn_version() if device.type == "cuda" else None,
+        "cudnn": _cudnn_version(),
         "lib_attn": lib_attn.__version__,
         "backends": {b["id"]: b["version"] for b in backends},
         "packages": _package_versions(),
@@ -143,6 +144,11 @@ def report(device: Optional[torch.device] = None, dtype: Optional[torch.dtype] =
     return doc
 
 
+def shown(value) -> str:
+    """A version as the text reports print it: '-' when there is none."""
+    return "-" if value is None else str(value)
+
+
 def render(doc: dict) -> str:
     v, dev = doc["versions"], doc["device"]
     lines = [
@@ -151,7 +157,7 @@ def render(doc: dict) -> str:
         f"  torch     {v['torch']}",
         f"  CUDA      {v['cuda'] or 'none (this torch has no CUDA)'}"
         + ("" if v["cuda"] is None or dev["type"] == "cuda" else " - no usable GPU found"),
-        f"  cuDNN     {v['cudnn'] if v['cudnn'] is not None else '-'}",
+        f"  cuDNN     {shown(v['cudnn'])}",
         f"  device    {dev['description']}",
         f"  lib_attn  {v['lib_attn'] or '-'}",
     ]
