@@ -8,10 +8,12 @@ not import torch, so it finishes in a fraction of a second.
 Optional backends are installed only on request, through environment variables (set them in
 webui-user.bat / webui-user.sh):
 
-  ATTN_INSTALL=flash-attn,xformers,sage   install these, as prebuilt wheels only
+  ATTN_INSTALL=flash-attn,xformers,sage   install these, as prebuilt wheels only: flash-attn from
+                                           the newest release with a wheel for this torch, xformers
+                                           paired with this torch, SageAttention 1.0.6 from PyPI
   ATTN_WHEEL_FLASH_ATTN=<file or URL>      use this wheel instead of the default source
   ATTN_WHEEL_XFORMERS=<file or URL>
-  ATTN_WHEEL_SAGE=<file or URL>
+  ATTN_WHEEL_SAGE=<file or URL>            (SageAttention 2 comes only this way)
   ATTN_INSTALL_DRY_RUN=1                   print the pip command, run nothing
 
 Every install runs pip with `--only-binary=:all:` (never a source build) and a constraint file
@@ -147,7 +149,7 @@ BACKENDS = (
             "an xformers build made for this exact torch"),
     Backend("sage", "sageattention", "sageattention", "sageattention",
             ("sage", "sageattention", "sage-attention"), "ATTN_WHEEL_SAGE",
-            "NVIDIA Ampere (sm80) or newer, Triton, fp16/bf16"),
+            "an NVIDIA GPU and Triton: SageAttention 1 fp16 from sm70, SageAttention 2 from sm80"),
 )
 
 
