@@ -644,3 +644,41 @@ def test_sage_2_comes_from_the_wheel_the_user_names(env, wheels, tmp_path):
     assert len(commands) == 1 and wheel in commands[0] and "==1.0.6" not in commands[0], commands
     assert "2.2.0 installed and imports" in line_for(out, "sageattention"), out
     assert env.dist_version("sageattention") == "2.2.0"
+
+
+# What pip printed in each case (pip 23-25), as the webui's run_pip puts it in its RuntimeError.
+_PROXY_REFUSED = ("ERROR: Could not install packages due to an OSError: HTTPSConnectionPool(host='github.com', "
+                  "port=443): Max retries exceeded with url: /x.whl (Caused by ProxyError('Cannot connect to "
+                  "proxy.', NewConnectionError('<HTTPSConnection>: Failed to establish a new connection: "
+                  "[Errno 111] Connection refused')))")
+_NO_DNS = ("WARNING: Retrying (Retry(total=4, connect=None, read=None, redirect=None, status=None)) after "
+           "connection broken by 'NewConnectionError('<HTTPSConnection>: Failed to establish a new connection: "
+           "[Errno -3] Temporary failure in name resolution')': /simple/xformers/\n"
+           "ERROR: Could not find a version that satisfies the requirement xformers==0.0.23.post1 (from versions: none)\n"
+           "ERROR: No matching distribution found for xformers==0.0.23.post1")
+_NOT_FOUND = ("ERROR: HTTP error 404 while getting https://example.invalid/x.whl\n"
+              "ERROR: Could not install requirement flash-attn from https://example.invalid/x.whl because of "
+              "HTTP error 404 Client Error: Not Found for url: https://example.invalid/x.whl")
+
+
+@pytest.mark.parametrize("output, kind, detail", [
+    (_PROXY_REFUSED, "network", ("github.com", "Cannot connect to proxy")),
+    (_NO_DNS, "network", ("", "Temporary failure in name resolution")),
+    (_NOT_FOUND, "missing", "HTTP error 404"),
+    ("ERROR: No matching distribution found for xformers==9", "missing", "No matching distribution found"),
+    ("ERROR: x-cp27-win32.whl is not a supported wheel on this platform.", "missing", "not a supported wheel"),
+])
+def test_pip_failures_are_told_apart(output, kind, detail):
+    error = RuntimeError(f"Couldn't install x.\nCommand: pip install x\nError code: 1\nstderr: {output}")
+    got_kind, hosts, cause = _load_installer()._pip_failure(error)
+    assert got_kind == kind
+    if kind == "network":
+        assert (hosts, cause) == detail
+    else:
+        assert detail in cause and not cause.startswith(("ERROR", "stderr"))
+
+
+def test_pip_failure_without_its_output_points_at_the_console():
+    # Under WEBUI_LAUNCH_LIVE_OUTPUT=1 the webui shows pip's output live and raises without it.
+    error = RuntimeError("Couldn't install x.\nCommand: pip install x\nError code: 1")
+    assert _load_installer()._pip_failure(error) == ("other", "", "pip failed; its output is above")
