@@ -60,7 +60,8 @@ if ! ready; then
     rm -rf "$VENV"
     "$py" -m venv "$VENV" || exit 2
     # No pip cache: a fresh machine would not have it, and 2.5 GB of wheels would stay behind.
-    PIP_NO_CACHE_DIR=1 "$VENV/bin/python" -m pip install --quiet -c tools/oldest_stack.txt -e ".[test]" \
+    # --no-compile: byte-compiling all of torch at install costs more than compiling what the tests import.
+    PIP_NO_CACHE_DIR=1 "$VENV/bin/python" -m pip install --quiet --no-compile -c tools/oldest_stack.txt -e ".[test]" \
         || { echo "oldest stack: installing torch 2.1.2 and the test extras failed" >&2; exit 2; }
     echo "oldest stack: $("$VENV/bin/python" -c 'import sys, torch; print("Python", sys.version.split()[0], "torch", torch.__version__)') installed in $((SECONDS - started)) s"
 fi
