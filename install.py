@@ -8,10 +8,12 @@ not import torch, so it finishes in a fraction of a second.
 Optional backends are installed only on request, through environment variables (set them in
 webui-user.bat / webui-user.sh):
 
-  ATTN_INSTALL=flash-attn,xformers,sage   install these, as prebuilt wheels only
+  ATTN_INSTALL=flash-attn,xformers,sage   install these, as prebuilt wheels only: flash-attn from
+                                           the newest release with a wheel for this torch, xformers
+                                           paired with this torch, SageAttention 1.0.6 from PyPI
   ATTN_WHEEL_FLASH_ATTN=<file or URL>      use this wheel instead of the default source
   ATTN_WHEEL_XFORMERS=<file or URL>
-  ATTN_WHEEL_SAGE=<file or URL>
+  ATTN_WHEEL_SAGE=<file or URL>            (SageAttention 2 comes only this way)
   ATTN_INSTALL_DRY_RUN=1                   print the pip command, run nothing
 
 Every install runs pip with `--only-binary=:all:` (never a source build) and a constraint file
@@ -32,40 +34,99 @@ import subprocess
 import sys
 import tempfile
 
-TAG = "[attention]"
+TAG = "[flash-attention]"  # the runtime's prefix too
 
 # ---------------------------------------------------------------------------------------------
 # Known facts about where prebuilt wheels come from. pip, run with the torch constraint, has the
 # final word; these facts only choose what to ask it for and what to tell the user.
 # ---------------------------------------------------------------------------------------------
 
-# xformers releases before 0.0.34 each require one exact torch release. 0.0.34 moved to
-# PyTorch's stable ABI: its wheels work with torch 2.10 and every later release.
+# xformers releases up to 0.0.34 each require one exact torch release (their wheels' metadata
+# says `torch==X`); 0.0.35 moved to PyTorch's stable ABI and requires `torch>=2.10`. For a torch
+# not listed here pip is asked for any xformers and finds the pair, if there is one, itself.
 XFORMERS_FOR_TORCH = {
     "2.1.2": "0.0.23.post1",  # A1111 1.10.1's own pair
     "2.2.0": "0.0.24",
     "2.2.1": "0.0.25",
+    "2.2.2": "0.0.25.post1",
     "2.3.0": "0.0.26.post1",
+    "2.3.1": "0.0.27",
+    "2.4.0": "0.0.27.post2",
+    "2.4.1": "0.0.28.post1",
+    "2.5.1": "0.0.28.post3",
+    "2.6.0": "0.0.29.post3",
     "2.7.0": "0.0.30",  # A1111 dev's pair
     "2.7.1": "0.0.31",
+    "2.8.0": "0.0.32.post2",
+    "2.9.0": "0.0.33.post1",
     "2.9.1": "0.0.33.post2",
 }
-XFORMERS_STABLE_ABI = ((2, 10), "0.0.34")
+XFORMERS_STABLE_ABI = ((2, 10), "0.0.35")
 # CUDA builds of torch from PyTorch's own index carry a "+cuXYZ" suffix; that index also has
 # xformers wheels built for the same CUDA.
 PYTORCH_INDEX = "https://download.pytorch.org/whl/{variant}"
 
 # flash-attn on PyPI is a source release only (installing it from there compiles CUDA code for
-# hours). Its authors attach Linux wheels to their GitHub releases, one per CUDA major, torch
-# major.minor, C++ ABI flag and CPython version. There are none for Windows.
-FLASH_ATTN_RELEASE = "2.8.3"
+# hours). Its authors attach Linux x86-64 wheels to their GitHub releases, one per CUDA major,
+# torch major.minor, C++ ABI flag and CPython version; there are none for Windows. Each release
+# covers a few torch releases only, so the installer takes the newest release that has a wheel for
+# the torch in use.
 FLASH_ATTN_WHEEL_URL = (
     "https://github.com/Dao-AILab/flash-attention/releases/download/v{ver}/"
     "flash_attn-{ver}+cu{cuda_major}torch{torch_mm}cxx11abi{abi}-{py}-{py}-linux_x86_64.whl"
 )
 
-# sageattention on PyPI: 1.0.6 as a source release only; SageAttention 2 is not on PyPI.
-# Prebuilt wheels exist only from third parties, so an install needs ATTN_WHEEL_SAGE.
+
+class WheelSet:
+    """The wheels attached to one flash-attn release: every combination of the listed CUDA majors,
+    torch major.minor versions, Python versions and C++ ABI flags, less the (torch, Python) pairs
+    in `missing`."""
+
+    def __init__(self, release, cuda, torch, python, missing=()):
+        self.release = release
+        self.cuda = cuda
+        self.torch = torch
+        self.python = python
+        self.abi = ("FALSE", "TRUE")  # every release so far builds both
+        self.missing = frozenset(missing)
+
+    def has(self, torch_mm, cuda_major, python, abi=None):
+        return (cuda_major in self.cuda and torch_mm in self.torch and python in self.python
+                and (abi is None or abi in self.abi) and (torch_mm, python) not in self.missing)
+
+
+_PY_39_313 = ("3.9", "3.10", "3.11", "3.12", "3.13")
+_NOT_313 = (("2.2", "3.13"), ("2.3", "3.13"), ("2.4", "3.13"))
+# Newest first; only releases that cover something no newer one does. From each release's own
+# wheel-building workflow (its test matrix of torch, CUDA and Python), final torch releases only.
+FLASH_ATTN_RELEASES = (
+    WheelSet("2.8.3.post1", (12,), ("2.4", "2.5", "2.6", "2.7", "2.8"), _PY_39_313, [("2.4", "3.13")]),
+    WheelSet("2.7.4", (12,), ("2.1", "2.2", "2.3", "2.4", "2.5", "2.6"), _PY_39_313,
+             [("2.1", "3.12"), ("2.1", "3.13"), *_NOT_313]),
+    WheelSet("2.7.3", (11, 12), ("2.1", "2.2", "2.3", "2.4", "2.5"), _PY_39_313,
+             [("2.1", "3.12"), ("2.1", "3.13"), *_NOT_313]),
+)
+
+
+def flash_attn_release(torch_mm, cuda_major, python, abi=None):
+    """The newest flash-attn release with a wheel for this torch major.minor ("2.1"), CUDA major
+    (12), Python ("3.10") and C++ ABI flag ("TRUE"/"FALSE", None when not known yet), or None."""
+    return next((w.release for w in FLASH_ATTN_RELEASES if w.has(torch_mm, cuda_major, python, abi)), None)
+
+
+def flash_attn_coverage():
+    """Which torch versions the known releases' wheels cover, for a message."""
+    return "; ".join(f"{w.release}: torch {w.torch[0]}-{w.torch[-1]}, CUDA "
+                     f"{'/'.join(map(str, w.cuda))}, Python {w.python[0]}-{w.python[-1]}"
+                     for w in FLASH_ATTN_RELEASES)
+
+
+# sageattention on PyPI: 1.0.6 is a pure-Python wheel (py3-none-any; its kernels are Triton
+# kernels, compiled at run time, so it needs Triton and an NVIDIA GPU, fp16 from sm70). It
+# declares no dependencies, so Triton is checked here. SageAttention 2 (CUDA kernels) is not on
+# PyPI: it comes from a wheel the user names in ATTN_WHEEL_SAGE.
+SAGE_PYPI = "sageattention==1.0.6"
+TRITON_DISTS = ("triton", "triton-windows", "pytorch-triton")
 
 
 class Backend:
@@ -88,7 +149,7 @@ BACKENDS = (
             "an xformers build made for this exact torch"),
     Backend("sage", "sageattention", "sageattention", "sageattention",
             ("sage", "sageattention", "sage-attention"), "ATTN_WHEEL_SAGE",
-            "NVIDIA Ampere (sm80) or newer, Triton, fp16/bf16"),
+            "an NVIDIA GPU and Triton: SageAttention 1 fp16 from sm70, SageAttention 2 from sm80"),
 )
 
 
@@ -165,6 +226,33 @@ def python_tag():
     return f"cp{sys.version_info[0]}{sys.version_info[1]}"
 
 
+def triton_installed():
+    return any(dist_version(name) for name in TRITON_DISTS)
+
+
+def linux_x86_64():
+    return platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64")
+
+
+def flash_attn_choice(torch, abi=None):
+    """(release, None) for the flash-attn release whose wheel fits, or (None, why there is none)."""
+    if not linux_x86_64():
+        return None, (f"flash-attn publishes no prebuilt wheels for {platform.system()} {platform.machine()}; "
+                      "set ATTN_WHEEL_FLASH_ATTN to a wheel built for "
+                      f"{torch.describe()} (PyTorch's own SDPA and cuDNN kernels are used meanwhile)")
+    if torch.hip:
+        return None, "flash-attn's ROCm build is source-only"
+    torch_mm = "%d.%d" % torch.major_minor()
+    python = "%d.%d" % sys.version_info[:2]
+    release = flash_attn_release(torch_mm, int(torch.cuda.split(".")[0]), python, abi)
+    if release is None:
+        return None, (f"no flash-attn release has a prebuilt wheel for torch {torch_mm} with CUDA "
+                      f"{torch.cuda.split('.')[0]} and Python {python} (release wheels: {flash_attn_coverage()}). "
+                      "Set ATTN_WHEEL_FLASH_ATTN to a wheel built for "
+                      f"{torch.describe()}; PyTorch's own SDPA kernels are used meanwhile")
+    return release, None
+
+
 def _release_key(version):
     return tuple(int(p) for p in re.findall(r"\d+", version.split("+", 1)[0])[:3])
 
@@ -213,7 +301,20 @@ def status(backend, torch):
         if torch.hip:
             return ("not installed; this installer only knows NVIDIA wheels, "
                     f"install a ROCm build by hand if you want it ({torch.describe()})")
-        return (f"not installed (optional; needs {backend.needs}). To install a prebuilt wheel for "
+        head = f"not installed (optional; needs {backend.needs})"
+        if backend.dist == "flash-attn":
+            release, why = flash_attn_choice(torch)
+            if release is None:
+                return f"{head}; {why}"
+            return (f"{head}. To install flash-attn {release}'s prebuilt wheel for {torch.describe()}, "
+                    f"set ATTN_INSTALL={backend.id} and restart")
+        if backend.dist == "sageattention":
+            sage1 = ("To install SageAttention 1.0.6 (Triton kernels, from PyPI), set ATTN_INSTALL=sage and restart"
+                     if triton_installed() else
+                     "SageAttention 1.0.6 from PyPI (ATTN_INSTALL=sage) needs Triton, which is not installed")
+            return (f"{head}. {sage1}; for SageAttention 2 set ATTN_WHEEL_SAGE as well, to a wheel built "
+                    f"for {torch.describe()}")
+        return (f"{head}. To install a prebuilt wheel for "
                 f"{torch.describe()}, set ATTN_INSTALL={backend.id} and restart")
     if backend.dist == "xformers":
         wrong = torch_requirement_mismatch("xformers", torch)
@@ -221,8 +322,7 @@ def status(backend, torch):
             return (f"{installed} is installed but was built for {wrong} and this is torch {torch.version}: "
                     f"it will not load. Set ATTN_INSTALL=xformers to replace it with a matching wheel "
                     "(torch stays as it is)")
-    if backend.dist == "sageattention" and not (dist_version("triton") or dist_version("triton-windows")
-                                                or dist_version("pytorch-triton")):
+    if backend.dist == "sageattention" and not triton_installed():
         return f"{installed} is installed, but Triton is not: sage kernels cannot run without it"
     if not gpu:
         return f"{installed} is installed, but this is {torch.describe()}: it cannot run here"
@@ -291,13 +391,14 @@ def cxx11_abi(torch, python):
 
 
 def install_plan(backend, torch, python):
-    """(requirement, extra pip options) to ask pip for, or (None, reason) when there is nothing to ask."""
+    """(requirement, extra pip options, what it is) to ask pip for, or (None, reason, None) when
+    there is nothing to ask for."""
     override = os.environ.get(backend.wheel_env, "").strip()
     if override:
-        return override, ""
+        return override, "", f"the wheel named in {backend.wheel_env}"
     if backend.dist == "xformers":
         if torch.hip:
-            return None, "this installer only knows xformers' CUDA wheels"
+            return None, "this installer only knows xformers' CUDA wheels", None
         pinned = XFORMERS_FOR_TORCH.get(torch.release)
         if pinned:
             requirement = f"xformers=={pinned}"
@@ -308,21 +409,24 @@ def install_plan(backend, torch, python):
         extra = ""
         if re.fullmatch(r"cu\d+", torch.local):
             extra = f'--extra-index-url {PYTORCH_INDEX.format(variant=torch.local)}'
-        return requirement, extra
+        return requirement, extra, "a prebuilt wheel"
     if backend.dist == "flash-attn":
-        if platform.system() != "Windows" and platform.machine().lower() in ("x86_64", "amd64"):
-            if torch.hip:
-                return None, "flash-attn's ROCm build is source-only"
-            url = FLASH_ATTN_WHEEL_URL.format(
-                ver=FLASH_ATTN_RELEASE, cuda_major=torch.cuda.split(".")[0],
-                torch_mm="%d.%d" % torch.major_minor(), abi=cxx11_abi(torch, python), py=python_tag())
-            return url, ""
-        return None, (f"flash-attn publishes no prebuilt wheels for {platform.system()} {platform.machine()}; "
-                      f"set {backend.wheel_env} to a wheel built for {torch.describe()} "
-                      "(PyTorch's own SDPA and cuDNN kernels are used meanwhile)")
+        abi = cxx11_abi(torch, python) if linux_x86_64() and not torch.hip else None
+        release, why = flash_attn_choice(torch, abi)
+        if release is None:
+            return None, why, None
+        url = FLASH_ATTN_WHEEL_URL.format(ver=release, cuda_major=torch.cuda.split(".")[0],
+                                          torch_mm="%d.%d" % torch.major_minor(), abi=abi, py=python_tag())
+        return url, "", f"flash-attn {release}'s prebuilt wheel"
     if backend.dist == "sageattention":
-        return "sageattention", ""
-    return None, "unknown backend"
+        if torch.hip:
+            return None, "SageAttention's kernels are for NVIDIA GPUs", None
+        if not triton_installed():
+            return None, ("SageAttention 1.0.6 from PyPI runs on Triton, which is not installed (install "
+                          "triton-windows first on Windows); for SageAttention 2 set ATTN_WHEEL_SAGE to a wheel "
+                          f"built for {torch.describe()}"), None
+        return SAGE_PYPI, "", "SageAttention 1.0.6 (Triton kernels; SageAttention 2 needs ATTN_WHEEL_SAGE)"
+    return None, "unknown backend", None
 
 
 def write_constraints(torch):
@@ -338,16 +442,32 @@ def _quote(text):
     return f'"{text}"'
 
 
-def _pip_reason(error):
-    """The line of pip's output that says why, for the user."""
+# What pip (through requests and urllib3) prints when it could not reach a server, most telling
+# first. pip turns an unreachable index into "No matching distribution", so these are looked for
+# before the signs of a missing wheel.
+NETWORK_SIGNS = ("Temporary failure in name resolution", "Name or service not known",
+                 "nodename nor servname", "getaddrinfo failed", "Network is unreachable",
+                 "No route to host", "Cannot connect to proxy", "Connection refused", "Connection reset",
+                 "timed out", "CERTIFICATE_VERIFY_FAILED", "SSLError", "ProxyError", "NewConnectionError",
+                 "Max retries exceeded")
+MISSING_SIGNS = ("No matching distribution", "Could not find a version", "ResolutionImpossible",
+                 "conflict", "is not a supported wheel", "HTTP error 404", "404 Client Error", "does not exist")
+
+
+def _pip_failure(error):
+    """Why pip failed: ("network", hosts, cause), ("missing", "", pip's line) or ("other", "", line)."""
     text = str(error)
-    for needle in ("No matching distribution", "ResolutionImpossible", "conflict", "is not a supported wheel",
-                   "404", "Could not find a version", "does not exist", "Could not install"):
+    for sign in NETWORK_SIGNS:
+        if sign in text:
+            hosts = sorted(set(re.findall(r"host='([^']+)'", text)))
+            return "network", ", ".join(hosts), sign
+    for sign in MISSING_SIGNS:
         for line in text.splitlines():
-            if needle in line:
-                return line.strip().removeprefix("stderr: ").removeprefix("ERROR: ")
+            if sign in line:
+                return "missing", "", line.strip().removeprefix("stderr: ").removeprefix("ERROR: ").strip()
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else "pip failed"
+    # Under WEBUI_LAUNCH_LIVE_OUTPUT=1 the webui shows pip's output as it runs and raises without it.
+    return "other", "", lines[-1] if len(lines) > 3 else "pip failed; its output is above"
 
 
 def _import_check(python, module):
@@ -381,7 +501,7 @@ def install(backend, torch, host, dry_run):
         if not wrong:
             say(backend, f"{before} already installed; nothing to do (uninstall it to install another build)")
             return
-    requirement, extra = install_plan(backend, torch, host.python)
+    requirement, extra, what = install_plan(backend, torch, host.python)
     if requirement is None:
         say(backend, f"install requested, no prebuilt wheel to ask for: {extra}; nothing done")
         return
@@ -394,13 +514,21 @@ def install(backend, torch, host, dry_run):
         if dry_run:
             say(backend, f"dry run: pip {command} (holding {held})")
             return
-        say(backend, f"installing a prebuilt wheel for {torch.describe()}, holding {held}")
+        say(backend, f"installing {what} for {torch.describe()}, holding {held}")
         try:
             host.run_pip(command, f"{backend.label} (prebuilt wheel)")
         except RuntimeError as exc:
-            say(backend, f"no prebuilt wheel matches {torch.describe()} ({_pip_reason(exc)}). "
-                         f"Nothing was changed; torch stays {torch.version}. To use a wheel you have, set "
+            kind, hosts, cause = _pip_failure(exc)
+            unchanged = (f"Nothing was changed; torch stays {torch.version}. To use a wheel you have, set "
                          f"{backend.wheel_env}=<file or URL>; the engine uses the other backends meanwhile")
+            if kind == "network":
+                where = hosts or "the package index"
+                say(backend, f"network failure: could not reach {where} ({cause}), so whether a wheel "
+                             f"exists is not known. Check the connection or proxy and restart. {unchanged}")
+            elif kind == "missing":
+                say(backend, f"no prebuilt wheel matches {torch.describe()} ({cause}). {unchanged}")
+            else:
+                say(backend, f"pip failed ({cause}). {unchanged}")
             return
     finally:
         os.unlink(constraints)

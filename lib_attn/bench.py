@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import lib_attn
 from lib_attn import shapes, tune
 from lib_attn.device import miopen_text
-from lib_attn.doctor import environment
+from lib_attn.doctor import environment, shown
 
 SCHEMA = "lib_attn.bench/1"
 
@@ -881,7 +881,7 @@ def render(doc: dict) -> str:
     dev = doc["device"]
     v = doc["versions"]
     out.append(f"lib_attn bench: {dev['description']}; torch {v['torch']}"
-               + (f", CUDA {v['cuda']}, cuDNN {v['cudnn']}" if v.get("cuda") else "")
+               + (f", CUDA {v['cuda']}, cuDNN {shown(v.get('cudnn'))}" if v.get("cuda") else "")
                + (f", HIP {v['hip']}, MIOpen {miopen_text(v.get('miopen'))}" if v.get("hip") else "")
                + f"; timer {doc['settings']['timer']}")
     if AUTO in doc["settings"]["columns"]:

@@ -41,6 +41,7 @@ def _package_versions() -> dict:
 
 
 def _cudnn_version() -> Optional[int]:
+    """The cuDNN this torch build carries: known from the build alone, with or without a GPU."""
     if not torch.backends.cudnn.is_available():
         return None
     return torch.backends.cudnn.version()
@@ -108,7 +109,7 @@ def environment(device: Optional[torch.device] = None, info=None) -> dict:
         "cuda": torch.version.cuda,
         "hip": dev["hip"] if rocm else getattr(torch.version, "hip", None),
         # On ROCm torch.backends.cudnn is MIOpen: its version is not a cuDNN one.
-        "cudnn": _cudnn_version() if device.type == "cuda" and not rocm else None,
+        "cudnn": None if rocm or getattr(torch.version, "hip", None) else _cudnn_version(),
         "miopen": dev["miopen"] if rocm else None,
         "lib_attn": lib_attn.__version__,
         "backends": {b["id"]: b["version"] for b in backends},
@@ -199,6 +200,11 @@ def report(device: Optional[torch.device] = None, dtype: Optional[torch.dtype] =
     return doc
 
 
+def shown(value) -> str:
+    """A version as the text reports print it: '-' when there is none."""
+    return "-" if value is None else str(value)
+
+
 def render(doc: dict) -> str:
     v, dev = doc["versions"], doc["device"]
     lines = [
@@ -215,7 +221,7 @@ def render(doc: dict) -> str:
     else:
         lines += [f"  CUDA      {v['cuda'] or 'none (this torch has no CUDA)'}"
                   + ("" if v["cuda"] is None or dev["type"] == "cuda" else " - no usable GPU found"),
-                  f"  cuDNN     {v['cudnn'] if v['cudnn'] is not None else '-'}"]
+                  f"  cuDNN     {shown(v['cudnn'])}"]
     lines += [f"  device    {dev['description']}",
               f"  lib_attn  {v['lib_attn'] or '-'}"]
     cfg = doc["config"]

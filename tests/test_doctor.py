@@ -35,7 +35,8 @@ def test_json_records_versions_and_device(doctor_json):
     assert dev["type"] == ("cuda" if torch.cuda.is_available() else "cpu")
     if dev["type"] == "cpu":
         assert dev["description"].startswith("CPU only")
-        assert v["cudnn"] is None
+    # A property of the torch build: a CUDA build reports its cuDNN on a machine without a GPU too.
+    assert v["cudnn"] == (torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
 
 
 def test_json_lists_every_backend_with_a_reason_when_unavailable(doctor_json):
@@ -83,6 +84,31 @@ def test_passed_over_backends_and_their_reasons_are_the_engines():
         shown = "not available (see backends)" if not available[bid] else "; ".join(reasons)
         assert f"        {bid}: {shown}" in text.splitlines()
     assert "preference sdpa-efficient,flash-attn,sdpa" in text
+
+
+def bench_header(doc):
+    from lib_attn import bench
+    settings = {"timer": "t", "columns": [], "h200_floor": False, "load_average": None, "cpu_count": 2,
+                "seconds": 1.0, "memory_method": "m", "reference": "r"}
+    return bench.render({"device": doc["device"], "versions": doc["versions"], "settings": settings,
+                         "calls": [], "results": [], "per_step": []}).splitlines()[0]
+
+
+def test_cudnn_of_a_cuda_build_without_a_gpu_is_one_value_in_doctor_and_bench(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 8902)
+    monkeypatch.setattr(torch.version, "cuda", "12.1")
+    doc = doctor.report(device=CPU)
+    assert doc["versions"]["cudnn"] == 8902
+    assert "  cuDNN     8902" in doctor.render(doc).splitlines()
+    header = bench_header(doc)
+    assert "CUDA 12.1, cuDNN 8902" in header, header
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
+    doc = doctor.report(device=CPU)
+    assert doc["versions"]["cudnn"] is None
+    assert "  cuDNN     -" in doctor.render(doc).splitlines()
+    header = bench_header(doc)
+    assert "CUDA 12.1, cuDNN -" in header and "None" not in header, header
 
 
 def test_text_report_names_versions_backends_and_models():

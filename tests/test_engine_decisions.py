@@ -76,6 +76,18 @@ def test_sdpa_kernel_reasons():
     assert "bf16 needs sm80, GPU is sm75" in reasons("sdpa-efficient", spec(device=TURING, dtype=torch.bfloat16))
 
 
+def test_cpu_flash_names_the_mask_when_torch_takes_none(monkeypatch):
+    from lib_attn import _compat
+    cpu = dict(device=DeviceInfo("cpu"), dtype=torch.float32, q=64)
+    masked = spec(mask="key-padding", mask_dtype=torch.bool, **cpu)
+    monkeypatch.setattr(_compat, "CPU_FLASH_TAKES_MASK", False)  # torch before 2.3
+    found = reasons("sdpa-flash", masked)
+    assert found == [f"key-padding attention mask: torch {_compat.TORCH_VERSION_TEXT}'s CPU flash kernel takes no mask"]
+    assert reasons("sdpa-flash", spec(**cpu)) == []
+    monkeypatch.setattr(_compat, "CPU_FLASH_TAKES_MASK", True)
+    assert reasons("sdpa-flash", masked) == []
+
+
 def test_cudnn_switched_off_reason(monkeypatch):
     from lib_attn import _compat
     monkeypatch.setattr(_compat, "TORCH_VERSION", (2, 4))
@@ -193,7 +205,8 @@ def test_efficient_kernel_head_dim_alignment():
     assert "head_dim 18 not a multiple of 4" in reasons("sdpa-efficient", spec(d=18, dtype=torch.float32))
 
 
-def test_cudnn_head_dim_limits_by_architecture():
+def test_cudnn_head_dim_limits_by_architecture(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_ENABLED", "1")  # torch before 2.5 needs it (tested above)
     assert reasons("sdpa-cudnn", spec(device=HOPPER, d=256)) == []
     assert "head_dim 256 > 128" in reasons("sdpa-cudnn", spec(device=DeviceInfo("cuda", 0, "RTX 5090", (12, 0)), d=256))
     assert "kv_len 1 not supported" in reasons("sdpa-cudnn", spec(kv=1))

@@ -193,7 +193,7 @@ def run_install(python, tmp_path, wheels_dir=None, **env_vars):
 
 
 def line_for(output, label):
-    lines = [line for line in output.splitlines() if line.startswith(f"[attention] {label}:")]
+    lines = [line for line in output.splitlines() if line.startswith(f"[flash-attention] {label}:")]
     assert lines, output
     return lines[-1]
 
@@ -214,7 +214,7 @@ def test_default_run_installs_nothing_and_reports_each_backend(env, wheels, tmp_
     for label in LABELS:
         line = line_for(out, label)
         assert "not installed" in line and "ATTN_INSTALL=" in line and "CUDA 12.1" in line, line
-    assert len([line for line in out.splitlines() if line.startswith("[attention]")]) == 3, out
+    assert len([line for line in out.splitlines() if line.startswith("[flash-attention]")]) == 3, out
     assert env.dists() == dists
     assert env.snapshot("torch") == torch_files
 
@@ -230,14 +230,27 @@ def test_default_run_with_real_torch_does_not_import_torch(tmp_path):
     imported = {line.rsplit("|", 1)[1].strip() for line in out.splitlines() if line.startswith("import time:")}
     assert imported, "-X importtime output missing"
     assert not {"torch", "launch", "pip"} & imported, sorted(imported)
-    import torch
+    # The version pip knows (PyPI's CUDA builds carry no "+cu121" there, unlike torch.__version__).
     for label in LABELS:
-        assert f"torch {torch.__version__}" in line_for(out, label)
+        assert f"torch {importlib.metadata.version('torch')}" in line_for(out, label)
     assert elapsed < 20  # generous: the point is no torch import, checked above
 
 
-def test_request_on_cpu_torch_installs_nothing(tmp_path):
-    code, out, commands = run_install(sys.executable, tmp_path, None, ATTN_INSTALL="xformers,flash-attn")
+def _real_torch_is_a_cpu_build():
+    import torch
+    return torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+
+
+@pytest.mark.parametrize("torch_kind", ["stand-in", "real"])
+def test_request_on_cpu_torch_installs_nothing(torch_kind, env, tmp_path):
+    if torch_kind == "real":
+        if not _real_torch_is_a_cpu_build():
+            pytest.skip("the torch running the tests is a CUDA build (PyPI's torch 2.1.2 is)")
+        python = sys.executable
+    else:
+        env.add_torch("2.13.0+cpu", None)
+        python = env.python
+    code, out, commands = run_install(python, tmp_path, None, ATTN_INSTALL="xformers,flash-attn")
     assert code == 0, out
     assert commands == []
     for label in ("xformers", "flash-attn"):
@@ -342,6 +355,7 @@ def test_wheel_that_does_not_load_is_removed_again(env, wheels, tmp_path):
 
 def test_source_release_is_never_built(env, wheels, tmp_path):
     env.add_torch("2.4.1+cu124", "12.4")
+    env.add_files("triton", "3.0.0", {"triton/__init__.py": ""})  # SageAttention 1 needs it
     marker = str(tmp_path / "BUILT_FROM_SOURCE")
     make_sdist(wheels, "sageattention", "1.0.6", marker)
 
@@ -354,7 +368,7 @@ def test_source_release_is_never_built(env, wheels, tmp_path):
     assert "no prebuilt wheel matches torch 2.4.1+cu124" in line and "ATTN_WHEEL_SAGE" in line, line
     assert not os.path.exists(marker)
     assert env.dist_version("sageattention") is None
-    assert "--only-binary=:all:" in commands[0]
+    assert "--only-binary=:all:" in commands[0] and '"sageattention==1.0.6"' in commands[0], commands
 
 
 def test_skip_install_is_respected(env, wheels, tmp_path):
@@ -385,7 +399,7 @@ def test_skip_install_in_the_double_makes_run_pip_a_no_op(env, wheels, tmp_path)
 @pytest.mark.skipif(platform.system() == "Windows" or platform.machine().lower() not in ("x86_64", "amd64"),
                     reason="flash-attn's release wheels exist for Linux x86_64 only")
 def test_flash_attn_asks_for_the_release_wheel_of_this_torch(env, tmp_path):
-    env.add_torch("2.4.1+cu124", "12.4", cxx11_abi=False)
+    env.add_torch("2.5.1+cu124", "12.4", cxx11_abi=True)
     py = "cp%d%d" % sys.version_info[:2]
 
     code, out, commands = run_install(env.python, tmp_path, None, ATTN_INSTALL="flash-attn",
@@ -394,8 +408,88 @@ def test_flash_attn_asks_for_the_release_wheel_of_this_torch(env, tmp_path):
     assert code == 0, out
     assert commands == []
     line = line_for(out, "flash-attn")
-    assert f"flash_attn-2.8.3+cu12torch2.4cxx11abiFALSE-{py}-{py}-linux_x86_64.whl" in line, line
-    assert "--only-binary=:all:" in line and "holding torch==2.4.1+cu124" in line, line
+    assert (f"v2.8.3.post1/flash_attn-2.8.3.post1+cu12torch2.5cxx11abiTRUE-{py}-{py}-linux_x86_64.whl"
+            in line), line
+    assert "--only-binary=:all:" in line and "holding torch==2.5.1+cu124" in line, line
+
+
+@pytest.mark.skipif(platform.system() == "Windows" or platform.machine().lower() not in ("x86_64", "amd64"),
+                    reason="flash-attn's release wheels exist for Linux x86_64 only")
+def test_flash_attn_for_torch_2_1_comes_from_the_last_release_with_its_wheels(env, tmp_path):
+    # A1111 1.10.1's stack: PyPI's torch 2.1.2 (a CUDA 12.1 build, no "+cu121" in its metadata).
+    env.add_torch("2.1.2", "12.1", cxx11_abi=False)
+    py = "cp%d%d" % sys.version_info[:2]
+
+    code, out, commands = run_install(env.python, tmp_path, None)
+    status = line_for(out, "flash-attn")
+    code2, out2, _ = run_install(env.python, tmp_path, None, ATTN_INSTALL="flash-attn", ATTN_INSTALL_DRY_RUN="1")
+
+    assert code == code2 == 0, out + out2
+    line = line_for(out2, "flash-attn")
+    if sys.version_info[:2] <= (3, 11):
+        assert "flash-attn 2.7.4's prebuilt wheel for torch 2.1.2 (CUDA 12.1)" in status, status
+        assert f"v2.7.4/flash_attn-2.7.4+cu12torch2.1cxx11abiFALSE-{py}-{py}-linux_x86_64.whl" in line, line
+    else:  # no release built torch 2.1 wheels for Python 3.12 or later
+        assert "no flash-attn release has a prebuilt wheel for torch 2.1" in status, status
+        assert "no flash-attn release has a prebuilt wheel for torch 2.1" in line and "nothing done" in line, line
+    assert "2.8.3" not in line.split("(release wheels:")[0], line
+
+
+def test_no_flash_attn_release_for_this_torch_is_said_plainly_and_pip_is_not_run(env, tmp_path):
+    env.add_torch("2.11.0+cu130", "13.0")
+
+    code, out, commands = run_install(env.python, tmp_path, None, ATTN_INSTALL="flash-attn")
+
+    assert code == 0, out
+    assert commands == []
+    line = line_for(out, "flash-attn")
+    if platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64"):
+        assert "no flash-attn release has a prebuilt wheel for torch 2.11 with CUDA 13" in line, line
+        assert "2.8.3.post1: torch 2.4-2.8" in line and "ATTN_WHEEL_FLASH_ATTN" in line, line
+    assert "nothing done" in line, line
+
+
+def _load_installer():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("attn_installer", INSTALL_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("torch_mm, cuda, python, abi, release", [
+    ("2.8", 12, "3.13", "TRUE", "2.8.3.post1"),
+    ("2.6", 12, "3.10", "FALSE", "2.8.3.post1"),
+    ("2.4", 12, "3.12", None, "2.8.3.post1"),
+    ("2.4", 12, "3.13", None, None),        # torch 2.4 was never built for Python 3.13
+    ("2.3", 12, "3.11", "FALSE", "2.7.4"),
+    ("2.1", 12, "3.10", "FALSE", "2.7.4"),  # A1111 1.10.1: not 2.8.3, whose wheels start at torch 2.4
+    ("2.1", 12, "3.12", None, None),
+    ("2.1", 11, "3.10", "TRUE", "2.7.3"),   # the last release with CUDA 11 wheels
+    ("2.6", 11, "3.10", None, None),
+    ("2.9", 12, "3.12", None, None),
+    ("2.8", 13, "3.12", None, None),
+    ("2.0", 12, "3.10", None, None),
+    ("2.5", 12, "3.10", "SOMETHING", None),
+])
+def test_flash_attn_release_table(torch_mm, cuda, python, abi, release):
+    assert _load_installer().flash_attn_release(torch_mm, cuda, python, abi) == release
+
+
+@pytest.mark.parametrize("torch_version, requirement", [
+    ("2.1.2", "xformers==0.0.23.post1"),
+    ("2.4.1+cu124", "xformers==0.0.28.post1"),
+    ("2.8.0+cu128", "xformers==0.0.32.post2"),
+    ("2.11.0+cu130", "xformers>=0.0.35"),   # 0.0.34 requires torch==2.10.0 exactly
+    ("2.5.0+cu124", "xformers"),            # no pair known: pip finds it, with torch held
+])
+def test_xformers_is_asked_for_the_release_paired_with_this_torch(env, tmp_path, torch_version, requirement):
+    env.add_torch(torch_version, "12.4")
+
+    code, out, commands = run_install(env.python, tmp_path, None, ATTN_INSTALL="xformers", ATTN_INSTALL_DRY_RUN="1")
+
+    assert code == 0, out
+    assert f'"{requirement}"' in line_for(out, "xformers"), out
 
 
 def test_flash_attn_wheel_for_another_platform_is_refused(env, wheels, tmp_path):
@@ -411,3 +505,180 @@ def test_flash_attn_wheel_for_another_platform_is_refused(env, wheels, tmp_path)
     assert "no prebuilt wheel matches" in line and "not a supported wheel" in line, line
     assert env.dist_version("flash-attn") is None
     assert env.dist_version("torch") == "2.4.1+cu124"
+
+
+# ---------------------------------------------------------------------------------------------
+# Network failures and missing wheels are told apart
+# ---------------------------------------------------------------------------------------------
+
+def _closed_port():
+    """A loopback port nothing listens on: connections to it are refused at once."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def not_found_server():
+    """A loopback HTTP server that answers 404 to everything; yields its base URL."""
+    import http.server
+    import threading
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the handler's own naming
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def _offline(**extra):
+    """Environment for a machine without a network: every proxy request is refused at once."""
+    proxy = f"http://127.0.0.1:{_closed_port()}"
+    return dict(HTTPS_PROXY=proxy, HTTP_PROXY=proxy, https_proxy=proxy, http_proxy=proxy, NO_PROXY="",
+                no_proxy="", PIP_RETRIES="0", PIP_TIMEOUT="5", **extra)
+
+
+def test_flash_attn_without_network_is_reported_as_a_network_failure(env, tmp_path):
+    env.add_torch("2.5.1+cu124", "12.4")  # flash-attn 2.8.3.post1 has wheels for it on every Python
+    torch_files = env.snapshot("torch")
+
+    code, out, commands = run_install(env.python, tmp_path, None, ATTN_INSTALL="flash-attn", **_offline())
+
+    assert code == 0, out
+    line = line_for(out, "flash-attn")
+    if platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64"):
+        assert len(commands) == 1 and "flash_attn-2.8.3.post1+cu12torch2.5" in commands[0], commands
+        assert "network failure: could not reach github.com (Cannot connect to proxy)" in line, line
+        assert "no prebuilt wheel" not in line and "Nothing was changed" in line, line
+    assert env.dist_version("flash-attn") is None
+    assert env.snapshot("torch") == torch_files
+
+
+def test_unreachable_index_is_reported_as_a_network_failure(env, tmp_path):
+    env.add_torch("2.1.2", "12.1")  # PyPI's build: no "+cu121", so no PyTorch index is added
+    index = f"http://127.0.0.1:{_closed_port()}/simple"
+
+    code, out, commands = run_install(env.python, tmp_path, None, ATTN_INSTALL="xformers",
+                                      INDEX_URL=index, PIP_NO_INDEX="0", PIP_RETRIES="1", PIP_TIMEOUT="5")
+
+    assert code == 0, out
+    assert len(commands) == 1 and f"--index-url {index}" in commands[0], commands
+    line = line_for(out, "xformers")
+    assert "network failure: could not reach the package index (Connection refused)" in line, line
+    assert "no prebuilt wheel" not in line, line
+    assert env.dist_version("xformers") is None
+
+
+def test_missing_wheel_at_a_reachable_server_is_reported_as_missing(env, tmp_path, not_found_server):
+    env.add_torch("2.5.1+cu124", "12.4")
+    url = f"{not_found_server}/flash_attn-2.7.4-py3-none-any.whl"
+
+    code, out, commands = run_install(env.python, tmp_path, None, ATTN_INSTALL="flash-attn",
+                                      ATTN_WHEEL_FLASH_ATTN=url, PIP_RETRIES="0")
+
+    assert code == 0, out
+    assert len(commands) == 1 and url in commands[0], commands
+    line = line_for(out, "flash-attn")
+    assert "no prebuilt wheel matches torch 2.5.1+cu124" in line and "404" in line, line
+    assert "network failure" not in line, line
+    assert env.dist_version("flash-attn") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# SageAttention: 1.0.6 from PyPI's pure-Python wheel when Triton is there, 2 from a named wheel
+# ---------------------------------------------------------------------------------------------
+
+def test_sage_1_wheel_is_installed_where_triton_is(env, wheels, tmp_path):
+    env.add_torch("2.4.1+cu124", "12.4")
+    env.add_files("triton", "3.0.0", {"triton/__init__.py": ""})
+    make_wheel(wheels, "sageattention", "1.0.6", {"sageattention/__init__.py": "def sageattn(*a, **k): pass\n"})
+    make_wheel(wheels, "sageattention", "2.2.0", {"sageattention/__init__.py": ""})  # not on PyPI; not taken
+
+    code, out, commands = run_install(env.python, tmp_path, wheels)
+    status = line_for(out, "sageattention")
+    assert "SageAttention 1.0.6 (Triton kernels, from PyPI), set ATTN_INSTALL=sage" in status, status
+    assert "ATTN_WHEEL_SAGE" in status, status
+
+    code, out, commands = run_install(env.python, tmp_path, wheels, ATTN_INSTALL="sage")
+
+    assert code == 0, out
+    assert len(commands) == 1 and '"sageattention==1.0.6"' in commands[0], commands
+    assert "1.0.6 installed and imports" in line_for(out, "sageattention"), out
+    assert env.dist_version("sageattention") == "1.0.6"
+
+
+def test_sage_without_triton_installs_nothing_and_says_why(env, wheels, tmp_path):
+    env.add_torch("2.4.1+cu124", "12.4")
+    make_wheel(wheels, "sageattention", "1.0.6", {"sageattention/__init__.py": ""})
+
+    code, out, commands = run_install(env.python, tmp_path, wheels, ATTN_INSTALL="sage")
+
+    assert code == 0, out
+    assert commands == []
+    line = line_for(out, "sageattention")
+    assert "runs on Triton, which is not installed" in line and "ATTN_WHEEL_SAGE" in line, line
+    assert "nothing done" in line, line
+    assert env.dist_version("sageattention") is None
+
+
+def test_sage_2_comes_from_the_wheel_the_user_names(env, wheels, tmp_path):
+    env.add_torch("2.4.1+cu124", "12.4")
+    env.add_files("triton", "3.0.0", {"triton/__init__.py": ""})
+    make_wheel(wheels, "sageattention", "1.0.6", {"sageattention/__init__.py": ""})
+    own = tmp_path / "own"
+    own.mkdir()
+    wheel = make_wheel(str(own), "sageattention", "2.2.0", {"sageattention/__init__.py": "__version__ = '2.2.0'\n"})
+
+    code, out, commands = run_install(env.python, tmp_path, wheels, ATTN_INSTALL="sage", ATTN_WHEEL_SAGE=wheel)
+
+    assert code == 0, out
+    assert len(commands) == 1 and wheel in commands[0] and "==1.0.6" not in commands[0], commands
+    assert "2.2.0 installed and imports" in line_for(out, "sageattention"), out
+    assert env.dist_version("sageattention") == "2.2.0"
+
+
+# What pip printed in each case (pip 23-25), as the webui's run_pip puts it in its RuntimeError.
+_PROXY_REFUSED = ("ERROR: Could not install packages due to an OSError: HTTPSConnectionPool(host='github.com', "
+                  "port=443): Max retries exceeded with url: /x.whl (Caused by ProxyError('Cannot connect to "
+                  "proxy.', NewConnectionError('<HTTPSConnection>: Failed to establish a new connection: "
+                  "[Errno 111] Connection refused')))")
+_NO_DNS = ("WARNING: Retrying (Retry(total=4, connect=None, read=None, redirect=None, status=None)) after "
+           "connection broken by 'NewConnectionError('<HTTPSConnection>: Failed to establish a new connection: "
+           "[Errno -3] Temporary failure in name resolution')': /simple/xformers/\n"
+           "ERROR: Could not find a version that satisfies the requirement xformers==0.0.23.post1 (from versions: none)\n"
+           "ERROR: No matching distribution found for xformers==0.0.23.post1")
+_NOT_FOUND = ("ERROR: HTTP error 404 while getting https://example.invalid/x.whl\n"
+              "ERROR: Could not install requirement flash-attn from https://example.invalid/x.whl because of "
+              "HTTP error 404 Client Error: Not Found for url: https://example.invalid/x.whl")
+
+
+@pytest.mark.parametrize("output, kind, detail", [
+    (_PROXY_REFUSED, "network", ("github.com", "Cannot connect to proxy")),
+    (_NO_DNS, "network", ("", "Temporary failure in name resolution")),
+    (_NOT_FOUND, "missing", "HTTP error 404"),
+    ("ERROR: No matching distribution found for xformers==9", "missing", "No matching distribution found"),
+    ("ERROR: x-cp27-win32.whl is not a supported wheel on this platform.", "missing", "not a supported wheel"),
+])
+def test_pip_failures_are_told_apart(output, kind, detail):
+    error = RuntimeError(f"Couldn't install x.\nCommand: pip install x\nError code: 1\nstderr: {output}")
+    got_kind, hosts, cause = _load_installer()._pip_failure(error)
+    assert got_kind == kind
+    if kind == "network":
+        assert (hosts, cause) == detail
+    else:
+        assert detail in cause and not cause.startswith(("ERROR", "stderr"))
+
+
+def test_pip_failure_without_its_output_points_at_the_console():
+    # Under WEBUI_LAUNCH_LIVE_OUTPUT=1 the webui shows pip's output live and raises without it.
+    error = RuntimeError("Couldn't install x.\nCommand: pip install x\nError code: 1")
+    assert _load_installer()._pip_failure(error) == ("other", "", "pip failed; its output is above")

@@ -143,8 +143,10 @@ class SdpaFlash(_PinnedSdpa):
             return [r for r in Backend.reasons(self, spec, asked) if r not in cuda_only] or self.torch_reasons(spec)
         if spec.device.type != "cpu":
             return super().reasons(spec, asked)
-        # The CPU kernel has no head_dim limit and takes masks; PyTorch's choice is the check.
+        # The CPU kernel has no head_dim limit and takes masks from torch 2.3; PyTorch's choice is the check.
         out = [r for r in Backend.reasons(self, spec, asked) if not r.startswith(("head_dim", "GPU"))]
+        if not out and spec.mask != NO_MASK and not _compat.CPU_FLASH_TAKES_MASK:
+            out.append(f"{spec.mask} attention mask: torch {_compat.TORCH_VERSION_TEXT}'s CPU flash kernel takes no mask")
         if not out and spec.tensors is not None and not self.chosen_by_pytorch(spec):
             out.append("PyTorch would not run its CPU flash kernel for this call")
         return out
