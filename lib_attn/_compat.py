@@ -93,3 +93,20 @@ def flash_built() -> bool:
     if probe is None:
         return True  # older torch: unknown here, PyTorch's own per-call check decides
     return bool(probe())
+
+
+def _is_compiling_probe():
+    # torch.compiler.is_compiling arrived in 2.3; torch._dynamo.is_compiling is the 2.1-2.2 name. Both
+    # answer True while Dynamo traces and False in eager mode.
+    found = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if found is None:
+        found = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
+    return found or (lambda: False)
+
+
+#: Whether the caller is being traced by torch.compile; Dynamo reads it as a constant while tracing.
+IS_COMPILING = _is_compiling_probe()
+
+#: ``torch.library.custom_op`` (torch 2.4): the engine becomes one opaque operator under torch.compile.
+#: Older torch has no custom_op with a fake implementation; there the engine runs outside the graph.
+CUSTOM_OP = getattr(torch.library, "custom_op", None)
