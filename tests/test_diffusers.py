@@ -1,6 +1,8 @@
 """lib_attn.integrations.diffusers.route on tiny random-weight diffusers models built from configs."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,7 @@ from lib_attn import _compat
 from lib_attn.integrations import diffusers as integration
 from lib_attn.integrations.diffusers import route
 
-from engine_helpers import rel_err
+from engine_helpers import rel_err, spy
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import AutoencoderKL, DiffusionPipeline, FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel  # noqa: E402
@@ -274,3 +276,31 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="pipeline"):
         with route(object()):
             pass
+
+
+@pytest.mark.skipif(_compat.CUSTOM_OP is None, reason="torch.library.custom_op needs torch 2.4")
+def test_compiled_routed_model_one_graph_counted_and_configured_at_run_time(models, monkeypatch):
+    """Flux through the dispatcher registry under Inductor: 24 runs, with and without a recording."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    sdpa_ran, math_ran = spy(monkeypatch, "sdpa"), spy(monkeypatch, "math")
+    model = models["flux"]
+    kwargs = inputs("flux", torch.float32)
+    want = forward(model, kwargs)
+    try:
+        with route(model):
+            compiled = torch.compile(model, fullgraph=True)
+            for run in range(24):
+                with torch.no_grad(), (lib_attn.recording() if run % 2 else contextlib.nullcontext()) as rec:
+                    out = compiled(**kwargs).sample
+                if rec is not None:
+                    assert rec.calls == {("dit", "sdpa"): 2}
+                assert rel_err(out, want) < FP32_BOUND
+            assert len(sdpa_ran) == 48 and not math_ran
+            with torch.no_grad(), lib_attn.use(preference=["math"]), lib_attn.recording() as rec:
+                out = compiled(**kwargs).sample
+            assert rec.calls == {("dit", "math"): 2} and len(math_ran) == 2 and len(sdpa_ran) == 48
+            assert rel_err(out, want) < FP32_BOUND
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    finally:
+        torch._dynamo.reset()

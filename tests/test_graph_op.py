@@ -6,9 +6,8 @@ import torch
 
 import lib_attn
 from lib_attn import _compat, graph_op
-from lib_attn.kernels import REGISTRY
 
-from engine_helpers import reference, rel_err
+from engine_helpers import reference, rel_err, spy
 
 pytestmark = pytest.mark.skipif(_compat.CUSTOM_OP is None, reason="torch.library.custom_op needs torch 2.4")
 
@@ -23,24 +22,6 @@ def fresh():
     yield
     lib_attn.reset()
     torch._dynamo.reset()
-
-
-def spy(monkeypatch, backend_id):
-    """Count the real kernel calls of one backend (decisions made after this see the spy)."""
-    ran = []
-    backend = REGISTRY[backend_id]
-    real = backend.runner
-
-    def runner(spec):
-        kernel = real(spec)
-
-        def run(*args):
-            ran.append(1)
-            return kernel(*args)
-        return run
-    monkeypatch.setattr(backend, "runner", runner)
-    lib_attn.reset()
-    return ran
 
 
 def graphs(fn):

@@ -222,7 +222,9 @@ def _routed_class(cls, kind: str, role: str):
     found = _routed_classes.get((cls, role))
     if found is None:
         call = cls.__call__
-        names = dict(call.__globals__)
+        # A copy without ``__name__``: torch.compile then reads these globals as their own scope
+        # instead of looking each name up again on diffusers' module.
+        names = {k: v for k, v in call.__globals__.items() if k != "__name__"}
         if kind == SDPA:
             names["F"] = _functional_for(role)
         else:
@@ -230,6 +232,7 @@ def _routed_class(cls, kind: str, role: str):
         routed_call = types.FunctionType(call.__code__, names, call.__name__, call.__defaults__, call.__closure__)
         routed_call.__kwdefaults__ = call.__kwdefaults__
         routed_call.__qualname__ = call.__qualname__
+        routed_call.__module__ = call.__module__
         routed_call.__doc__ = call.__doc__
         found = type(cls.__name__, (cls,), {"__call__": routed_call, "__module__": cls.__module__,
                                             "__qualname__": cls.__qualname__, "_lib_attn_role": role})
