@@ -206,8 +206,8 @@ def test_unserved_calls_run_on_pytorch_sdpa_and_are_counted(models):
     assert rel_err(gqa.transpose(1, 2), F.scaled_dot_product_attention(q, k[:, :1].expand_as(k), v[:, :1].expand_as(v))) < 1e-6
     assert rec.calls == {}
     assert rec.fallbacks == {("unet", "lib_attn", "causal mask: ran on PyTorch SDPA"): 1,
-                             ("dit", "lib_attn", "causal mask: ran on PyTorch SDPA"): 1,
-                             ("dit", "lib_attn", "grouped-query heads: ran on PyTorch SDPA"): 1}
+                             ("dit", "lib_attn", "causal mask: ran on diffusers' native backend"): 1,
+                             ("dit", "lib_attn", "grouped-query heads: ran on diffusers' native backend"): 1}
 
 
 def test_an_unrouted_model_keeps_its_own_attention_inside_the_scope(models):

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import re
 import types
 
 import torch
@@ -63,9 +62,9 @@ def _unserved(q_heads: int, k_heads: int, dropout_p, is_causal, enable_gqa, retu
     return ""
 
 
-def _count_unserved(role: str, reason: str) -> None:
+def _count_unserved(role: str, reason: str, ran_on: str) -> None:
     if not _compat.IS_COMPILING():
-        stats.fallbacks[(role, PASSED_OVER, f"{reason}: ran on PyTorch SDPA")] += 1
+        stats.fallbacks[(role, PASSED_OVER, f"{reason}: ran on {ran_on}")] += 1
 
 
 # --- processors that call F.scaled_dot_product_attention ----------------------------------------
@@ -78,7 +77,7 @@ def _functional_for(role: str) -> types.ModuleType:
         if not reason:
             reason = _unserved(query.shape[1], key.shape[1], dropout_p, is_causal, enable_gqa)
         if reason:
-            _count_unserved(role, reason)
+            _count_unserved(role, reason, "PyTorch SDPA")
             extra = {"enable_gqa": True} if enable_gqa else {}
             return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                                   is_causal=is_causal, scale=scale, **extra)
@@ -145,23 +144,30 @@ class _Registry:
                 enable_gqa=False, return_lse=False, _parallel_config=None, _lib_attn_role=None):
         """q, k, v: (batch, seq, heads, head_dim), as the dispatcher passes them."""
         role = _lib_attn_role
-        reason = "" if role is not None else "unrouted"
-        if role is not None:
-            reason = "not 4-D" if query.dim() != 4 or key.dim() != 4 else _unserved(
-                query.shape[2], key.shape[2], dropout_p, is_causal, enable_gqa, return_lse, _parallel_config)
+        if role is None:  # a model that is not routed: served as before the scope
+            return self.serve_as_before(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                        return_lse, _parallel_config)
+        reason = "not 4-D" if query.dim() != 4 or key.dim() != 4 else _unserved(
+            query.shape[2], key.shape[2], dropout_p, is_causal, enable_gqa, return_lse, _parallel_config)
         if reason:
-            if role is not None:
-                _count_unserved(role, reason)
-            name, fn = self.previous
-            args = dict(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p,
-                        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
-                        _parallel_config=_parallel_config)
-            accepted = self.registry._supported_arg_names[name]
-            return fn(**{k: v for k, v in args.items() if k in accepted})
+            name = self.previous[0]
+            _count_unserved(role, reason, f"diffusers' {getattr(name, 'value', name)} backend")
+            return self.serve_as_before(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                        return_lse, _parallel_config)
         if attn_mask is not None and attn_mask.dim() == 2 and attn_mask.shape == (query.shape[0], key.shape[1]):
             # The dispatcher's (batch, keys) mask; the engine's masks broadcast like SDPA's.
             attn_mask = attn_mask[:, None, None, :]
         return attention(query, key, value, layout="bshd", mask=attn_mask, scale=scale, role=role)
+
+    def serve_as_before(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                        _parallel_config):
+        """The call on the backend that was active before the scope, given the arguments it declares."""
+        name, fn = self.previous
+        args = dict(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p,
+                    is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
+                    _parallel_config=_parallel_config)
+        accepted = self.registry._supported_arg_names[name]
+        return fn(**{k: v for k, v in args.items() if k in accepted})
 
 
 _MISSING = object()
@@ -173,7 +179,7 @@ def _dispatcher_registry():
     import diffusers
     from diffusers.models import attention_dispatch
 
-    version = _version(diffusers.__version__)
+    version = _compat._version(diffusers.__version__)
     registry = getattr(attention_dispatch, "_AttentionBackendRegistry", None)
     missing = [a for a in ("_backends", "_constraints", "_supported_arg_names", "_active_backend")
                if not hasattr(registry, a)]
@@ -187,11 +193,6 @@ def _dispatcher_registry():
         log.warning("lib_attn: diffusers %s is newer than the versions route() was tested with "
                     "(before %s); routing its dispatcher anyway", diffusers.__version__, _text(SUPPORTED[1]))
     return registry
-
-
-def _version(text: str) -> tuple:
-    match = re.match(r"(\d+)\.(\d+)", text)
-    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
 
 
 def _text(version: tuple) -> str:
@@ -310,12 +311,14 @@ def route(model_or_pipeline, role: str | None = None):
     if role is not None and role not in ROLES:
         raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
     routing = Routing()
-    plan = []
+    plan, seen = [], set()
     for model, model_role in _models(model_or_pipeline, role):
         for module in model.modules():
             processor = getattr(module, "processor", None)
-            if processor is None or is_routed(processor) or any(p is processor for p, _, _ in plan):
+            # One processor object may serve many modules (set_attn_processor with one instance).
+            if processor is None or is_routed(processor) or id(processor) in seen:
                 continue
+            seen.add(id(processor))
             kind = processor_kind(processor)
             if kind is None:
                 name = type(processor).__name__
