@@ -9,7 +9,7 @@ from lib_attn import _compat, graph_op
 
 from engine_helpers import reference, rel_err, spy
 
-pytestmark = pytest.mark.skipif(_compat.CUSTOM_OP is None, reason="torch.library.custom_op needs torch 2.4")
+needs_custom_op = pytest.mark.skipif(_compat.CUSTOM_OP is None, reason="torch.library.custom_op needs torch 2.4")
 
 OP = "lib_attn.attention.default"
 
@@ -39,6 +39,7 @@ def attend(x, layout):
     return lib_attn.attention(q, x, x, layout=layout, role="dit") + 1
 
 
+@needs_custom_op
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_traced_call_is_the_custom_operator(layout):
     compiled, seen = graphs(lambda x: attend(x, layout))
@@ -52,6 +53,7 @@ def test_traced_call_is_the_custom_operator(layout):
     assert rec.calls == {("dit", "sdpa"): 1}
 
 
+@needs_custom_op
 def test_compiled_function_one_graph_counts_per_run_and_config_after_compiling(monkeypatch):
     sdpa_ran, math_ran = spy(monkeypatch, "sdpa"), spy(monkeypatch, "math")
     compiled = torch.compile(lambda x: attend(x, "bshd"))
@@ -73,6 +75,7 @@ def test_compiled_function_one_graph_counts_per_run_and_config_after_compiling(m
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+@needs_custom_op
 def test_compiled_gradients_match_the_reference():
     compiled = torch.compile(lambda q, k, v, m: lib_attn.attention(q, k, v, mask=m, layout="bshd"), backend="aot_eager")
     q, k, v = (torch.randn(2, 12, 3, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
@@ -98,8 +101,25 @@ def test_eager_calls_do_not_enter_the_operator(monkeypatch):
     assert rel_err(out, reference(q, q, q)) < 1e-5 and rec.calls == {("unet", "sdpa"): 1}
 
 
+@needs_custom_op
 def test_operator_in_eager_mode_runs_the_engine():
     q = torch.randn(1, 2, 8, 16)
     with lib_attn.use(preference=["math"]), lib_attn.recording() as rec:
         out = torch.ops.lib_attn.attention(q, q, q, None, "bhsd", 0.5, "vae", None, None)
     assert rel_err(out, reference(q, q, q, scale=0.5)) < 1e-6 and rec.calls == {("vae", "math"): 1}
+
+
+def test_compiled_calls_are_decided_and_counted_when_they_run_on_every_torch(monkeypatch):
+    """torch 2.4+: the operator; older torch: a graph break around the engine. Either way each run
+    counts and the configuration at run time decides."""
+    math_ran = spy(monkeypatch, "math")
+    compiled = torch.compile(lambda x: attend(x, "bshd"), backend="eager")
+    x = torch.randn(2, 16, 3, 8)
+    want = reference(x * 2, x, x, layout="bshd") + 1
+    with lib_attn.recording() as rec:
+        for _ in range(4):
+            assert rel_err(compiled(x), want) < 1e-5
+    assert rec.calls == {("dit", "sdpa"): 4}
+    with lib_attn.use(preference=["math"]), lib_attn.recording() as rec:
+        assert rel_err(compiled(x), want) < 1e-5
+    assert rec.calls == {("dit", "math"): 1} and len(math_ran) == 1
