@@ -5,6 +5,7 @@ Nothing in this module touches CUDA.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import re
 
@@ -107,6 +108,15 @@ def _is_compiling_probe():
 #: Whether the caller is being traced by torch.compile; Dynamo reads it as a constant while tracing.
 IS_COMPILING = _is_compiling_probe()
 
-#: ``torch.library.custom_op`` (torch 2.4): the engine becomes one opaque operator under torch.compile.
-#: Older torch has no custom_op with a fake implementation; there the engine runs outside the graph.
-CUSTOM_OP = getattr(torch.library, "custom_op", None)
+def _custom_op():
+    found = getattr(torch.library, "custom_op", None)
+    try:
+        return found if found is not None and "schema" in inspect.signature(found).parameters else None
+    except (TypeError, ValueError):
+        return None
+
+
+#: ``torch.library.custom_op`` taking a written schema (torch 2.4): the engine becomes one opaque
+#: operator under torch.compile. Older torch has no custom_op with a fake implementation; there the
+#: engine runs outside the graph.
+CUSTOM_OP = _custom_op()
