@@ -24,7 +24,8 @@ from .kernels import BACKEND_IDS, Backend, Status
 from .config import Config, configure, use
 from .config import current as config
 from .device import DeviceInfo, device_info
-from .dispatch import AttentionFallbackError, Decision, attention, default_chain, explain
+from .dispatch import AttentionFallbackError, Decision, default_chain, explain
+from .graph_op import attention
 from .spec import LAYOUTS, ROLES, CallSpec
 from .stats import Recording, last_recording, recording
 

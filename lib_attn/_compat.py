@@ -5,9 +5,9 @@ Nothing in this module touches CUDA.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import re
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -153,19 +153,26 @@ def aotriton_missing(arch: str, kernel: str = "flash") -> str | None:
 
 def aotriton_max_head_dim() -> int:
     return 512 if TORCH_VERSION >= (2, 7) else 256
+
+
 # --- when measuring kernels is not allowed (tuning gates) ------------------------------------
+
+def _is_compiling_probe():
+    # torch.compiler.is_compiling arrived in 2.3; torch._dynamo.is_compiling is the 2.1-2.2 name. Both
+    # answer True while Dynamo traces and False in eager mode.
+    found = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if found is None:
+        found = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
+    return found or (lambda: False)
+
+
+#: Whether the caller is being traced by torch.compile; Dynamo reads it as a constant while tracing.
+IS_COMPILING = _is_compiling_probe()
+
 
 def compiling() -> bool:
     """Whether torch.compile (dynamo) or TorchScript is tracing the current code."""
-    compiler = getattr(torch, "compiler", None)
-    check = getattr(compiler, "is_compiling", None)  # torch >= 2.3
-    if check is None:
-        # torch 2.1/2.2: only dynamo knows; it cannot be tracing when it was never imported.
-        dynamo = sys.modules.get("torch._dynamo")
-        check = getattr(dynamo, "is_compiling", None)
-    if check is not None and check():
-        return True
-    return bool(torch.jit.is_tracing() or torch.jit.is_scripting())
+    return bool(IS_COMPILING() or torch.jit.is_tracing() or torch.jit.is_scripting())
 
 
 def in_backward() -> bool:
@@ -207,3 +214,17 @@ def autocast_dtype(device_type: str):
     if device_type == "cpu":
         return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
     return None
+
+
+def _custom_op():
+    found = getattr(torch.library, "custom_op", None)
+    try:
+        return found if found is not None and "schema" in inspect.signature(found).parameters else None
+    except (TypeError, ValueError):
+        return None
+
+
+#: ``torch.library.custom_op`` taking a written schema (torch 2.4): the engine becomes one opaque
+#: operator under torch.compile. Older torch has no custom_op with a fake implementation; there the
+#: engine runs outside the graph.
+CUSTOM_OP = _custom_op()

@@ -5,6 +5,9 @@ import math
 
 import torch
 
+import lib_attn
+from lib_attn.kernels import REGISTRY
+
 
 def reference(q, k, v, mask=None, scale=None, layout="bhsd"):
     """softmax(q k^T * scale + mask) v in float64, in the inputs' layout."""
@@ -51,3 +54,21 @@ def make_qkv(b, h, n, kv, d, dtype, layout="bhsd", strided=False, seed=None):
     shape_k = (b, h, kv, d) if layout == "bhsd" else (b, kv, h, d)
     return (torch.randn(shape_q, generator=gen).to(dtype), torch.randn(shape_k, generator=gen).to(dtype),
             torch.randn(shape_k, generator=gen).to(dtype))
+
+
+def spy(monkeypatch, backend_id):
+    """Count the real kernel calls of one backend (decisions made after this see the spy)."""
+    ran = []
+    backend = REGISTRY[backend_id]
+    real = backend.runner
+
+    def runner(spec):
+        kernel = real(spec)
+
+        def run(*args):
+            ran.append(1)
+            return kernel(*args)
+        return run
+    monkeypatch.setattr(backend, "runner", runner)
+    lib_attn.reset()
+    return ran

@@ -1,0 +1,344 @@
+"""Route a diffusers model's (or pipeline's) attention through the engine, for one ``with`` block.
+
+    from lib_attn.integrations.diffusers import route
+    with route(pipe):                    # pipe.unet / pipe.transformer and pipe.vae; text encoders stay
+        image = pipe(prompt).images[0]
+
+diffusers reaches attention two ways, and ``route`` takes both without changing diffusers' code:
+
+- Processors that call ``F.scaled_dot_product_attention`` (``AttnProcessor2_0`` in UNets and VAEs,
+  ``JointAttnProcessor2_0`` in SD3): each routed processor object is moved, for the scope, to a
+  subclass whose ``__call__`` is the class's own function object rebuilt over a copy of its module
+  globals in which ``F`` is ``torch.nn.functional`` with ``scaled_dot_product_attention`` replaced.
+  The code and signature are diffusers' own (``Attention.forward`` filters keyword arguments by
+  that signature); only the one name resolves differently.
+- Processors that call ``dispatch_attention_fn`` (Flux and most newer transformers): the engine is a
+  string-keyed entry of diffusers' attention backend registry, registered and made the active backend
+  only inside the scope. Routed processors reach it with their role; any other model calling the
+  dispatcher meanwhile is served by the backend that was active before. This registry is private
+  diffusers API: ``route`` checks it and refuses a diffusers it does not know (see SUPPORTED).
+
+Calls the engine does not serve (dropout, causal, grouped-query, returning the log-sum-exp, context
+parallel) run unchanged on PyTorch's SDPA (on the dispatcher, on the backend that was active before),
+and are counted in the recording's fallbacks as ``(role, "lib_attn", reason)``; under torch.compile
+they are traced as PyTorch's own call and not counted. On exit every processor gets its own class
+back and the registry is as it was.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import types
+
+import torch
+import torch.nn.functional as F
+
+from .. import _compat, stats
+from ..graph_op import attention
+
+log = logging.getLogger("lib_attn")
+
+#: diffusers versions whose dispatcher registry ``route`` was written against and tested with
+#: (from, before). The SDPA-processor path needs no private API and works on older diffusers too.
+SUPPORTED = ((0, 35), (0, 43))
+REGISTRY_KEY = "lib_attn"
+ROLE_ARG = "_lib_attn_role"
+PASSED_OVER = "lib_attn"
+
+
+def _unserved(q_heads: int, k_heads: int, dropout_p, is_causal, enable_gqa, return_lse=False, parallel=None) -> str:
+    """Why the engine does not take a call, or '' when it does."""
+    if dropout_p:
+        return "dropout"
+    if is_causal:
+        return "causal mask"
+    if enable_gqa or q_heads != k_heads:
+        return "grouped-query heads"
+    if return_lse:
+        return "log-sum-exp requested"
+    if parallel is not None:
+        return "context parallel"
+    return ""
+
+
+def _count_unserved(role: str, reason: str, ran_on: str) -> None:
+    if not _compat.IS_COMPILING():
+        stats.fallbacks[(role, PASSED_OVER, f"{reason}: ran on {ran_on}")] += 1
+
+
+# --- processors that call F.scaled_dot_product_attention ----------------------------------------
+
+def _functional_for(role: str) -> types.ModuleType:
+    """``torch.nn.functional`` with its SDPA served by the engine for ``role``."""
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                     scale=None, enable_gqa=False):
+        reason = "not 4-D" if query.dim() != 4 or key.dim() != 4 else ""
+        if not reason:
+            reason = _unserved(query.shape[1], key.shape[1], dropout_p, is_causal, enable_gqa)
+        if reason:
+            _count_unserved(role, reason, "PyTorch SDPA")
+            extra = {"enable_gqa": True} if enable_gqa else {}
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                  is_causal=is_causal, scale=scale, **extra)
+        return attention(query, key, value, mask=attn_mask, scale=scale, role=role)
+
+    module = types.ModuleType(f"lib_attn.functional.{role}")
+    module.__dict__.update({k: v for k, v in vars(F).items() if not k.startswith("__")})
+    module.scaled_dot_product_attention = scaled_dot_product_attention
+    return module
+
+
+# --- processors that call dispatch_attention_fn ---------------------------------------------------
+
+def _dispatch_for(role: str, dispatch_attention_fn):
+    """A stand-in for diffusers' ``dispatch_attention_fn`` that sends the call through the real one to
+    the engine's registry entry, with the role as an extra keyword the entry declares."""
+    def dispatch(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                 enable_gqa=False, attention_kwargs=None, *, backend=None, **rest):
+        extra = dict(attention_kwargs or {})
+        extra[ROLE_ARG] = role
+        # backend=None: the active backend, which inside the scope is the engine's entry, even for a
+        # model that chose a backend with set_attention_backend.
+        return dispatch_attention_fn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                     extra, backend=None, **rest)
+    return dispatch
+
+
+class _Registry:
+    """The engine's entry in diffusers' backend registry, active while any route scope is open."""
+
+    def __init__(self):
+        self.depth = 0
+        self.registry = None
+        self.warned = False
+        self.saved = None  # (active backend, {table: previous entry under REGISTRY_KEY})
+        self.previous = None  # (name, function): serves unrouted and unserved calls
+
+    def enter(self, registry) -> None:
+        if self.depth == 0:
+            self.registry = registry
+            tables = (registry._backends, registry._constraints, registry._supported_arg_names)
+            self.saved = (registry._active_backend, [(t, t.get(REGISTRY_KEY, _MISSING)) for t in tables])
+            active = registry._active_backend
+            self.previous = (active, registry._backends[active])
+            registry._backends[REGISTRY_KEY] = self.backend
+            registry._constraints[REGISTRY_KEY] = []
+            registry._supported_arg_names[REGISTRY_KEY] = set(inspect.signature(self.backend).parameters)
+            registry._active_backend = REGISTRY_KEY
+        self.depth += 1
+
+    def exit(self, registry) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            active, tables = self.saved
+            for table, entry in tables:
+                if entry is _MISSING:
+                    table.pop(REGISTRY_KEY, None)
+                else:
+                    table[REGISTRY_KEY] = entry
+            registry._active_backend = active
+            self.saved = self.previous = self.registry = None
+
+    def backend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False, return_lse=False, _parallel_config=None, _lib_attn_role=None):
+        """q, k, v: (batch, seq, heads, head_dim), as the dispatcher passes them."""
+        role = _lib_attn_role
+        if role is None:  # a model that is not routed: served as before the scope
+            return self.serve_as_before(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                        return_lse, _parallel_config)
+        reason = "not 4-D" if query.dim() != 4 or key.dim() != 4 else _unserved(
+            query.shape[2], key.shape[2], dropout_p, is_causal, enable_gqa, return_lse, _parallel_config)
+        if reason:
+            name = self.previous[0]
+            _count_unserved(role, reason, f"diffusers' {getattr(name, 'value', name)} backend")
+            return self.serve_as_before(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                        return_lse, _parallel_config)
+        if attn_mask is not None and attn_mask.dim() == 2 and attn_mask.shape == (query.shape[0], key.shape[1]):
+            # The dispatcher's (batch, keys) mask; the engine's masks broadcast like SDPA's.
+            attn_mask = attn_mask[:, None, None, :]
+        return attention(query, key, value, layout="bshd", mask=attn_mask, scale=scale, role=role)
+
+    def serve_as_before(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                        _parallel_config):
+        """The call on the backend that was active before the scope, given the arguments it declares."""
+        name, fn = self.previous
+        args = dict(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p,
+                    is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
+                    _parallel_config=_parallel_config)
+        accepted = self.registry._supported_arg_names[name]
+        return fn(**{k: v for k, v in args.items() if k in accepted})
+
+
+_MISSING = object()
+_REGISTRY = _Registry()
+
+
+def _dispatcher_registry():
+    """diffusers' attention backend registry, checked; RuntimeError says plainly when it is unknown."""
+    import diffusers
+    from diffusers.models import attention_dispatch
+
+    version = _compat._version(diffusers.__version__)
+    registry = getattr(attention_dispatch, "_AttentionBackendRegistry", None)
+    missing = [a for a in ("_backends", "_constraints", "_supported_arg_names", "_active_backend")
+               if not hasattr(registry, a)]
+    if version < SUPPORTED[0] or missing:
+        raise RuntimeError(
+            f"lib_attn cannot route attention dispatcher models on diffusers {diffusers.__version__}: its "
+            f"backend registry is not the one route() knows (diffusers {_text(SUPPORTED[0])} up to "
+            f"{_text(SUPPORTED[1])} excluded){'; missing ' + ', '.join(missing) if missing else ''}")
+    if version >= SUPPORTED[1] and not _REGISTRY.warned:
+        _REGISTRY.warned = True
+        log.warning("lib_attn: diffusers %s is newer than the versions route() was tested with "
+                    "(before %s); routing its dispatcher anyway", diffusers.__version__, _text(SUPPORTED[1]))
+    return registry
+
+
+def _text(version: tuple) -> str:
+    return ".".join(map(str, version))
+
+
+# --- processors ---------------------------------------------------------------------------------
+
+SDPA, DISPATCHER = "sdpa", "dispatcher"
+_routed_classes: dict = {}  # (processor class, role) -> its routed subclass
+
+
+def processor_kind(processor) -> str | None:
+    """How a processor reaches attention, read from its ``__call__``'s code: SDPA, DISPATCHER or None."""
+    call = getattr(type(processor), "__call__", None)
+    code = getattr(call, "__code__", None)
+    if code is None:
+        return None
+    names = code.co_names
+    if "dispatch_attention_fn" in names and call.__globals__.get("dispatch_attention_fn") is not None:
+        return DISPATCHER
+    if "scaled_dot_product_attention" in names and call.__globals__.get("F") is F:
+        return SDPA
+    return None
+
+
+def _routed_class(cls, kind: str, role: str):
+    found = _routed_classes.get((cls, role))
+    if found is None:
+        call = cls.__call__
+        # A copy without ``__name__``: torch.compile then reads these globals as their own scope
+        # instead of looking each name up again on diffusers' module.
+        names = {k: v for k, v in call.__globals__.items() if k != "__name__"}
+        if kind == SDPA:
+            names["F"] = _functional_for(role)
+        else:
+            names["dispatch_attention_fn"] = _dispatch_for(role, names["dispatch_attention_fn"])
+        routed_call = types.FunctionType(call.__code__, names, call.__name__, call.__defaults__, call.__closure__)
+        routed_call.__kwdefaults__ = call.__kwdefaults__
+        routed_call.__qualname__ = call.__qualname__
+        routed_call.__module__ = call.__module__
+        routed_call.__doc__ = call.__doc__
+        found = type(cls.__name__, (cls,), {"__call__": routed_call, "__module__": cls.__module__,
+                                            "__qualname__": cls.__qualname__, "_lib_attn_role": role})
+        _routed_classes[(cls, role)] = found
+    return found
+
+
+def is_routed(processor) -> bool:
+    return "_lib_attn_role" in type(processor).__dict__
+
+
+# --- which models, which roles --------------------------------------------------------------------
+
+_DENOISER_NAMES = ("unet", "transformer", "prior", "decoder")
+
+
+def role_of(name: str, model) -> str | None:
+    """The role of a pipeline component (None: not routed, e.g. text encoders), or of a model."""
+    cls = type(model).__name__.lower()
+    name = name.lower()
+    if "text" in name or "image_encoder" in name or "tokenizer" in name:
+        return None
+    if "vae" in name or name in ("movq", "vqvae") or cls.startswith(("autoencoder", "vqmodel")):
+        return "vae"
+    if "unet" in name or "unet" in cls:
+        return "unet"
+    if any(n in name for n in _DENOISER_NAMES) or "transformer" in cls:
+        return "dit"
+    return None
+
+
+def _models(model_or_pipeline, role: str | None) -> list:
+    """(model, role) for every model ``route`` covers."""
+    if isinstance(model_or_pipeline, torch.nn.Module):
+        found = role or role_of("", model_or_pipeline) or "dit"
+        return [(model_or_pipeline, found)]
+    components = getattr(model_or_pipeline, "components", None)
+    if not isinstance(components, dict):
+        raise TypeError(f"route() takes a torch.nn.Module or a diffusers pipeline, got {type(model_or_pipeline).__name__}")
+    out = []
+    for name, part in components.items():
+        if isinstance(part, torch.nn.Module):
+            found = role_of(name, part)
+            if found is not None:
+                out.append((part, role or found))
+    return out
+
+
+class Routing:
+    """What a ``route`` scope covers: ``processors`` {role: number routed}, ``skipped`` {processor
+    class name: number} for processors that reach attention some other way (left unchanged)."""
+
+    def __init__(self):
+        self.processors: dict = {}
+        self.skipped: dict = {}
+        self._swapped: list = []  # (processor, its own class)
+        self._registry = None
+
+    def __repr__(self):
+        return f"Routing(processors={self.processors}, skipped={self.skipped})"
+
+
+@contextlib.contextmanager
+def route(model_or_pipeline, role: str | None = None):
+    """Route every attention call of a diffusers model or pipeline through ``lib_attn`` in the scope.
+
+    A pipeline routes its denoiser (``unet`` as role "unet"; ``transformer``, ``prior``, ``decoder`` as
+    "dit") and its VAE ("vae"), never its text or image encoders; ``role`` (unet, dit, vae, text)
+    overrides the role of every model routed. Yields a ``Routing``. Use ``lib_attn.recording()`` to see
+    what ran. Raises RuntimeError when a model calls diffusers' attention dispatcher and the installed
+    diffusers' registry is not one ``route`` knows (see ``SUPPORTED``).
+    """
+    from ..spec import ROLES
+
+    if role is not None and role not in ROLES:
+        raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
+    routing = Routing()
+    plan, seen = [], set()
+    for model, model_role in _models(model_or_pipeline, role):
+        for module in model.modules():
+            processor = getattr(module, "processor", None)
+            # One processor object may serve many modules (set_attn_processor with one instance).
+            if processor is None or is_routed(processor) or id(processor) in seen:
+                continue
+            seen.add(id(processor))
+            kind = processor_kind(processor)
+            if kind is None:
+                name = type(processor).__name__
+                routing.skipped[name] = routing.skipped.get(name, 0) + 1
+            else:
+                plan.append((processor, kind, model_role))
+    registry = _dispatcher_registry() if any(kind == DISPATCHER for _, kind, _ in plan) else None
+    try:
+        if registry is not None:
+            _REGISTRY.enter(registry)
+            routing._registry = registry
+        for processor, kind, model_role in plan:
+            own = type(processor)
+            processor.__class__ = _routed_class(own, kind, model_role)
+            routing._swapped.append((processor, own))
+            routing.processors[model_role] = routing.processors.get(model_role, 0) + 1
+        yield routing
+    finally:
+        for processor, own in reversed(routing._swapped):
+            processor.__class__ = own
+        routing._swapped.clear()
+        if routing._registry is not None:
+            _REGISTRY.exit(routing._registry)

@@ -1,0 +1,309 @@
+"""lib_attn.integrations.diffusers.route on tiny random-weight diffusers models built from configs."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lib_attn
+from lib_attn import _compat
+from lib_attn.integrations import diffusers as integration
+from lib_attn.integrations.diffusers import route
+
+from engine_helpers import rel_err, spy
+
+try:
+    import diffusers
+except Exception as exc:  # noqa: BLE001 - diffusers 0.35+ needs a newer torch than 2.1 (it reads torch.xpu)
+    pytest.skip(f"diffusers does not import here: {type(exc).__name__}: {exc}", allow_module_level=True)
+from diffusers import AutoencoderKL, DiffusionPipeline, FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel  # noqa: E402
+from diffusers.models import attention_dispatch  # noqa: E402
+from diffusers.models.attention_processor import Attention  # noqa: E402
+
+B = 2
+FP32_BOUND = 1e-5
+
+
+def assert_rounding(out, want, exact):
+    """``out`` is the model's own output ``want`` up to kernel rounding. fp32: a relative error under
+    FP32_BOUND. bf16: no farther from the fp32 model's output ``exact`` than the model's own bf16 run
+    (a path that computes in fp32 may differ from a bf16 kernel by more than either differs from fp32)."""
+    if out.dtype == torch.float32:
+        assert rel_err(out, want) < FP32_BOUND
+    else:
+        assert rel_err(out, exact) <= 1.5 * rel_err(want, exact) + 1e-3, (rel_err(out, exact), rel_err(want, exact))
+
+
+def build(name: str):
+    torch.manual_seed({"unet": 1, "vae": 2, "flux": 3, "sd3": 4}[name])
+    if name == "unet":
+        model = UNet2DConditionModel(
+            sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=32, attention_head_dim=8, norm_num_groups=32)
+    elif name == "vae":
+        model = AutoencoderKL(
+            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(32, 64), latent_channels=4,
+            layers_per_block=1, norm_num_groups=32, sample_size=32)
+    elif name == "flux":
+        model = FluxTransformer2DModel(
+            patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8))
+    else:
+        model = SD3Transformer2DModel(
+            sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+            caption_projection_dim=16, joint_attention_dim=32, pooled_projection_dim=32, out_channels=4,
+            pos_embed_max_size=16)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: build(name) for name in ("unet", "vae", "flux", "sd3")}
+
+
+def inputs(name: str, dtype, text: int = 7, seed: int = 0) -> dict:
+    """Fresh seeded inputs for one forward pass; ``text`` is the number of text tokens."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+    if name == "unet":
+        return dict(sample=randn(B, 4, 8, 8), timestep=10, encoder_hidden_states=randn(B, text, 32))
+    if name == "vae":
+        return dict(sample=randn(B, 3, 16, 16))
+    if name == "flux":
+        return dict(hidden_states=randn(B, 16, 4), encoder_hidden_states=randn(B, text, 32),
+                    pooled_projections=randn(B, 32), timestep=torch.full((B,), 0.5, dtype=dtype),
+                    img_ids=torch.arange(48, dtype=dtype).reshape(16, 3) % 4, txt_ids=torch.zeros(text, 3, dtype=dtype))
+    return dict(hidden_states=randn(B, 4, 8, 8), encoder_hidden_states=randn(B, text, 32),
+                pooled_projections=randn(B, 32), timestep=torch.full((B,), 10.0, dtype=dtype))
+
+
+ROLE = {"unet": "unet", "vae": "vae", "flux": "dit", "sd3": "dit"}
+
+
+def forward(model, kwargs):
+    with torch.no_grad():
+        return model(**kwargs).sample
+
+
+def default_run(model, kwargs, monkeypatch):
+    """The model's own output and how many times it called PyTorch's SDPA."""
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def counting(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+    with monkeypatch.context() as m:
+        m.setattr(F, "scaled_dot_product_attention", counting)
+        out = forward(model, kwargs)
+    return out, len(calls)
+
+
+def processor_classes(model) -> list:
+    return [type(m.processor) for m in model.modules() if getattr(m, "processor", None) is not None]
+
+
+def registry_state():
+    reg = attention_dispatch._AttentionBackendRegistry
+    return (reg._active_backend, dict(reg._backends), dict(reg._constraints), dict(reg._supported_arg_names))
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    lib_attn.reset()
+    yield
+    lib_attn.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["unet", "vae", "flux", "sd3"])
+def test_routed_model_matches_its_own_run_and_every_call_reaches_the_engine(models, name, dtype, monkeypatch):
+    kwargs = inputs(name, dtype)
+    exact = forward(models[name], {k: v.float() if torch.is_tensor(v) else v for k, v in kwargs.items()})
+    model = models[name].to(dtype)
+    try:
+        want, sdpa_calls = default_run(model, kwargs, monkeypatch)
+        assert sdpa_calls > 0
+        own_classes, before = processor_classes(model), registry_state()
+        with route(model) as routing, lib_attn.recording() as rec:
+            out = forward(model, kwargs)
+        assert routing.processors == {ROLE[name]: len(own_classes)} and not routing.skipped
+        assert rec.total() == sdpa_calls and rec.calls == {(ROLE[name], "sdpa"): sdpa_calls}
+        assert not rec.fallbacks
+        assert_rounding(out, want, exact)
+        # Pinned to the engine's own math path: only calls that reached the engine can run there.
+        with route(model), lib_attn.use(preference=["math"]), lib_attn.recording() as rec:
+            pinned = forward(model, kwargs)
+        assert rec.calls == {(ROLE[name], "math"): sdpa_calls}
+        assert_rounding(pinned, want, exact)
+        # Nothing stays patched.
+        assert processor_classes(model) == own_classes and registry_state() == before
+        with lib_attn.recording() as rec:
+            again = forward(model, kwargs)
+        assert rec.total() == 0 and torch.equal(again, want)
+    finally:
+        model.float()
+
+
+def test_unet_encoder_attention_mask_equals_removing_the_padded_tokens(models):
+    model = models["unet"]
+    full = inputs("unet", torch.float32, text=9)
+    keep = torch.ones(B, 9)
+    keep[:, 6:] = 0
+    short = dict(full, encoder_hidden_states=full["encoder_hidden_states"][:, :6])
+    want = forward(model, short)
+    with route(model), lib_attn.recording() as rec:
+        out = forward(model, dict(full, encoder_attention_mask=keep))
+    assert rel_err(out, want) < 1e-5 and rec.total() == 8
+    with route(model), lib_attn.use(preference=["math"]):
+        assert rel_err(forward(model, dict(full, encoder_attention_mask=keep)), want) < 1e-5
+
+
+def test_flux_joint_mask_equals_removing_the_padded_tokens(models):
+    model = models["flux"]
+    full = inputs("flux", torch.float32, text=9)
+    keep = torch.ones(B, 9 + 16, dtype=torch.bool)
+    keep[:, 5:9] = False  # the text tokens come first in Flux's joint sequence
+    short = dict(full, encoder_hidden_states=full["encoder_hidden_states"][:, :5], txt_ids=full["txt_ids"][:5])
+    want = forward(model, short)
+    for pinned in (["math"], "auto"):
+        with route(model), lib_attn.use(preference=pinned), lib_attn.recording() as rec:
+            out = forward(model, dict(full, joint_attention_kwargs={"attention_mask": keep}))
+        assert rel_err(out, want) < 1e-5
+        assert rec.total() == 2 and not rec.fallbacks
+
+
+def test_dispatcher_mask_is_handed_to_the_engine_as_a_key_padding_mask(models, monkeypatch):
+    seen = []
+    real = lib_attn.attention
+
+    def spy(q, k, v, **kw):
+        seen.append((kw["layout"], None if kw["mask"] is None else tuple(kw["mask"].shape)))
+        return real(q, k, v, **kw)
+    monkeypatch.setattr(integration, "attention", spy)
+    full = inputs("flux", torch.float32, text=9)
+    keep = torch.ones(B, 25, dtype=torch.bool)
+    with route(models["flux"]):
+        forward(models["flux"], dict(full, joint_attention_kwargs={"attention_mask": keep}))
+    assert seen == [("bshd", (B, 1, 1, 25))] * 2
+
+
+def test_unserved_calls_run_on_pytorch_sdpa_and_are_counted(models):
+    q, k, v = (torch.randn(B, 2, 10, 16) for _ in range(3))
+    causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with route(models["unet"]) as routing, route(models["flux"]), lib_attn.recording() as rec:
+        unet_call = next(type(m.processor).__call__ for m in models["unet"].modules() if hasattr(m, "processor"))
+        flux_call = next(type(m.processor).__call__ for m in models["flux"].modules() if hasattr(m, "processor"))
+        via_sdpa_path = unet_call.__globals__["F"].scaled_dot_product_attention(q, k, v, is_causal=True)
+        dispatch = flux_call.__globals__["dispatch_attention_fn"]
+        via_dispatcher = dispatch(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True).transpose(1, 2)
+        gqa = dispatch(q.transpose(1, 2), k[:, :1].transpose(1, 2), v[:, :1].transpose(1, 2), enable_gqa=True)
+    assert routing.processors == {"unet": 8}
+    assert torch.equal(via_sdpa_path, causal) and rel_err(via_dispatcher, causal) < 1e-6
+    assert rel_err(gqa.transpose(1, 2), F.scaled_dot_product_attention(q, k[:, :1].expand_as(k), v[:, :1].expand_as(v))) < 1e-6
+    assert rec.calls == {}
+    assert rec.fallbacks == {("unet", "lib_attn", "causal mask: ran on PyTorch SDPA"): 1,
+                             ("dit", "lib_attn", "causal mask: ran on diffusers' native backend"): 1,
+                             ("dit", "lib_attn", "grouped-query heads: ran on diffusers' native backend"): 1}
+
+
+def test_an_unrouted_model_keeps_its_own_attention_inside_the_scope(models):
+    other = build("flux")
+    kwargs = inputs("flux", torch.float32)
+    want = forward(other, kwargs)
+    with route(models["flux"]), lib_attn.recording() as rec:
+        out = forward(other, kwargs)
+        forward(models["flux"], kwargs)
+    assert torch.equal(out, want) and rec.calls == {("dit", "sdpa"): 2}
+
+
+def test_a_backend_chosen_on_the_model_is_routed_and_restored(models):
+    model = build("flux")
+    model.set_attention_backend("native")
+    chosen = [m.processor._attention_backend for m in model.modules() if hasattr(m, "processor")]
+    with route(model), lib_attn.use(preference=["math"]), lib_attn.recording() as rec:
+        forward(model, inputs("flux", torch.float32))
+    assert rec.calls == {("dit", "math"): 2}
+    assert [m.processor._attention_backend for m in model.modules() if hasattr(m, "processor")] == chosen
+
+
+class TinyPipeline(DiffusionPipeline):
+    def __init__(self, unet, vae, text_encoder):
+        super().__init__()
+        self.register_modules(unet=unet, vae=vae, text_encoder=text_encoder)
+
+
+def test_pipeline_routes_denoiser_and_vae_and_leaves_text_encoders(models):
+    text_encoder = torch.nn.Sequential(Attention(query_dim=32, heads=2, dim_head=16))
+    pipe = TinyPipeline(models["unet"], models["vae"], text_encoder)
+    with route(pipe) as routing, lib_attn.recording() as rec:
+        inside = type(text_encoder[0].processor)
+        forward(models["unet"], inputs("unet", torch.float32))
+        forward(models["vae"], inputs("vae", torch.float32))
+        text_encoder(torch.randn(1, 5, 32))
+    assert routing.processors == {"unet": 8, "vae": 2}
+    assert not integration.is_routed(text_encoder[0].processor) and inside is type(text_encoder[0].processor)
+    assert rec.calls == {("unet", "sdpa"): 8, ("vae", "sdpa"): 2}
+    with route(pipe, role="dit") as routing:
+        assert routing.processors == {"dit": 10}
+
+
+def test_route_restores_everything_after_an_exception(models):
+    own, before = processor_classes(models["flux"]), registry_state()
+    with pytest.raises(RuntimeError, match="boom"):
+        with route(models["flux"]):
+            assert integration.REGISTRY_KEY in attention_dispatch._AttentionBackendRegistry._backends
+            raise RuntimeError("boom")
+    assert processor_classes(models["flux"]) == own and registry_state() == before
+
+
+def test_unknown_diffusers_is_refused_plainly_for_dispatcher_models(models, monkeypatch):
+    monkeypatch.setattr(diffusers, "__version__", "0.34.0")
+    with pytest.raises(RuntimeError, match="diffusers 0.34.0"):
+        with route(models["flux"]):
+            pass
+    with route(models["unet"]) as routing:  # SDPA processors need no private API
+        assert routing.processors == {"unet": 8}
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="role"):
+        with route(torch.nn.Linear(2, 2), role="decoder"):
+            pass
+    with pytest.raises(TypeError, match="pipeline"):
+        with route(object()):
+            pass
+
+
+@pytest.mark.skipif(_compat.CUSTOM_OP is None, reason="torch.library.custom_op needs torch 2.4")
+def test_compiled_routed_model_one_graph_counted_and_configured_at_run_time(models, monkeypatch):
+    """Flux through the dispatcher registry under Inductor: 24 runs, with and without a recording."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    sdpa_ran, math_ran = spy(monkeypatch, "sdpa"), spy(monkeypatch, "math")
+    model = models["flux"]
+    kwargs = inputs("flux", torch.float32)
+    want = forward(model, kwargs)
+    try:
+        with route(model):
+            compiled = torch.compile(model, fullgraph=True)
+            for run in range(24):
+                with torch.no_grad(), (lib_attn.recording() if run % 2 else contextlib.nullcontext()) as rec:
+                    out = compiled(**kwargs).sample
+                if rec is not None:
+                    assert rec.calls == {("dit", "sdpa"): 2}
+                assert rel_err(out, want) < FP32_BOUND
+            assert len(sdpa_ran) == 48 and not math_ran
+            with torch.no_grad(), lib_attn.use(preference=["math"]), lib_attn.recording() as rec:
+                out = compiled(**kwargs).sample
+            assert rec.calls == {("dit", "math"): 2} and len(math_ran) == 2 and len(sdpa_ran) == 48
+            assert rel_err(out, want) < FP32_BOUND
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    finally:
+        torch._dynamo.reset()
