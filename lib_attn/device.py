@@ -138,3 +138,17 @@ def device_info(device: torch.device | str | None = None) -> DeviceInfo:
         device = default_device()
     device = torch.device(device)
     return _info(device.type, device.index)
+
+
+def cpu_model() -> str:
+    """The processor's model name where the OS tells it (Linux: /proc/cpuinfo), else what the platform
+    module knows ("x86_64" at worst)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Hardware", "Processor") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return _platform.processor() or _platform.machine() or "unknown processor"

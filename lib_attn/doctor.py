@@ -19,7 +19,7 @@ import torch
 
 import lib_attn
 from lib_attn import shapes, tune
-from lib_attn.device import default_device, miopen_text
+from lib_attn.device import cpu_model, default_device, miopen_text
 from lib_attn.spec import spec_of
 
 GPU_DEFAULT_DTYPE = {"unet": torch.float16, "vae": torch.float16, "dit": torch.bfloat16}
@@ -75,21 +75,9 @@ def _device_dict(device: torch.device, info=None) -> dict:
         sm = f"sm{cap[0]}{cap[1]}" if cap else "sm?"
         d["description"] = f"{info.name} ({sm}{mem})"
     else:
-        d["cpu_model"] = _cpu_model()
+        d["cpu_model"] = cpu_model()
         d["description"] = f"CPU only ({d['cpu_model'] or info.name}, {d['threads']} threads)"
     return d
-
-
-def _cpu_model() -> Optional[str]:
-    """The processor's marketing name where the OS tells it (Linux), else None."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip() or None
-    except OSError:
-        pass
-    return platform.processor() or None
 
 
 def environment(device: Optional[torch.device] = None, info=None) -> dict:

@@ -10,7 +10,8 @@ import lib_attn  # noqa: E402
 from lib_attn.report import MIB, Report, Vram  # noqa: E402
 from tests.ui_helpers import event_handler  # noqa: E402
 from webui_attn import ui  # noqa: E402
-from webui_attn.api import XFORMERS_BLOCKED, availability, cpu_model  # noqa: E402
+from lib_attn.device import cpu_model  # noqa: E402
+from webui_attn.api import XFORMERS_BLOCKED, availability  # noqa: E402
 
 
 def _report():

@@ -7,30 +7,17 @@ rankings of this machine, the report that of the readout.
 """
 from __future__ import annotations
 
-import platform
 import sys
 
 import lib_attn
 from lib_attn import _compat
+from lib_attn.device import cpu_model
 
 
 ROUTE = "/flash-attention/v1/status"
 #: Roles the hosts send through the engine; neither sends its text encoder.
 ROUTED_ROLES = ("unet", "dit", "vae")
 XFORMERS_BLOCKED = "A1111 blocks importing xformers unless it is started with --xformers"
-
-
-def cpu_model() -> str:
-    """The processor's model name (Linux: /proc/cpuinfo), else what the platform module says."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("model name", "Hardware", "Processor") and value.strip():
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown processor"
 
 
 def device_name(device) -> str:
