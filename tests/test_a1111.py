@@ -97,11 +97,23 @@ def test_a_flag_always_wins(webui_factory, monkeypatch, flag, key, device):
     assert selected().title() == TITLES[key]
 
 
-@pytest.mark.parametrize("device,expected", [("cpu", "InvokeAI"), ("mps", "sub-quadratic")])
-def test_without_a_gpu_kernel_a1111_keeps_its_choice(webui_factory, monkeypatch, device, expected):
+def test_on_a_mac_a1111_keeps_sub_quadratic(webui_factory, monkeypatch):
     simulate_backends(monkeypatch, FUSED)
-    start(webui_factory, device=device)
-    assert selected().name == expected
+    start(webui_factory, device="mps")
+    assert selected().name == "sub-quadratic"
+
+
+def test_on_a_cpu_automatic_picks_auto_over_invokeai(webui_factory, monkeypatch):
+    """Measured faster than InvokeAI on a CPU (``a1111.engine_wins_on_cpu``), so it outranks InvokeAI's 1000."""
+    simulate_backends(monkeypatch, {"sdpa", "sdpa-math", "math"})
+    start(webui_factory, device="cpu")
+    assert selected().title() == TITLES["auto"]
+
+
+def test_on_a_cpu_without_sdpa_a1111_keeps_invokeai(webui_factory, monkeypatch):
+    simulate_backends(monkeypatch, {"math"})
+    start(webui_factory, device="cpu")
+    assert selected().name == "InvokeAI"
 
 
 def test_on_cuda_with_a_fused_kernel_automatic_picks_auto(webui_factory, monkeypatch):
@@ -160,8 +172,8 @@ def test_flag_for_a_backend_that_cannot_run_still_routes_through_the_engine(
 def test_unknown_backend_id_leaves_a1111_choice(webui_factory, monkeypatch, capsys):
     monkeypatch.setattr(host, "_said", set())
     simulate_backends(monkeypatch, FUSED)
-    start(webui_factory, ["--attn-backend", "flash,sdpa"], device="cpu")
-    assert selected().name == "InvokeAI"
+    start(webui_factory, ["--attn-backend", "flash,sdpa"], device="mps")
+    assert selected().name == "sub-quadratic"
     out = capsys.readouterr().out
     assert "'flash'" in out and ", ".join(lib_attn.BACKEND_IDS) in out
 

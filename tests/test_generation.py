@@ -89,7 +89,7 @@ def prefixed(out: str) -> list[str]:
 # --- 1, 2: the extension is not in the path --------------------------------------------------------------
 
 @pytest.mark.parametrize("optimization,ran_on", [
-    (None, "A1111's InvokeAI optimizer"),                  # CPU: A1111's "Automatic" picks InvokeAI
+    ("InvokeAI", "A1111's InvokeAI optimizer"),
     ("sdp - scaled dot product", "A1111's sdp optimizer"),
     ("None", "A1111's attention without an optimization"),
 ])
@@ -111,7 +111,7 @@ def test_a1111_builtin_in_use_is_named_and_no_infotext_claims_otherwise(webui_fa
 
 
 def test_override_that_cannot_apply_says_why(webui_factory):
-    runner, _, _ = start(webui_factory)
+    runner, _, _ = start(webui_factory, optimization="InvokeAI")
     processed, info = txt2img(runner, ["sdpa-math"])
     report = panel.last_report()
     note = "override 'sdpa-math' not applied: attention runs on A1111's InvokeAI optimizer"
@@ -126,7 +126,7 @@ def test_status_route_says_what_ran(webui_factory):
     from fastapi.testclient import TestClient
 
     from webui_attn import api
-    runner, _, _ = start(webui_factory)
+    runner, _, _ = start(webui_factory, optimization="InvokeAI")
     from modules import script_callbacks
     app = FastAPI()
     script_callbacks.app_started_callback(None, app)
