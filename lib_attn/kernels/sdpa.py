@@ -228,9 +228,9 @@ class SdpaCudnn(_PinnedSdpa):
         return (NO_MASK, KEY_PADDING, DENSE) if _compat.CUDNN_OP_TAKES_BIAS else (NO_MASK,)
 
     def _probe(self) -> Status:
-        status = super()._probe()
-        if status.available and getattr(torch.version, "hip", None):
+        if getattr(torch.version, "hip", None):  # whatever the torch release: ROCm has no cuDNN at all
             return Status(False, ROCM_NO_CUDNN)
+        status = super()._probe()
         if status.available and not torch.backends.cudnn.is_available():
             return Status(False, "cuDNN is not available in this torch build")
         return status
