@@ -24,8 +24,8 @@ from .kernels import BACKEND_IDS, Backend, Status
 from .config import Config, configure, use
 from .config import current as config
 from .device import DeviceInfo, device_info
-from .dispatch import AttentionFallbackError, Decision, default_chain, explain
-from .graph_op import attention
+from .dispatch import AttentionFallbackError, Decision, attention, default_chain, explain
+from . import graph_op as _graph_op  # noqa: F401 - makes traced calls one operator
 from .spec import LAYOUTS, ROLES, CallSpec
 from .stats import Recording, last_recording, recording
 

@@ -322,6 +322,9 @@ _config.on_change(_forget)
 
 
 _grad_enabled = torch.is_grad_enabled
+_compiling = _compat.IS_COMPILING
+#: What a call traced by torch.compile becomes: ``graph_op`` sets it to its operator on import.
+traced = None
 
 
 def _key(q, k, v, mask, layout, role, backend, fp32):
@@ -385,7 +388,11 @@ def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", bac
     1/sqrt(d). ``role`` (unet, dit, vae, text) selects the chain; ``backend`` puts one id first for
     this call; ``fp32`` ("cast"/"keep") overrides the fp32 policy for this call.
     Returns (b, h, q_len, d) or (b, q_len, h, d) as the input, in q's dtype.
+
+    Under torch.compile the call is one opaque operator (``graph_op``), decided when it runs.
     """
+    if _compiling():
+        return traced(q, k, v, mask, layout, scale, role, backend, fp32)
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
                mask if mask is None else (mask.shape, mask.dtype, mask.get_device()),

@@ -4,7 +4,8 @@ Traced by Dynamo, the dispatcher would bake its cached decision into the graph a
 counters, so a compiled model would recompile on every run, and Inductor could rewrite a traced
 kernel into another one. Under torch.compile the call is therefore the custom operator
 ``lib_attn::attention``: the graph holds the operator, and deciding, counting and falling back happen
-each time it runs. Eager calls skip the operator and call the dispatcher directly.
+each time it runs. ``dispatch.attention`` sends only traced calls here, so an eager call pays one
+compile check.
 
 On torch older than 2.4 (no ``torch.library.custom_op``) a traced call leaves the graph instead
 (``torch._dynamo.disable``): one graph break per attention call, decided and counted when it runs.
@@ -17,7 +18,6 @@ from . import _compat
 from . import dispatch as _dispatch
 
 _engine = _dispatch.attention
-_is_compiling = _compat.IS_COMPILING
 
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? mask, str layout, float? scale, str role, str? backend, "
           "str? fp32) -> Tensor")
@@ -76,10 +76,9 @@ else:
     _op = torch._dynamo.disable(_run)
 
 
-def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", backend=None, fp32=None):
-    if _is_compiling():
-        return _op(q, k, v, mask, layout, None if scale is None else float(scale), role, backend, fp32)
-    return _engine(q, k, v, layout=layout, mask=mask, scale=scale, role=role, backend=backend, fp32=fp32)
+def traced(q, k, v, mask, layout, scale, role, backend, fp32):
+    """The call as the graph holds it (``dispatch.attention`` sends traced calls here)."""
+    return _op(q, k, v, mask, layout, None if scale is None else float(scale), role, backend, fp32)
 
 
-attention.__doc__ = _engine.__doc__
+_dispatch.traced = traced

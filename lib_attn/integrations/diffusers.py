@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _compat, stats
-from ..graph_op import attention
+from ..dispatch import attention
 
 log = logging.getLogger("lib_attn")
 
