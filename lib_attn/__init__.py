@@ -11,21 +11,19 @@
     lib_attn.register_backend(MyKernel())              # a lib_attn.Backend subclass
 
 Importing this package imports torch and nothing of any webui, and does not initialise CUDA.
+The public API is ``__all__``; everything else is the engine's own.
 """
-from __future__ import annotations
+import dataclasses as _dataclasses
 
-__version__ = "0.1.0"
-
-from dataclasses import dataclass
-
-from . import kernels as _kernels
 from . import dispatch as _dispatch
-from .kernels import BACKEND_IDS, Backend, Status
+from . import kernels as _kernels
+from ._version import __version__
 from .config import Config, configure, use
 from .config import current as config
 from .device import DeviceInfo, device_info
 from .dispatch import AttentionFallbackError, Decision, attention, default_chain, explain
-from . import graph_op as _graph_op  # noqa: F401 - makes traced calls one operator
+from .kernels import BACKEND_IDS, Backend, Status
+from .report import Report, Vram, VramProbe
 from .spec import LAYOUTS, ROLES, CallSpec
 from .stats import Recording, last_recording, recording
 
@@ -33,11 +31,11 @@ __all__ = [
     "attention", "explain", "backends", "configure", "use", "config", "recording", "last_recording",
     "default_chain", "device_info", "reset", "BACKEND_IDS", "ROLES", "LAYOUTS", "AttentionFallbackError",
     "BackendInfo", "CallSpec", "Config", "Decision", "DeviceInfo", "Recording",
-    "Backend", "Status", "register_backend", "unregister_backend",
+    "Backend", "Status", "register_backend", "unregister_backend", "Report", "Vram", "VramProbe",
 ]
 
 
-@dataclass(frozen=True)
+@_dataclasses.dataclass(frozen=True)
 class BackendInfo:
     """One backend as ``backends()`` lists it: ``reason`` says why not when ``available`` is False."""
 
@@ -48,7 +46,7 @@ class BackendInfo:
     version: str
 
 
-def backends() -> list[BackendInfo]:
+def backends() -> "list[BackendInfo]":
     """Every backend, in registry order, with its probe result (probes run once, on first use)."""
     out = []
     for bid in BACKEND_IDS:

@@ -1,5 +1,9 @@
 """The dispatcher: a pure chain over the backends, decided once per call signature.
 
+The decision path flows one way: ``spec`` (what a call is) -> ``kernels`` (each backend's reasons)
+-> ``tune`` (ranking by measurement) -> ``graph_op`` (the operator a traced call becomes) -> this
+module, which uses them all and is used by none of them. ``attention`` is the engine's entry.
+
 ``decide`` walks a role's chain and returns the first backend whose reasons list is empty, keeping
 every rejection. With tuning on, the first call of a signature asks ``tune`` to rank every backend of
 the chain in force that takes it, and the fastest correct one is decided instead (``Decision.source``
@@ -15,6 +19,7 @@ import torch
 
 from . import _compat
 from . import config as _config
+from . import graph_op
 from . import stats
 from . import tune as _tune
 from .kernels import REGISTRY, Status, status
@@ -323,8 +328,6 @@ _config.on_change(_forget)
 
 _grad_enabled = torch.is_grad_enabled
 _compiling = _compat.IS_COMPILING
-#: What a call traced by torch.compile becomes: ``graph_op`` sets it to its operator on import.
-traced = None
 
 
 def _key(q, k, v, mask, layout, role, backend, fp32):
@@ -389,7 +392,7 @@ def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", bac
     this call; ``fp32`` ("cast"/"keep") overrides the fp32 policy for this call.
     Returns (b, h, q_len, d) or (b, q_len, h, d) as the input, in q's dtype.
 
-    Under torch.compile the call is one opaque operator (``graph_op``), decided when it runs.
+    Under torch.compile the call is one opaque operator (``traced``), decided when it runs.
     """
     if _compiling():
         return traced(q, k, v, mask, layout, scale, role, backend, fp32)
@@ -414,6 +417,11 @@ def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", bac
         return _recover(key, dec, exc, q, k, v, mask, scale)
     stats.calls[dec.count_key] += 1
     return out
+
+
+#: What a call traced by torch.compile becomes: the ``lib_attn::attention`` operator, which runs
+#: ``attention`` when the compiled graph runs.
+traced = graph_op.operator(attention)
 
 
 def _on_fallback(dec: Decision, fallback_key: tuple) -> None:

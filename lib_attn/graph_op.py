@@ -1,11 +1,14 @@
-"""``lib_attn.attention`` as one opaque operator for torch.compile.
+"""The engine's eager call as one opaque operator for torch.compile.
 
 Traced by Dynamo, the dispatcher would bake its cached decision into the graph and guard on its call
 counters, so a compiled model would recompile on every run, and Inductor could rewrite a traced
 kernel into another one. Under torch.compile the call is therefore the custom operator
 ``lib_attn::attention``: the graph holds the operator, and deciding, counting and falling back happen
-each time it runs. ``dispatch.attention`` sends only traced calls here, so an eager call pays one
-compile check.
+each time it runs.
+
+This module sits below the dispatcher and knows nothing of it: ``dispatch`` hands its eager
+``attention`` to ``operator`` once, at import, and sends traced calls to what it gets back, so an
+eager call pays one compile check.
 
 On torch older than 2.4 (no ``torch.library.custom_op``) a traced call leaves the graph instead
 (``torch._dynamo.disable``): one graph break per attention call, decided and counted when it runs.
@@ -15,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from . import _compat
-from . import dispatch as _dispatch
 
-_engine = _dispatch.attention
+#: The engine's eager call, set by ``operator``; the operator itself is registered once per process.
+_engine = None
 
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? mask, str layout, float? scale, str role, str? backend, "
           "str? fp32) -> Tensor")
@@ -68,17 +71,28 @@ def _backward(ctx, grad):
     return grads + (None,) * 6
 
 
-if _compat.CUSTOM_OP is not None:
-    _op = _compat.CUSTOM_OP("lib_attn::attention", _run, mutates_args=(), schema=SCHEMA)
-    _op.register_fake(_fake)
-    _op.register_autograd(_backward, setup_context=_setup_context)
-else:
-    _op = torch._dynamo.disable(_run)
+_op = None
+
+
+def _register():
+    if _compat.CUSTOM_OP is not None:
+        op = _compat.CUSTOM_OP("lib_attn::attention", _run, mutates_args=(), schema=SCHEMA)
+        op.register_fake(_fake)
+        op.register_autograd(_backward, setup_context=_setup_context)
+        return op
+    return torch._dynamo.disable(_run)
 
 
 def traced(q, k, v, mask, layout, scale, role, backend, fp32):
-    """The call as the graph holds it (``dispatch.attention`` sends traced calls here)."""
+    """The call as the graph holds it: the operator, which runs the engine when the graph runs."""
     return _op(q, k, v, mask, layout, None if scale is None else float(scale), role, backend, fp32)
 
 
-_dispatch.traced = traced
+def operator(engine):
+    """Make ``engine`` (the eager ``attention(q, k, v, *, layout, mask, scale, role, backend, fp32)``)
+    what the operator runs; returns ``traced``, the call a traced ``attention`` makes instead."""
+    global _engine, _op
+    _engine = engine
+    if _op is None:
+        _op = _register()
+    return traced

@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 import torch
 
 from . import _compat
+from ._version import __version__
+from .device import device_info
 from .kernels import REGISTRY, status
 from .kernels.base import as_4d, failure_text, is_sticky
 from .spec import NO_MASK
@@ -132,8 +134,6 @@ def signature(spec, fp32: str) -> str:
 def fingerprint(device) -> dict:
     """What a ranking depends on besides the call: the device (every field of its ``DeviceInfo``),
     driver, torch, CUDA, cuDNN, lib_attn and each available backend's version."""
-    from . import __version__
-
     cuda = device.type == "cuda"
     doc = {
         "device": dataclasses.asdict(device),
@@ -293,8 +293,6 @@ def lookup(spec, fp32: str) -> dict | None:
 def table(device=None) -> dict:
     """The stored rankings of this machine: ``{"file", "fingerprint", "entries": [...]}`` where each
     entry has ``call`` (its signature as data), ``winner``, ``timings`` and ``rejected``."""
-    from .device import device_info
-
     device = device or device_info()
     fp = fingerprint(device)
     with _lock:

@@ -1,23 +1,19 @@
-"""Entry script of sd-webui-flash-attention for A1111 and Forge.
+"""Entry script of sd-webui-flash-attention for A1111, Forge, Forge Neo, reForge and Forge Classic.
 
 The webui imports every file in ``scripts/`` and wipes earlier callback registrations first, so all
 registration happens here, at import. Everything else lives in ``webui_attn``.
 """
 from modules import script_callbacks, scripts
 
-from webui_attn import host, panel
+from webui_attn import host, hosts, panel, state
 
-HOST = host.detect()
+HOST = hosts.detect()
 host.prefix_engine_log()
 
-if HOST == host.A1111:
-    from webui_attn import a1111
-    a1111.register(script_callbacks)
-elif HOST == host.FORGE:
-    from webui_attn import forge
-    forge.register(script_callbacks)
+if HOST.adapter:
+    hosts.adapter(HOST).register(script_callbacks)
 else:
-    host.log_once("no-host", "neither A1111 nor Forge recognised: attention is left as the webui set it")
+    host.log_once("no-host", f"{state.UNRECOGNISED}: attention is left as the webui set it, and nothing is patched")
 
 
 def _on_ui_settings():

@@ -297,7 +297,7 @@ def test_doctor_gives_each_passed_over_kernel_its_amd_reason(every_package):
 
 def test_availability_table_names_the_amd_gpu_in_its_own_terms():
     from webui_attn import ui
-    from webui_attn.api import availability
+    from webui_attn.state import availability
 
     data = availability(MI300)
     assert data["device"]["platform"] == "rocm" and data["device"]["arch"] == "gfx942"

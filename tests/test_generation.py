@@ -14,10 +14,10 @@ import torch
 gr = pytest.importorskip("gradio")
 
 import lib_attn  # noqa: E402
-from lib_attn.report import parse_infotext  # noqa: E402
+from webui_attn.readout import lines, parse_infotext, to_infotext  # noqa: E402
 from tests.doubles.fixtures import webui_factory  # noqa: E402,F401
 from tests.ui_helpers import event_handler  # noqa: E402
-from webui_attn import a1111, forge, host, layers, panel, settings, ui  # noqa: E402
+from webui_attn import a1111, choices, forge, host, hosts, layers, panel, state, ui  # noqa: E402
 
 AUTO_TITLE = a1111.ENTRY_BY_KEY["auto"].title
 SCRIPT = "flash attention"
@@ -56,7 +56,7 @@ def start(webui_factory, mode="a1111", argv=(), optimization=None):
 def sample(p=None):
     """Sampling and decoding as the model runs them: the ldm modules A1111 patches (on Forge the rebound
     ``attention_function`` of ``backend.nn.unet`` and the VAE's)."""
-    if host.detect() == host.FORGE:
+    if hosts.detect() == hosts.FORGE:
         import backend.nn.unet as unet
         import backend.nn.vae as vae
         q = torch.randn(1, 16, 320)
@@ -96,14 +96,14 @@ def prefixed(out: str) -> list[str]:
 def test_a1111_builtin_in_use_is_named_and_no_infotext_claims_otherwise(webui_factory, optimization, ran_on):
     runner, _, _ = start(webui_factory, optimization=optimization)
     processed, info = txt2img(runner)
-    report = panel.last_report()
+    report = state.last_report()
     assert report.calls == {} and report.ran_on.startswith(ran_on)
-    head = report.lines()[0]
+    head = lines(report)[0]
     assert head.startswith(f"Attention: {ran_on}") and "not through this extension" in head
-    hint = report.lines()[-1]
+    hint = lines(report)[-1]
     assert hint.startswith("Attention note: to route attention through this extension") and AUTO_TITLE in hint
     assert "--opt-flash-attention" in hint and "Settings → Optimizations → Cross attention optimization" in hint
-    assert all(line in processed.comments for line in report.lines())   # under the image
+    assert all(line in processed.comments for line in lines(report))   # under the image
     params = parse_infotext(processed.info)
     assert "Attention" not in params and "Attention fallbacks" not in params and "Attention note" not in params
     assert "Attention" not in info["extra_generation_params"]
@@ -113,7 +113,7 @@ def test_a1111_builtin_in_use_is_named_and_no_infotext_claims_otherwise(webui_fa
 def test_override_that_cannot_apply_says_why(webui_factory):
     runner, _, _ = start(webui_factory, optimization="InvokeAI")
     processed, info = txt2img(runner, ["sdpa-math"])
-    report = panel.last_report()
+    report = state.last_report()
     note = "override 'sdpa-math' not applied: attention runs on A1111's InvokeAI optimizer"
     assert report.notes == (note,)
     assert f"Attention note: {note}" in processed.comments
@@ -145,7 +145,7 @@ def test_our_entry_whose_forwards_a1111_reset_is_not_claimed(webui_factory):
     from modules import sd_hijack
     sd_hijack.undo_optimizations()          # e.g. training: resets the forwards without our undo()
     txt2img(runner)
-    report = panel.last_report()
+    report = state.last_report()
     assert report.calls == {} and "reset the forwards" in report.ran_on
     assert AUTO_TITLE in report.hint
 
@@ -154,7 +154,7 @@ def test_forge_without_patches_is_named(webui_factory):
     runner, _, _ = start(webui_factory, "forge")
     forge.uninstall()
     txt2img(runner)
-    assert panel.last_report().ran_on == "Forge's own attention (backend.attention)"
+    assert state.last_report().ran_on == "Forge's own attention (backend.attention)"
 
 
 # --- routed: override honoured, API info carries the text -------------------------------------------------
@@ -163,10 +163,10 @@ def test_forge_without_patches_is_named(webui_factory):
 def test_routed_override_is_honoured_and_api_info_has_the_infotext_text(webui_factory, mode):
     runner, _, _ = start(webui_factory, mode, optimization=AUTO_TITLE)
     processed, info = txt2img(runner, ["sdpa-math"])
-    report = panel.last_report()
+    report = state.last_report()
     assert report.backends("unet") == [("sdpa-math", 3)] and report.ran_on is None and not report.notes
     params = parse_infotext(processed.info)
-    assert params["Attention"] == report.to_infotext()["Attention"]
+    assert params["Attention"] == to_infotext(report)["Attention"]
     assert info["extra_generation_params"]["Attention"] == params["Attention"]    # not null
     assert "Attention note" not in info["extra_generation_params"]
 
@@ -174,10 +174,10 @@ def test_routed_override_is_honoured_and_api_info_has_the_infotext_text(webui_fa
 def test_api_info_carries_the_fallbacks_text(webui_factory):
     runner, _, _ = start(webui_factory, "forge")
     processed, info = txt2img(runner, ["flash-attn"])
-    report = panel.last_report()
+    report = state.last_report()
     if not report.fallbacks:
         pytest.skip("flash-attn runs here")
-    assert info["extra_generation_params"]["Attention fallbacks"] == report.to_infotext()["Attention fallbacks"]
+    assert info["extra_generation_params"]["Attention fallbacks"] == to_infotext(report)["Attention fallbacks"]
 
 
 # --- 5, 6: the override's values ----------------------------------------------------------------------------
@@ -192,7 +192,7 @@ def test_bad_override_is_logged_and_noted(webui_factory, capsys, mode, args, see
     runner, _, _ = start(webui_factory, mode, optimization=AUTO_TITLE)
     capsys.readouterr()
     processed, info = txt2img(runner, args)
-    report = panel.last_report()
+    report = state.last_report()
     auto = lib_attn.explain(*[torch.randn(1, 8, 16, 40)] * 3, role="unet").backend
     assert report.backends("unet") == [(auto, 3)]                          # the setting (Auto) ran
     (line,) = [line for line in prefixed(capsys.readouterr().out) if "override" in line]
@@ -210,7 +210,7 @@ def test_empty_args_are_the_ui_default(webui_factory, capsys):
     what it passes when the key is left out, so there is nothing to tell apart."""
     runner, _, _ = start(webui_factory, optimization=AUTO_TITLE)
     txt2img(runner, [])
-    assert panel.last_report().notes == ()
+    assert state.last_report().notes == ()
     assert "override" not in capsys.readouterr().out
 
 
@@ -220,11 +220,11 @@ def test_labels_listed_for_the_dropdown_are_accepted_back(webui_factory, mode):
     runner, _, _ = start(webui_factory, mode, optimization=AUTO_TITLE)
     control = runner.alwayson_scripts[0].controls[0]
     listed = [c[0] if isinstance(c, tuple) else c for c in control.choices]    # script-info's rule
-    assert listed[0] == ui.USE_SETTING
-    labels = dict(ui.override_choices(pairs=True)[1:])                          # gradio 4's labels
+    assert listed[0] == choices.USE_SETTING
+    labels = dict(choices.override_choices(pairs=True)[1:])                          # gradio 4's labels
     for label, backend in [*zip(listed[1:], lib_attn.BACKEND_IDS), *labels.items()]:
         txt2img(runner, [label])
-        report = panel.last_report()
+        report = state.last_report()
         assert not report.notes, label
         assert report.fallbacks or report.backends("unet") == [(backend, 3)], label
         assert backend in {b for (_, b, _) in report.fallbacks} | {b for (_, b) in report.calls}, label
@@ -233,7 +233,9 @@ def test_labels_listed_for_the_dropdown_are_accepted_back(webui_factory, mode):
 def test_a_raising_script_does_not_stop_the_generation(webui_factory, capsys, monkeypatch):
     """The runner catches each script's exception (as A1111 does): the generation goes on without us."""
     runner, _, _ = start(webui_factory, optimization=AUTO_TITLE)
-    monkeypatch.setattr(panel, "settings", None)          # any failure inside process
+    def fail():
+        raise RuntimeError("any failure inside process")
+    monkeypatch.setattr(state, "routing", fail)
     processed, info = txt2img(runner, ["sdpa"])
     assert processed is not None and "Error running process" in capsys.readouterr().err
 
@@ -245,20 +247,20 @@ def test_bad_settings_from_the_api_are_logged_noted_and_listed(webui_factory, ca
     runner, _, _ = start(webui_factory, mode, optimization=AUTO_TITLE)
     from modules.api import api
     capsys.readouterr()
-    api.set_config({settings.KEY_BACKEND: "definitely-not-a-backend", settings.KEY_FP32: "sideways"})
+    api.set_config({state.KEY_BACKEND: "definitely-not-a-backend", state.KEY_FP32: "sideways"})
     lines = prefixed(capsys.readouterr().out)
     backend_line = next(line for line in lines if "definitely-not-a-backend" in line)
-    assert settings.KEY_BACKEND in backend_line and ", ".join(lib_attn.BACKEND_IDS) in backend_line
+    assert state.KEY_BACKEND in backend_line and ", ".join(lib_attn.BACKEND_IDS) in backend_line
     fp32_line = next(line for line in lines if "sideways" in line)
-    assert settings.KEY_FP32 in fp32_line and "Auto, cast, keep" in fp32_line
+    assert state.KEY_FP32 in fp32_line and "Auto, cast, keep" in fp32_line
 
     processed, _ = txt2img(runner)
-    report = panel.last_report()
+    report = state.last_report()
     assert len(report.notes) == 2 and all("ignored" in n for n in report.notes)
     assert layers.get_layer("settings") is None                 # both ignored: Auto, as if unset
     assert lib_attn.config().fp32 == "cast"
     assert all(f"Attention note: {n}" in processed.comments for n in report.notes)
-    from webui_attn.api import availability
+    from webui_attn.state import availability
     ignored = availability()["ignored_settings"]
     assert ignored == list(report.notes)
     assert "definitely-not-a-backend" in ui.availability_html()
@@ -276,7 +278,7 @@ def test_readout_redraws_when_the_generation_ends(webui_factory, mode):
     assert outputs == [readout._id]
     assert "No generation yet" in fn()
     txt2img(runner, ["sdpa-math"])
-    assert fn() == ui.report_html(panel.last_report()) and "sdpa-math" in fn()
+    assert fn() == ui.report_html(state.last_report()) and "sdpa-math" in fn()
     assert script.args_to - script.args_from == 1
 
 
@@ -286,7 +288,7 @@ def test_engine_warnings_carry_the_prefix(webui_factory, capsys):
     runner, _, _ = start(webui_factory, "forge")
     capsys.readouterr()
     txt2img(runner, ["flash-attn"])
-    report = panel.last_report()
+    report = state.last_report()
     if not report.fallbacks:
         pytest.skip("flash-attn runs here")
     out = capsys.readouterr().out
@@ -302,4 +304,4 @@ def test_forge_says_at_startup_what_a_flag_does(webui_factory, capsys):
     lines = [line for line in prefixed(capsys.readouterr().out) if "--opt-flash-attention" in line]
     assert len(lines) == 1 and f"flash-attn ({info.reason})" in lines[0]
     txt2img(runner)
-    assert panel.last_report().fallbacks == {("unet", "flash-attn", "not available: " + info.reason): 3}
+    assert state.last_report().fallbacks == {("unet", "flash-attn", "not available: " + info.reason): 3}

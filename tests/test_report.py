@@ -1,4 +1,5 @@
-"""The per-generation report: data from real engine calls on CPU, exact text, infotext and JSON formats."""
+"""The per-generation report: data from real engine calls on CPU, and the webuis' exact text, infotext and
+JSON formats of it (``webui_attn.readout``)."""
 import json
 import threading
 
@@ -6,7 +7,10 @@ import pytest
 import torch
 
 import lib_attn
-from lib_attn.report import (MIB, Report, Vram, VramProbe, host_vram, parse_infotext, quote_infotext)
+from lib_attn.report import MIB, Report, Vram, VramProbe
+from webui_attn import readout
+from webui_attn.readout import (calls_text, from_infotext, host_vram, lines, parse_infotext, quote_infotext, text,
+                                to_infotext, vram_text)
 
 GIB = 1024 * MIB
 
@@ -71,31 +75,31 @@ def test_text_line_exact_format():
         seconds=75.25,
         vram=Vram(active_peak=1500 * MIB + 1, reserved_peak=2048 * MIB, system_peak=6000 * MIB, total=81559 * MIB),
     )
-    assert report.lines() == [
+    assert lines(report) == [
         "Attention: flash-attn 2.8.3 ×1,260 · VAE sdpa-efficient torch 2.3.1 ×2 · 1 min. 15.2 sec. · "
         "A: 1.47 GB, R: 2.00 GB, Sys: 5.9/79.6475 GB (7.4%)",
         "Attention fallbacks: VAE flash-attn ×2: head_dim 512 > 256",
     ]
-    assert report.text() == "\n".join(report.lines())
+    assert text(report) == "\n".join(lines(report))
 
 
 def test_text_without_calls_time_or_vram():
-    assert Report().lines() == ["Attention: no attention calls"]
-    assert Report(seconds=3.04).lines() == ["Attention: no attention calls · 3.0 sec."]
+    assert lines(Report()) == ["Attention: no attention calls"]
+    assert lines(Report(seconds=3.04)) == ["Attention: no attention calls · 3.0 sec."]
 
 
 def test_kernel_description_not_starting_with_its_id_is_prefixed():
     report = Report(calls={("unet", "sage"): 3}, kernels={"sage": "SageAttention 2.2.0"})
-    assert report.calls_text() == "sage (SageAttention 2.2.0) ×3"
-    assert Report.from_infotext(report.to_infotext()).main_backend() == "sage"
+    assert calls_text(report) == "sage (SageAttention 2.2.0) ×3"
+    assert from_infotext(to_infotext(report)).main_backend() == "sage"
 
 
 def test_vram_rounds_bytes_up_to_mib_like_the_webui():
     # 1 byte over 1500 MiB counts as 1501 MiB: 1501/1024 = 1.4658 -> 1.47 (1.46 without rounding up)
     vram = Vram(1500 * MIB + 1, 3 * GIB, 10 * GIB + 1, 24 * GIB)
-    assert vram.text() == "A: 1.47 GB, R: 3.00 GB, Sys: 10.0/24 GB (41.7%)"
+    assert vram_text(vram) == "A: 1.47 GB, R: 3.00 GB, Sys: 10.0/24 GB (41.7%)"
     bounded = Vram(1500 * MIB, 3 * GIB, 10 * GIB, 24 * GIB, source="own", peaks_bounded=True)
-    assert bounded.text() == "A: ≤1.46 GB, R: ≤3.00 GB, Sys: 10.0/24 GB (41.7%)"
+    assert vram_text(bounded) == "A: ≤1.46 GB, R: ≤3.00 GB, Sys: 10.0/24 GB (41.7%)"
 
 
 class _RunFlag:
@@ -174,7 +178,7 @@ def test_probe_peak_that_did_not_rise_is_a_bound(monkeypatch):
               [(70 * GIB, 80 * GIB), (71 * GIB, 80 * GIB)]).install(monkeypatch)
     vram = VramProbe("cuda:0").start().stop()
     assert vram.peaks_bounded and vram.system_peak == 10 * GIB
-    assert vram.text().startswith("A: ≤4.00 GB, R: ≤5.00 GB")
+    assert vram_text(vram).startswith("A: ≤4.00 GB, R: ≤5.00 GB")
 
 
 def _webui_infotext(entries: dict) -> str:
@@ -191,7 +195,7 @@ def test_infotext_entries_exact_and_round_trip():
         kernels={"flash-attn": "flash-attn 2.8.3 (FA3)", "sdpa-flash": "sdpa-flash torch 2.5.1+cu124",
                  "sdpa-efficient": "sdpa-efficient torch 2.5.1+cu124"},
     )
-    entries = report.to_infotext()
+    entries = to_infotext(report)
     assert entries == {
         "Attention": "flash-attn 2.8.3 (FA3) + sdpa-flash torch 2.5.1+cu124; VAE sdpa-efficient torch 2.5.1+cu124",
         "Attention fallbacks": "flash-attn ×60: dense attention mask not supported; VAE flash-attn ×2: head_dim 512 > 256",
@@ -200,19 +204,19 @@ def test_infotext_entries_exact_and_round_trip():
     assert 'Attention fallbacks: "flash-attn ×60' in line  # quoted: it holds ':'
     assert parse_infotext(line)["Attention"] == entries["Attention"]
 
-    back = Report.from_infotext(line)
-    assert back.to_infotext() == entries
+    back = from_infotext(line)
+    assert to_infotext(back) == entries
     assert back.fallbacks == report.fallbacks
     assert back.main_backend() == "flash-attn"
-    assert Report.from_infotext(parse_infotext(line)).to_infotext() == entries
+    assert to_infotext(from_infotext(parse_infotext(line))) == entries
 
 
 def test_infotext_of_a_real_generation_round_trips():
     rec, unet, _ = _generation(unet_calls=2, vae_calls=1)
     report = Report.from_recording(rec)
-    line = _webui_infotext(report.to_infotext())
-    back = Report.from_infotext(line)
-    assert back.to_infotext() == report.to_infotext()
+    line = _webui_infotext(to_infotext(report))
+    back = from_infotext(line)
+    assert to_infotext(back) == to_infotext(report)
     assert back.main_backend() == unet.backend
     assert set(back.fallbacks) == set(report.fallbacks)
 
@@ -221,29 +225,50 @@ def test_reasons_with_separators_and_newlines_parse_back():
     reasons = {("unet", "sage", "dtype fp32 not supported (fp16/bf16); head_dim 40 not a multiple of 64"): 3,
                ("vae", "xformers", "line one\n  line two"): 1}
     report = Report(calls={("unet", "sdpa"): 4}, fallbacks=reasons)
-    assert report.to_infotext()["Attention fallbacks"] == (
+    assert to_infotext(report)["Attention fallbacks"] == (
         "sage ×3: dtype fp32 not supported (fp16/bf16); head_dim 40 not a multiple of 64; "
         "VAE xformers ×1: line one line two")
-    assert Report.from_infotext(_webui_infotext(report.to_infotext())).fallbacks == {
+    assert from_infotext(_webui_infotext(to_infotext(report))).fallbacks == {
         ("unet", "sage", "dtype fp32 not supported (fp16/bf16); head_dim 40 not a multiple of 64"): 3,
         ("vae", "xformers", "line one line two"): 1}
 
 
 def test_no_calls_means_no_infotext():
-    assert Report().to_infotext() == {}
-    assert Report.from_infotext({"Steps": "20"}) is None
-    assert Report.from_infotext("prompt\nSteps: 20, Sampler: Euler") is None
+    assert to_infotext(Report()) == {}
+    assert from_infotext({"Steps": "20"}) is None
+    assert from_infotext("prompt\nSteps: 20, Sampler: Euler") is None
 
 
-def test_json_exact():
-    report = Report(
+def _json_report():
+    return Report(
         calls={("unet", "flash-attn"): 1260, ("vae", "sdpa-efficient"): 2},
         fallbacks={("vae", "flash-attn", "head_dim 512 > 256"): 2},
         kernels={"flash-attn": "flash-attn 2.8.3", "sdpa-efficient": "sdpa-efficient torch 2.3.1"},
         seconds=12.34567,
         vram=Vram(3 * GIB, 4 * GIB, 6 * GIB, 80 * GIB),
     )
-    assert json.loads(report.to_json()) == {
+
+
+def test_json_of_the_data_exact():
+    """The engine's report as data: no host's text in it."""
+    assert json.loads(_json_report().to_json()) == {
+        "calls": [
+            {"role": "unet", "backend": "flash-attn", "kernel": "flash-attn 2.8.3", "count": 1260, "tuned": False},
+            {"role": "vae", "backend": "sdpa-efficient", "kernel": "sdpa-efficient torch 2.3.1", "count": 2,
+             "tuned": False},
+        ],
+        "fallbacks": [{"role": "vae", "backend": "flash-attn", "reason": "head_dim 512 > 256", "count": 2}],
+        "seconds": 12.346,
+        "vram": {"source": "host", "peaks_bounded": False, "active_peak_bytes": 3 * GIB,
+                 "reserved_peak_bytes": 4 * GIB, "system_peak_bytes": 6 * GIB, "total_bytes": 80 * GIB},
+        "notes": [], "ran_on": None, "hint": None,
+    }
+
+
+def test_json_exact():
+    """What the webuis' status route returns: the data plus the webui's text of it."""
+    report = _json_report()
+    assert json.loads(json.dumps(readout.to_json(report))) == {
         "calls": [
             {"role": "unet", "backend": "flash-attn", "kernel": "flash-attn 2.8.3", "count": 1260, "tuned": False},
             {"role": "vae", "backend": "sdpa-efficient", "kernel": "sdpa-efficient torch 2.3.1", "count": 2,
@@ -268,13 +293,14 @@ def test_json_reads_back():
     report = Report.from_recording(rec, seconds=2.5, vram=Vram(3 * GIB, 4 * GIB, 6 * GIB, 80 * GIB, "own", True))
     back = Report.from_dict(json.loads(report.to_json()))
     assert back.to_dict() == report.to_dict()
-    assert back.lines() == report.lines()
+    assert lines(back) == lines(report)
+    assert Report.from_dict(readout.to_json(report)) == report  # the route's JSON reads back too
 
 
 def test_dit_and_unet_in_one_generation_stay_apart():
     report = Report(calls={("unet", "sdpa"): 3, ("dit", "flash-attn"): 5, ("text", "sdpa-math"): 1})
-    assert report.calls_text() == "sdpa ×3 · DiT flash-attn ×5 · Text sdpa-math ×1"
-    back = Report.from_infotext(report.to_infotext())
+    assert calls_text(report) == "sdpa ×3 · DiT flash-attn ×5 · Text sdpa-math ×1"
+    back = from_infotext(to_infotext(report))
     assert set(back.calls) == {("unet", "sdpa"), ("dit", "flash-attn"), ("text", "sdpa-math")}
 
 
@@ -283,14 +309,14 @@ def test_notes_and_what_ran_elsewhere():
     ignored override or setting) reach the readout and the infotext, the hint only the readout."""
     report = Report(seconds=21.0, notes=("override 'x' ignored", "setting a='b' ignored"),
                     ran_on="A1111's InvokeAI optimizer", hint="choose attn-auto")
-    assert report.lines() == [
+    assert lines(report) == [
         "Attention: A1111's InvokeAI optimizer, not through this extension · 21.0 sec.",
         "Attention note: override 'x' ignored",
         "Attention note: setting a='b' ignored",
         "Attention note: choose attn-auto",
     ]
-    assert report.to_infotext() == {"Attention note": "override 'x' ignored; setting a='b' ignored"}
-    assert Report.from_infotext(report.to_infotext()) is None       # nothing to paste back as a backend
+    assert to_infotext(report) == {"Attention note": "override 'x' ignored; setting a='b' ignored"}
+    assert from_infotext(to_infotext(report)) is None       # nothing to paste back as a backend
     assert Report.from_dict(json.loads(report.to_json())) == report
 
 
@@ -305,9 +331,9 @@ def test_a_tuned_choice_is_marked_and_parses_back(monkeypatch, tmp_path):
     report = Report.from_recording(rec)
     ran = lib_attn.explain(q, k, v, role="unet")
     assert report.tuned == {("unet", ran.backend)}
-    assert report.calls_text() == f"{report.describe(ran.backend)} [tuned] ×1 · VAE {report.describe('sdpa')} ×1"
-    entries = report.to_infotext()
+    assert calls_text(report) == f"{report.describe(ran.backend)} [tuned] ×1 · VAE {report.describe('sdpa')} ×1"
+    entries = to_infotext(report)
     assert entries["Attention"] == f"{report.describe(ran.backend)} [tuned]; VAE {report.describe('sdpa')}"
-    back = Report.from_infotext(_webui_infotext(entries))
-    assert back.tuned == report.tuned and back.kernels == report.kernels and back.to_infotext() == entries
+    back = from_infotext(_webui_infotext(entries))
+    assert back.tuned == report.tuned and back.kernels == report.kernels and to_infotext(back) == entries
     assert Report.from_dict(json.loads(report.to_json())).tuned == report.tuned

@@ -9,9 +9,9 @@ gr = pytest.importorskip("gradio")
 import lib_attn  # noqa: E402
 from lib_attn.report import MIB, Report, Vram  # noqa: E402
 from tests.ui_helpers import event_handler  # noqa: E402
-from webui_attn import ui  # noqa: E402
+from webui_attn import choices, ui  # noqa: E402
 from lib_attn.device import cpu_model  # noqa: E402
-from webui_attn.api import XFORMERS_BLOCKED, availability  # noqa: E402
+from webui_attn.state import XFORMERS_BLOCKED, availability  # noqa: E402
 
 
 def _report():
@@ -35,8 +35,8 @@ def test_accordion_builds_in_blocks_and_refreshes_the_readout():
 
     override = parts["override"]
     assert isinstance(override, gr.Dropdown)
-    assert override.value == ui.USE_SETTING
-    assert _values(override.choices) == [ui.USE_SETTING, *lib_attn.BACKEND_IDS]
+    assert override.value == choices.USE_SETTING
+    assert _values(override.choices) == [choices.USE_SETTING, *lib_attn.BACKEND_IDS]
     assert override.elem_id == "flash_attn_txt2img_override"
     assert isinstance(parts["readout"], gr.HTML)
     assert "No generation yet" in parts["readout"].value
@@ -127,13 +127,13 @@ def test_availability_data_matches_the_engine():
 
 
 def test_override_choices_label_unavailable_backends_in_pairs():
-    pairs = ui.override_choices(pairs=True)
-    assert pairs[0] == (ui.USE_SETTING, ui.USE_SETTING)
+    pairs = choices.override_choices(pairs=True)
+    assert pairs[0] == (choices.USE_SETTING, choices.USE_SETTING)
     for (label, value), info in zip(pairs[1:], lib_attn.backends()):
         assert value == info.id
         assert label == (info.id if info.available else f"{info.id} (unavailable)")
         assert len(label) <= len("sdpa-efficient (unavailable)")     # fits the dropdown; reasons go elsewhere
-        assert ui.backend_from_choice(label) == info.id              # what script-info lists is accepted back
+        assert choices.backend_from_choice(label) == info.id              # what script-info lists is accepted back
 
 
 @pytest.mark.parametrize("value,expected", [
@@ -144,4 +144,4 @@ def test_override_choices_label_unavailable_backends_in_pairs():
     (["sdpa"], None),
 ])
 def test_backend_from_choice(value, expected):
-    assert ui.backend_from_choice(value) == expected
+    assert choices.backend_from_choice(value) == expected

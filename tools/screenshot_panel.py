@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 import lib_attn  # noqa: E402
 from lib_attn.report import Report  # noqa: E402
+from webui_attn import readout, ui  # noqa: E402
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars"]
@@ -48,8 +49,6 @@ def engine_report(unet_calls: int = 120, vae_calls: int = 2) -> Report:
 def build(report: Report):
     import gradio as gr
 
-    from webui_attn import ui
-
     with open(os.path.join(ROOT, "style.css"), encoding="utf-8") as f:
         css = f.read()
     # system fonts: the page must render without reaching any font server
@@ -59,7 +58,7 @@ def build(report: Report):
         gr.Markdown("### txt2img · Attention backend accordion")
         ui.accordion(False, lambda: report, open=True)
         gr.Markdown("### Under the image (the readout lines, next to the webui's own timing line)")
-        lines = "".join(f"{ui._e(line)}<br>" for line in report.lines())
+        lines = "".join(f"{ui._e(line)}<br>" for line in readout.lines(report))
         gr.HTML(f"<p class='comments'>{lines}</p>")
         gr.Markdown("### Settings › Optimizations · availability table")
         gr.HTML(ui.availability_html())
@@ -93,7 +92,7 @@ def main(argv=None) -> int:
         report = Report.from_dict(data.get("last_report") or data)
     else:
         report = engine_report()
-    print("\n".join(report.lines()))
+    print(readout.text(report))
 
     demo = build(report)
     demo.launch(server_name="127.0.0.1", server_port=args.port, prevent_thread_lock=True, show_api=False)

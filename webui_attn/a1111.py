@@ -30,7 +30,7 @@ import torch
 
 import lib_attn
 
-from . import flags, forwards, host, layers
+from . import flags, forwards, heads, host, layers
 from .patching import Patches
 
 
@@ -202,7 +202,7 @@ def install() -> None:
     # SD3 binds ``attention`` by name at import; patch only once an SD3 model has imported it
     mmdit = sys.modules.get("modules.models.sd3.mmdit")
     if mmdit is not None and hasattr(mmdit, "attention"):
-        patches.patch(mmdit, "attention", forwards.make_heads_function("dit"))
+        patches.patch(mmdit, "attention", heads.make_heads_function("dit"))
 
 
 def _sgm_attnblock_restore(sgm_model) -> dict:

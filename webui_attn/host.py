@@ -1,40 +1,12 @@
-"""Which webui is running: A1111, Forge, or neither.
+"""The extension's voice in the webui's console, and what "routed" means for a host.
 
-Detection imports nothing that only one host has at top level: Forge is recognised by its
-``backend.attention`` module, A1111 by ``SdOptimization`` (which Forge commented out).
+Every message starts with ``[flash-attention]`` and goes to stdout, where the webuis' users look for
+startup messages; the engine's own warnings are printed the same way.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 from dataclasses import dataclass
-
-A1111 = "a1111"
-FORGE = "forge"
-NONE = "none"
-
-
-def _importable(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        # find_spec imports the parents; a missing or broken parent package means "not this host"
-        return False
-
-
-def detect() -> str:
-    """``"a1111"``, ``"forge"`` or ``"none"`` for the process this runs in."""
-    if not _importable("modules"):
-        return NONE
-    if _importable("backend.attention") and _importable("backend.nn"):
-        return FORGE
-    try:
-        module = importlib.import_module("modules.sd_hijack_optimizations")
-    except ImportError:
-        return NONE
-    return A1111 if hasattr(module, "SdOptimization") else NONE
-
 
 PREFIX = "[flash-attention]"
 _said: set = set()

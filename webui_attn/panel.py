@@ -12,17 +12,17 @@ import threading
 from dataclasses import dataclass
 
 import lib_attn
-from lib_attn.report import (INFOTEXT_FALLBACKS_KEY, INFOTEXT_KEY, INFOTEXT_NOTE_KEY, Report, VramProbe, host_vram,
-                             monitor_running)
+from lib_attn.report import Report, VramProbe
 
-from . import host, layers, settings
+from . import host, layers, readout, settings, state
+from .choices import USE_SETTING, backend_from_choice
 from .flags import DENOISER_ROLES
+from .readout import INFOTEXT_FALLBACKS_KEY, INFOTEXT_KEY, INFOTEXT_KEYS, INFOTEXT_NOTE_KEY
 
 TITLE = "Flash Attention"
 
 _lock = threading.Lock()
 _open: list = []
-_last: Report | None = None
 
 
 @dataclass
@@ -45,11 +45,6 @@ def title() -> str:
     return TITLE
 
 
-def last_report() -> Report | None:
-    """The report of the last finished generation, or None."""
-    return _last
-
-
 def read_override(args) -> tuple[str | None, str | None]:
     """(backend id or None, problem or None) from the script's arguments.
 
@@ -57,8 +52,6 @@ def read_override(args) -> tuple[str | None, str | None]:
     Anything else is a problem, named with the valid values; the generation then runs as if no override
     was given (a script cannot refuse a request: the webuis catch and log its errors and go on).
     """
-    from .ui import USE_SETTING, backend_from_choice
-
     value = args[0] if args else None
     if value is None or value == USE_SETTING:
         return None, None
@@ -67,18 +60,6 @@ def read_override(args) -> tuple[str | None, str | None]:
         return backend, None
     return None, (f"override {value!r} ignored (not a backend id), the setting used; valid: {USE_SETTING}, "
                   f"{', '.join(lib_attn.BACKEND_IDS)} (over the API: \"args\": [\"<id>\"], a list)")
-
-
-def routing() -> host.Routing:
-    """Whether attention goes through this extension in the running host, from its adapter."""
-    kind = host.detect()
-    if kind == host.A1111:
-        from . import a1111
-        return a1111.routing()
-    if kind == host.FORGE:
-        from . import forge
-        return forge.routing()
-    return host.Routing(False, "the webui's own attention (neither A1111 nor Forge recognised)")
 
 
 def generation_layer(override: str | None) -> dict | None:
@@ -90,7 +71,7 @@ def generation_layer(override: str | None) -> dict | None:
 
 def override_from_params(params: dict) -> str | None:
     """Paste-back: the backend that ran the denoiser in a pasted infotext, None when it names none."""
-    report = Report.from_infotext(params or {})
+    report = readout.from_infotext(params or {})
     if report is None:
         return None
     backend = report.main_backend()
@@ -106,10 +87,10 @@ def ui(script, is_img2img):
     from . import ui as ui_parts
 
     hook = getattr(script, "on_after_component", None)
-    parts = ui_parts.accordion(is_img2img, last_report, refresh=hook is None)
+    parts = ui_parts.accordion(is_img2img, refresh=hook is None)
     if hook is not None:
         tab = "img2img" if is_img2img else "txt2img"
-        hook(lambda on: ui_parts.follow(on.component, parts["readout"], last_report),
+        hook(lambda on: ui_parts.follow(on.component, parts["readout"]),
              elem_id=OUTPUT_ELEM.format(tab=tab))
     script.infotext_fields = [(parts["override"], override_from_params)]
     script.paste_field_names = [INFOTEXT_KEY]
@@ -133,7 +114,7 @@ def _infotext_entry(rec, key: str):
     """An ``extra_generation_params`` value: the webui calls it when it writes each image's infotext,
     by which time that image's sampling and decoding have run."""
     def value(**_):
-        return Report.from_recording(rec).to_infotext().get(key)
+        return readout.to_infotext(Report.from_recording(rec)).get(key)
 
     return value
 
@@ -151,7 +132,7 @@ def _notes(override: str | None, problem: str | None, route: host.Routing, opts)
     if problem:
         host.log(problem)
         notes.append(problem)
-    notes.extend(settings.problems(settings.read(opts)))
+    notes.extend(state.problems(state.read(opts)))
     if override and not route.routed:
         notes.append(f"override {override!r} not applied: attention runs on {route.ran_on}")
     return tuple(notes)
@@ -162,18 +143,18 @@ def process(p, *args):
     shared = _shared()
     job = _job(shared)
     override, problem = read_override(args)
-    route = routing()
+    route = state.routing()
     opts = getattr(shared, "opts", None)
     notes = _notes(override, problem, route, opts)
     with _lock:
         _close_stale(job)
-        settings.apply(opts)
+        state.apply_settings(opts)
         previous = layers.get_layer("generation")
         layers.set_layer("generation", generation_layer(override))
         context = lib_attn.recording()
         rec = context.__enter__()
         probe = None
-        if not monitor_running(getattr(shared, "mem_mon", None)):
+        if not readout.monitor_running(getattr(shared, "mem_mon", None)):
             probe = VramProbe(getattr(shared, "device", None)).start()
         _open.append(_Generation(p, job, context, rec, probe, previous, notes, route))
     params = getattr(p, "extra_generation_params", None)
@@ -181,7 +162,7 @@ def process(p, *args):
         params[INFOTEXT_KEY] = _infotext_entry(rec, INFOTEXT_KEY)
         params[INFOTEXT_FALLBACKS_KEY] = _infotext_entry(rec, INFOTEXT_FALLBACKS_KEY)
         if notes:
-            params[INFOTEXT_NOTE_KEY] = Report(notes=notes).to_infotext()[INFOTEXT_NOTE_KEY]
+            params[INFOTEXT_NOTE_KEY] = readout.to_infotext(Report(notes=notes))[INFOTEXT_NOTE_KEY]
 
 
 def _take(p) -> _Generation | None:
@@ -195,19 +176,18 @@ def _take(p) -> _Generation | None:
 
 def postprocess(p, processed, *args):
     """After the last batch: stop the counters, keep the report, show the readout under the image."""
-    global _last
     shared = _shared()
     with _lock:
         gen = _take(p)
         if gen is None:
             return
         gen.close()
-    vram = host_vram(getattr(shared, "mem_mon", None)) if gen.probe is None else gen.probe.stop()
+    vram = readout.host_vram(getattr(shared, "mem_mon", None)) if gen.probe is None else gen.probe.stop()
     report = dataclasses.replace(Report.from_recording(gen.rec, vram=vram), notes=gen.notes,
                                  ran_on=gen.routing.ran_on, hint=gen.routing.hint)
-    _last = report
+    state.set_last_report(report)
     settle_infotext(p, report)
-    if settings.readout_enabled(getattr(shared, "opts", None)):
+    if state.readout_enabled(getattr(shared, "opts", None)):
         show(p, processed, report)
 
 
@@ -217,8 +197,8 @@ def settle_infotext(p, report: Report) -> None:
     params = getattr(p, "extra_generation_params", None)
     if params is None:
         return
-    final = report.to_infotext()
-    for key in (INFOTEXT_KEY, INFOTEXT_FALLBACKS_KEY, INFOTEXT_NOTE_KEY):
+    final = readout.to_infotext(report)
+    for key in INFOTEXT_KEYS:
         if key in params:
             if final.get(key) is None:
                 del params[key]
@@ -229,7 +209,7 @@ def settle_infotext(p, report: Report) -> None:
 def show(p, processed, report: Report) -> None:
     """Add the readout lines as comments: to ``p`` and to ``processed``, whose comments text was
     copied from ``p`` before postprocess ran (the webui renders ``processed.comments``)."""
-    for line in report.lines():
+    for line in readout.lines(report):
         if hasattr(p, "comment"):
             p.comment(line)
         comments = getattr(processed, "comments", None)
@@ -245,13 +225,12 @@ def on_app_started(demo, app):
     from . import api
 
     api.register(app)
-    settings.apply()
+    state.apply_settings()
 
 
 def reset() -> None:
     """Close every open generation and forget the last report (tests; script unload)."""
-    global _last
     with _lock:
         while _open:
             _open.pop().close()
-        _last = None
+    state.set_last_report(None)

@@ -3,6 +3,12 @@
 The hosts' own bookkeeping cannot be trusted for this: A1111's ``undo_optimizations()`` puts ldm's
 AttnBlock forward on sgm's class, and Forge has none. A ``Patches`` object remembers what it replaced,
 refuses to patch one attribute twice, and puts back exactly those objects.
+
+Some hosts store their attention function on each block when the block is built
+(``self.optimized_attention = …``), so a rebound module name reaches only blocks built afterwards.
+``patch_stored`` reaches every block of a class, built before or after, through a data descriptor on
+the class, which Python consults before an instance's own attributes; undo removes the descriptor,
+and each block's own stored function shows again.
 """
 from __future__ import annotations
 
@@ -53,6 +59,11 @@ class Patches:
         self._record.append((owner, attr, saved, replacement))
         setattr(owner, attr, replacement)
 
+    def patch_stored(self, cls, attr: str, replacement, when=None) -> None:
+        """Make every instance of ``cls`` see ``replacement`` as ``attr`` (while ``when()`` is true, if
+        given); what the host stores there is kept per instance, and is what instances see otherwise."""
+        self.patch(cls, attr, Stored(attr, replacement, when))
+
     def undo(self) -> int:
         """Restore every recorded attribute, newest first; returns how many. Safe to call again."""
         count = 0
@@ -70,6 +81,31 @@ class Patches:
 
     def targets(self) -> list[str]:
         return [_describe(o, a) for o, a, _, _ in self._record]
+
+
+class Stored:
+    """A data descriptor standing in for a per-instance attribute (see ``Patches.patch_stored``)."""
+
+    def __init__(self, attr: str, replacement, when=None):
+        self.attr = attr
+        self.replacement = replacement
+        self.when = when
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        if self.when is None or self.when():
+            return self.replacement
+        try:
+            return obj.__dict__[self.attr]
+        except KeyError:
+            raise AttributeError(self.attr) from None
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.attr] = value  # the host's own choice, for when the descriptor is gone
+
+    def __delete__(self, obj):
+        obj.__dict__.pop(self.attr, None)
 
 
 def _live(owner, attr: str):

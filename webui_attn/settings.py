@@ -1,38 +1,19 @@
-"""The extension's settings in Settings > Optimizations, and the ``settings`` configuration layer.
+"""The extension's settings in Settings > Optimizations: the options the webui shows and stores.
 
-Every key starts with ``flash_attn_``. Values are read again at every generation (and pushed at once
-by each option's onchange), so a change applies to the next generation without a restart. "Auto"
-leaves the choice to the weaker layers: command-line flags, the A1111 optimizer, the engine default.
+Every key starts with ``flash_attn_`` (``state`` has the keys, their defaults and what a stored value
+means). Each option's onchange pushes the values to the engine at once, and they are read again at
+every generation, so a change applies to the next one without a restart. "Auto" leaves the choice to
+the weaker layers: command-line flags, the A1111 optimizer, the engine default.
 """
 from __future__ import annotations
 
 import lib_attn
-from lib_attn.config import FP32_POLICIES, TUNE_MODES
 
-from . import host, layers
-from .flags import DENOISER_ROLES
+from . import choices, state
+from .state import (AUTO, FP32_CHOICES, KEY_AVAILABILITY, KEY_BACKEND, KEY_FP32, KEY_READOUT, KEY_STRICT, KEY_TUNE,
+                    KEY_VAE_BACKEND, TUNE_CHOICES)
 
 SECTION = ("optimizations", "Optimizations", "sd")
-PREFIX = "flash_attn_"
-AUTO = "Auto"
-
-KEY_BACKEND = PREFIX + "backend"
-KEY_VAE_BACKEND = PREFIX + "vae_backend"
-KEY_FP32 = PREFIX + "fp32"
-KEY_STRICT = PREFIX + "strict"
-KEY_READOUT = PREFIX + "readout"
-KEY_AVAILABILITY = PREFIX + "availability"
-KEY_TUNE = PREFIX + "tune"
-
-DEFAULTS = {KEY_BACKEND: AUTO, KEY_VAE_BACKEND: AUTO, KEY_FP32: AUTO, KEY_STRICT: False, KEY_READOUT: True,
-            KEY_TUNE: AUTO}
-FP32_CHOICES = (AUTO, *FP32_POLICIES)
-TUNE_CHOICES = (AUTO, "on", "off")
-
-
-def backend_choices() -> list[str]:
-    """Dropdown values: "Auto" then every backend id, available or not (stable values for config.json)."""
-    return [AUTO, *lib_attn.BACKEND_IDS]
 
 
 def unavailable_text() -> str:
@@ -65,90 +46,14 @@ def _component_args(key: str):
         if key == KEY_FP32:
             out["choices"] = list(FP32_CHOICES)
         else:
-            out["choices"] = ui.choices(AUTO, pairs=ui.gradio_major() >= 4)
+            out["choices"] = choices.choices(AUTO, pairs=ui.gradio_major() >= 4)
         return out
 
     return args
 
 
-def read(opts) -> dict:
-    """The extension's values from ``opts`` (defaults for keys the host has not registered yet)."""
-    out = {}
-    for key, default in DEFAULTS.items():
-        value = getattr(opts, key, None) if opts is not None else None
-        out[key] = default if value is None else value
-    return out
-
-
-def _backend_id(value) -> str | None:
-    """A setting's backend id (a dropdown label names its id too), or None for Auto and for a value that
-    is no backend id (stale config, a bad API value: ``problems`` names those)."""
-    from .ui import backend_from_choice
-
-    return backend_from_choice(value)
-
-
-def problems(values: dict) -> list[str]:
-    """One message per stored value that is ignored, naming the setting, the value and the valid ones."""
-    out = []
-    for key in (KEY_BACKEND, KEY_VAE_BACKEND):
-        value = values.get(key)
-        if value not in (None, AUTO) and _backend_id(value) is None:
-            out.append(f"setting {key}={value!r} ignored (not a backend id), {AUTO} used; valid: "
-                       f"{', '.join(backend_choices())}")
-    fp32 = values.get(KEY_FP32)
-    if fp32 is not None and fp32 not in FP32_CHOICES:
-        out.append(f"setting {KEY_FP32}={fp32!r} ignored, {AUTO} used; valid: {', '.join(FP32_CHOICES)}")
-    return out
-
-
-def layer_from(values: dict) -> dict | None:
-    """The ``settings`` layer for ``read()``'s values; None when every value is left to Auto/off.
-
-    A role set here replaces that role's chain; roles left on Auto keep what the weaker layers say.
-    """
-    backend, vae = _backend_id(values.get(KEY_BACKEND)), _backend_id(values.get(KEY_VAE_BACKEND))
-    layer = {}
-    if backend or vae:
-        layer["preference"] = {role: [backend] for role in DENOISER_ROLES if backend}
-        if vae:
-            layer["preference"]["vae"] = [vae]
-    fp32 = values.get(KEY_FP32)
-    if fp32 in FP32_POLICIES:
-        layer["fp32"] = fp32
-    if values.get(KEY_STRICT):
-        layer["strict"] = True
-    if values.get(KEY_TUNE) in TUNE_MODES and values.get(KEY_TUNE) != "auto":
-        layer["tune"] = values[KEY_TUNE]
-    return layer or None
-
-
-def apply(opts=None) -> dict:
-    """Push the current settings to the engine; returns the merged configuration now in force."""
-    if opts is None:
-        opts = _shared_opts()
-    values = read(opts)
-    for message in problems(values):
-        host.log_once(("setting", message), message)
-    return layers.set_layer("settings", layer_from(values))
-
-
-def readout_enabled(opts=None) -> bool:
-    if opts is None:
-        opts = _shared_opts()
-    return bool(read(opts)[KEY_READOUT])
-
-
-def _shared_opts():
-    try:
-        from modules import shared
-    except ImportError:
-        return None
-    return getattr(shared, "opts", None)
-
-
 def _on_change():
-    apply()
+    state.apply_settings()
 
 
 def options(shared) -> dict:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import html
 
-import lib_attn
+from . import state
+from .readout import elapsed_text, vram_text
+from .choices import USE_SETTING, override_choices, unavailable_ids
 
-USE_SETTING = "use setting"
 ROLE_LABELS = {"unet": "UNet", "dit": "DiT", "vae": "VAE", "text": "Text encoder"}
 ELEM_PREFIX = "flash_attn"
 
@@ -22,43 +23,6 @@ def gradio_major() -> int:
         return int(str(gr.__version__).split(".")[0])
     except ValueError:
         return 3
-
-
-UNAVAILABLE = "unavailable"
-
-
-def choice_label(info) -> str:
-    """A backend's dropdown label: its id, marked when it cannot run here (the reason goes in the info
-    line and the availability table, where it has room)."""
-    return info.id if info.available else f"{info.id} ({UNAVAILABLE})"
-
-
-def backend_from_choice(value) -> str | None:
-    """The backend id a dropdown value names: the id itself, or a label shown for it (Forge's
-    ``/sdapi/v1/script-info`` lists labels, and API users send back what it lists). None otherwise."""
-    if not isinstance(value, str):
-        return None
-    text = value.strip()
-    if text in lib_attn.BACKEND_IDS:
-        return text
-    head, _, rest = text.partition(" ")
-    return head if head in lib_attn.BACKEND_IDS and rest.startswith(("(", "—")) else None
-
-
-def choices(first: str, pairs: bool = False) -> list:
-    """``first`` then every backend id; with ``pairs`` (gradio 4) as (label, id) so unavailable ids are marked."""
-    if not pairs:
-        return [first, *lib_attn.BACKEND_IDS]
-    return [(first, first), *((choice_label(b), b.id) for b in lib_attn.backends())]
-
-
-def override_choices(pairs: bool = False) -> list:
-    """"use setting" then every backend id."""
-    return choices(USE_SETTING, pairs)
-
-
-def unavailable_ids() -> list[str]:
-    return [b.id for b in lib_attn.backends() if not b.available]
 
 
 def _e(text) -> str:
@@ -92,11 +56,9 @@ def report_html(report) -> str:
         parts.append("<ul class='flash-attn-notes'>" + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>")
     facts = []
     if report.seconds is not None:
-        from lib_attn.report import elapsed_text
-
         facts.append(f"<span>Time: {_e(elapsed_text(report.seconds))}</span>")
     if report.vram is not None:
-        facts.append(f"<span class='flash-attn-vram'>{_e(report.vram.text())}</span>")
+        facts.append(f"<span class='flash-attn-vram'>{_e(vram_text(report.vram))}</span>")
     if facts:
         parts.append("<p class='flash-attn-facts'>" + " · ".join(facts) + "</p>")
     parts.append("</div>")
@@ -106,9 +68,7 @@ def report_html(report) -> str:
 def availability_html(data: dict | None = None) -> str:
     """The Settings table: device, torch, each backend with its version or why it cannot run here."""
     if data is None:
-        from .api import availability
-
-        data = availability()
+        data = state.availability()
     dev = data["device"]
     device = _e(dev["name"] or dev["type"])
     if dev.get("platform") == "rocm":
@@ -121,11 +81,11 @@ def availability_html(data: dict | None = None) -> str:
         device += f", {dev['total_memory_bytes'] / 2**30:.1f} GiB"
     rows = []
     for b in data["backends"]:
-        state = "available" if b["available"] else "unavailable"
+        kind = "available" if b["available"] else "unavailable"
         mark = "✓" if b["available"] else "✗"
         detail = _e(b["version"] or "") if b["available"] else _e(b["reason"] or "")
-        rows.append(f"<tr class='flash-attn-{state}'><td><code>{_e(b['id'])}</code></td>"
-                    f"<td class='flash-attn-state' title='{state}'>{mark}</td><td>{_e(b['label'])}</td>"
+        rows.append(f"<tr class='flash-attn-{kind}'><td><code>{_e(b['id'])}</code></td>"
+                    f"<td class='flash-attn-state' title='{kind}'>{mark}</td><td>{_e(b['label'])}</td>"
                     f"<td>{detail}</td></tr>")
     ignored = "".join(f"<li>{_e(m)}</li>" for m in data.get("ignored_settings") or ())
     if ignored:
@@ -161,15 +121,17 @@ def availability_option(shared):
     return info
 
 
-def accordion(is_img2img: bool, last_report=lambda: None, open: bool = False, refresh: bool = True) -> dict:
+def accordion(is_img2img: bool, last_report=None, open: bool = False, refresh: bool = True) -> dict:
     """Build the accordion inside the current ``gr.Blocks``; returns its components by name.
 
     ``override``: the per-generation backend dropdown (the script's only argument); ``readout``:
     the HTML of the last generation; ``refresh``: the button that reloads it from ``last_report()``, only
-    when asked for (a host without a hook to ``follow``), else None.
+    when asked for (a host without a hook to ``follow``), else None. ``last_report``: where the report
+    comes from (``state.last_report`` when None).
     """
     import gradio as gr
 
+    last_report = last_report or state.last_report
     tab = "img2img" if is_img2img else "txt2img"
     with gr.Accordion("Attention backend", open=open, elem_id=f"{ELEM_PREFIX}_{tab}"):
         with gr.Row(elem_classes=["flash-attn-row"]):
@@ -192,7 +154,8 @@ def accordion(is_img2img: bool, last_report=lambda: None, open: bool = False, re
     return {"override": override, "readout": readout, "refresh": button}
 
 
-def follow(trigger, readout, last_report) -> None:
+def follow(trigger, readout, last_report=None) -> None:
     """Redraw ``readout`` from ``last_report()`` whenever ``trigger`` (a component the webui updates at the
     end of each generation) changes; call inside the Blocks that holds both."""
+    last_report = last_report or state.last_report
     trigger.change(fn=lambda: report_html(last_report()), inputs=[], outputs=[readout], show_progress="hidden")

@@ -1,0 +1,119 @@
+"""Attention functions in the hosts' function convention, served by the engine.
+
+Forge, its lines and ComfyUI call attention as a function of ``(q, k, v, heads, ...)``; the VAE as a
+function of three ``(B, C, H, W)`` maps. The functions made here take the widest form of that call,
+ComfyUI's::
+
+    fn(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kwargs)
+
+so one adapter serves every host: Forge's narrower calls fit it, and keyword arguments it does not
+know (ComfyUI's ``transformer_options``, ``_inside_attn_wrapper``) are accepted and ignored. Every
+call asks the engine, so a backend change between generations needs no re-patching.
+"""
+from __future__ import annotations
+
+import torch
+
+import lib_attn
+from lib_attn.kernels.base import failure_text
+
+from . import flags, host
+from .hosts import parameters
+
+
+def _upcast(tensors, upcast: bool):
+    if upcast and tensors[0].dtype != torch.float32:
+        return tuple(t.float() for t in tensors)
+    return tensors
+
+
+def heads_attention(q, k, v, heads: int, mask=None, *, role: str, upcast: bool = False,
+                    skip_reshape: bool = False, skip_output_reshape: bool = False):
+    """Multi-head attention in the hosts' convention, in q's dtype.
+
+    q: ``(b, n, heads*d)``, k/v: ``(b, m, heads*d)``; with ``skip_reshape`` all three are already
+    ``(b, heads, n|m, d)`` (strided views are fine: Flux passes them). ``mask`` is bool (True attends)
+    or additive, shaped ``(n, m)``, ``(b|1, n, m)`` or ``(b|1, heads|1, n, m)``, as PyTorch's SDPA reads
+    it. Returns ``(b, n, heads*d)``, or ``(b, heads, n, d)`` with ``skip_output_reshape``.
+    ``upcast`` runs the attention in fp32.
+    """
+    dtype = q.dtype
+    b = q.shape[0]
+    if skip_reshape:
+        layout = "bhsd"
+    else:
+        layout = "bshd"
+        d = q.shape[-1] // heads
+        q, k, v = (t.unflatten(-1, (heads, d)) for t in (q, k, v))
+    q, k, v = _upcast((q, k, v), upcast)
+    if mask is not None and mask.dim() == 3:
+        mask = mask.unsqueeze(1)  # (b, n, m) has no heads axis: it applies to every head
+    out = lib_attn.attention(q, k, v, layout=layout, mask=mask, role=role, fp32=flags.fp32_for_upcast(upcast))
+    if skip_output_reshape:
+        out = out if skip_reshape else out.transpose(1, 2)
+        return out.to(dtype)
+    if skip_reshape:
+        out = out.transpose(1, 2)
+    return out.reshape(b, out.shape[1], -1).to(dtype)
+
+
+def spatial_attention(q, k, v, *, upcast: bool = False):
+    """The VAE's single-head attention over pixels: ``(B, C, H, W)`` x3 -> ``(B, C, H, W)``, head dim C."""
+    dtype = q.dtype
+    B, C, H, W = q.shape
+    q, k, v = (t.reshape(B, 1, C, H * W).transpose(2, 3) for t in (q, k, v))
+    q, k, v = _upcast((q, k, v), upcast)
+    out = lib_attn.attention(q, k, v, layout="bhsd", role="vae", fp32=flags.fp32_for_upcast(upcast))
+    return out.transpose(2, 3).reshape(B, C, H, W).to(dtype)
+
+
+class PrecisionRule:
+    """A host's ``get_attn_precision``, called as that host defines it: Forge's takes the requested
+    precision, Forge Neo's and reForge's also the inputs' dtype. A rule that raises (Forge Neo's
+    2025-10 rule reads a flag its parser does not define) is not called again: the requested precision
+    is used, and that is said once. Without a rule the requested precision is used as it is."""
+
+    def __init__(self, rule=None, host_name: str = "the webui"):
+        self.rule = rule
+        self.host_name = host_name
+        names = list(parameters(rule)) if rule is not None else []
+        self.takes_dtype = len(names) >= 2
+        self.failed: str | None = None
+
+    def __call__(self, requested, dtype):
+        if self.rule is None or self.failed is not None:
+            return requested
+        try:
+            return self.rule(requested, dtype) if self.takes_dtype else self.rule(requested)
+        except Exception as exc:  # noqa: BLE001 - the host's own defect must not fail a generation
+            self.failed = failure_text(exc)
+            host.log_once(("precision-rule", self.host_name, self.failed),
+                          f"{self.host_name}'s get_attn_precision failed ({self.failed}); attention runs at the "
+                          f"precision each call asks for")
+            return requested
+
+
+def make_heads_function(role: str, precision: PrecisionRule | None = None):
+    """An attention function of ComfyUI's form (see the module docstring) that calls the engine with
+    ``role``. ``precision(attn_precision, dtype)`` resolves the host's precision rule; a result of
+    ``torch.float32`` makes the call run in fp32, None keeps the inputs' dtype. The same function
+    serves Forge's narrower form and A1111's SD3 ``attention(q, k, v, heads, mask=None)``.
+    """
+    def attention_function(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                           skip_output_reshape=False, **kwargs):
+        wanted = precision(attn_precision, q.dtype) if precision is not None else attn_precision
+        return heads_attention(q, k, v, heads, mask, role=role, upcast=wanted == torch.float32,
+                               skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape)
+
+    attention_function.__qualname__ = attention_function.__name__ = f"lib_attn_{role}_attention"
+    return attention_function
+
+
+def make_spatial_function(precision: PrecisionRule | None = None):
+    """The VAE's function ``(q, k, v) -> (B, C, H, W)`` through the engine (role ``vae``)."""
+    def attention_function_single_head_spatial(q, k, v):
+        wanted = precision(None, q.dtype) if precision is not None else None
+        return spatial_attention(q, k, v, upcast=wanted == torch.float32)
+
+    attention_function_single_head_spatial.__qualname__ = "lib_attn_vae_attention"
+    return attention_function_single_head_spatial

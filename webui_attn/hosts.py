@@ -1,0 +1,88 @@
+"""Which webui is running, recognised by what it has, never by a folder name.
+
+* A1111: ``modules.sd_hijack_optimizations.SdOptimization`` (Forge and its lines removed it).
+* The ``backend`` line: ``backend.attention`` and ``backend.nn``. Forge (2024-25) has functions of
+  the form ``(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False)``; Forge Neo has
+  ComfyUI's form, with ``skip_output_reshape`` and ``**kwargs``.
+* The ``ldm_patched`` line: ``ldm_patched.ldm.modules.attention`` with ``optimized_attention``.
+  reForge's functions take ``attn_precision`` (ComfyUI's form without ``**kwargs``); Forge Classic's
+  only ``(q, k, v, heads, mask=None)``.
+
+Nothing is imported that the running host has not imported already, except the host's own
+attention module, which every one of them imports before it loads extension scripts.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Host:
+    """``key``: a1111, forge, neo, reforge, classic or none; ``name``: as the host calls itself;
+    ``adapter``: the ``webui_attn`` module that routes its attention ("" for none)."""
+
+    key: str
+    name: str
+    adapter: str
+
+
+A1111 = Host("a1111", "A1111", "a1111")
+FORGE = Host("forge", "Forge", "forge")
+NEO = Host("neo", "Forge Neo", "forge")
+REFORGE = Host("reforge", "reForge", "ldm_patched")
+CLASSIC = Host("classic", "Forge Classic", "ldm_patched")
+NONE = Host("none", "an unrecognised webui", "")
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        # find_spec imports the parents; a missing or broken parent package means "not this host"
+        return False
+
+
+def _import(name: str):
+    try:
+        return importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - a host module that fails to import is not this host's
+        return None
+
+
+def parameters(fn) -> dict:
+    """A function's parameters by name (empty for something that is not introspectable)."""
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def takes_comfy_form(fn) -> bool:
+    """Whether an attention function has ComfyUI's form: ``skip_output_reshape``, or ``**kwargs``."""
+    params = parameters(fn)
+    return "skip_output_reshape" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def detect() -> Host:
+    """The host this process runs in."""
+    if not _importable("modules"):
+        return NONE
+    if _importable("backend.attention") and _importable("backend.nn"):
+        attention = _import("backend.attention")
+        if attention is not None:
+            return NEO if takes_comfy_form(getattr(attention, "attention_pytorch", None)) else FORGE
+    if _importable("ldm_patched.ldm.modules.attention"):
+        attention = _import("ldm_patched.ldm.modules.attention")
+        if attention is not None and hasattr(attention, "optimized_attention"):
+            return REFORGE if "attn_precision" in parameters(attention.attention_pytorch) else CLASSIC
+    module = _import("modules.sd_hijack_optimizations")
+    return A1111 if module is not None and hasattr(module, "SdOptimization") else NONE
+
+
+def adapter(host: Host | None = None):
+    """The adapter module of ``host`` (the running one when None), or None for an unrecognised host."""
+    host = host or detect()
+    return importlib.import_module(f"webui_attn.{host.adapter}") if host.adapter else None

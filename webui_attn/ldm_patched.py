@@ -1,0 +1,108 @@
+"""The ``ldm_patched`` line: reForge and Forge Classic (ComfyUI's older layout inside a webui).
+
+The host chooses ``optimized_attention`` (and ``optimized_attention_masked``) once, in
+``ldm_patched/ldm/modules/attention.py``; its own ``CrossAttention`` (SD1.5, SD2, SDXL) reads them as
+module globals, and every other model module (Flux, SD3, Wan, HunyuanVideo, Lumina, …) imports
+them by name. So the two globals are rebound, and so is every by-name copy in a loaded module: a
+module attribute of one of these two names that *is* the host's chosen function. Modules imported
+later bind the rebound globals themselves. The VAE's ``AttnBlock`` stores its function when built.
+
+Text encoders ask ``optimized_attention_for_device`` for a function per call and keep the host's.
+reForge's precision rule ``get_attn_precision(requested, dtype)`` is honoured; Forge Classic's
+functions take no precision (its SDPA and xformers paths run in the inputs' dtype, as here).
+"""
+from __future__ import annotations
+
+import sys
+
+from . import flags, heads, host, hosts
+from .rebind import Name, Router, Stored, import_quietly
+
+SOURCE = "ldm_patched.ldm.modules.attention"
+NAMES = ("optimized_attention", "optimized_attention_masked")
+VAE = Stored("ldm_patched.ldm.modules.diffusionmodules.model", "AttnBlock", "optimized_attention")
+#: Modules whose calls are the UNet's (the host's own CrossAttention, ControlNet's copy of the UNet,
+#: self-attention guidance); any other module's are a DiT's, and a VAE's when its path says so.
+UNET_MODULES = (SOURCE, "ldm_patched.controlnet.", "ldm_patched.contrib.")
+
+router: Router | None = None
+
+
+def role_of(module_name: str) -> str:
+    if module_name.startswith(UNET_MODULES):
+        return "unet"
+    return "vae" if ".vae" in module_name else "dit"
+
+
+def _chosen(attention) -> set:
+    return {id(getattr(attention, name)) for name in NAMES if hasattr(attention, name)}
+
+
+def by_name_copies(attention) -> list[Name]:
+    """Every loaded module's ``optimized_attention``/``optimized_attention_masked`` that is the host's
+    chosen function (the source module's own two globals first)."""
+    chosen = _chosen(attention)
+    found = [Name(SOURCE, name, "unet") for name in NAMES if hasattr(attention, name)]
+    for module_name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if module is attention or not isinstance(namespace, dict):
+            continue
+        for name in NAMES:
+            value = namespace.get(name)  # the namespace itself: no module __getattr__ runs
+            if value is not None and id(value) in chosen:
+                found.append(Name(module_name, name, role_of(module_name)))
+    return found
+
+
+def running() -> hosts.Host:
+    attention = sys.modules.get(SOURCE)
+    return hosts.REFORGE if "attn_precision" in hosts.parameters(getattr(attention, "attention_pytorch", None)) \
+        else hosts.CLASSIC
+
+
+def install() -> list[str]:
+    """Rebind the host's chosen function wherever it is held; returns what is routed."""
+    global router
+    if router is not None and router.patches.active:
+        return router.patches.targets()
+    attention, why = import_quietly(SOURCE)
+    if attention is None:
+        host.log_once(("ldm-import", SOURCE), f"{SOURCE} not patched: {why}")
+        return []
+    chosen = _chosen(attention)
+    rule = getattr(attention, "get_attn_precision", None)
+    router = Router("ldm_patched", heads.PrecisionRule(rule, running().name) if rule else None,
+                    accept=lambda value: id(value) in chosen)
+    for target in by_name_copies(attention):
+        router.route(target)
+    router.route(VAE)
+    return router.patches.targets()
+
+
+def routing() -> host.Routing:
+    if router is None:
+        return host.Routing(False, f"{running().name}'s own attention ({SOURCE})",
+                            "this extension's patches are not in place; the startup log says why")
+    return router.routing(running().name, SOURCE)
+
+
+def uninstall() -> int:
+    return router.undo() if router is not None else 0
+
+
+def apply() -> list[str]:
+    from modules import shared
+
+    flags.apply(shared.cmd_opts)
+    return install()
+
+
+def register(script_callbacks) -> None:
+    """Called at entry-script import: patch now, undo on unload."""
+    apply()
+    from modules import shared
+
+    flags.say_startup(shared.cmd_opts)
+    if router is not None:
+        router.say(running().name)
+    script_callbacks.on_script_unloaded(uninstall)

@@ -1,0 +1,229 @@
+"""A report as the webuis show it: the readout lines under the image, the infotext entries and their
+parsing, and the reading of the webui's own memory monitor.
+
+The VRAM figures follow the webui's readout (peak active bytes, peak reserved bytes, device-wide
+used/total), rounded the same way, so that the two lines under an image compare number for number.
+Infotext written by every earlier version of the extension parses with ``from_infotext``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+from lib_attn.report import MIB, Report, Vram, role_rank
+
+#: Text prefix of each role in the readout and the infotext; the denoiser (UNet or DiT) has none.
+ROLE_PREFIX = {"unet": "", "dit": "", "vae": "VAE", "text": "Text"}
+_PREFIX_ROLE = {"VAE": "vae", "Text": "text", "DiT": "dit"}
+
+INFOTEXT_KEY = "Attention"
+INFOTEXT_FALLBACKS_KEY = "Attention fallbacks"
+INFOTEXT_NOTE_KEY = "Attention note"
+INFOTEXT_KEYS = (INFOTEXT_KEY, INFOTEXT_FALLBACKS_KEY, INFOTEXT_NOTE_KEY)
+#: After a backend's description where tuning chose it (measured on this machine, or stored).
+TUNED_MARK = " [tuned]"
+
+
+def _mib_up(n: int) -> int:
+    """Bytes rounded up to whole MiB, as the webui rounds its memory readout."""
+    return -(int(n) // -MIB)
+
+
+def vram_text(vram: Vram) -> str:
+    """``A: 3.21 GB, R: 4.00 GB, Sys: 5.6/79.6475 GB (7.1%)``: the webui's numbers and rounding; a ``≤``
+    marks peaks that only bound this generation's."""
+    a, r = _mib_up(vram.active_peak), _mib_up(vram.reserved_peak)
+    s, t = _mib_up(vram.system_peak), _mib_up(vram.total)
+    bound = "≤" if vram.peaks_bounded else ""
+    pct = s / max(t, 1) * 100
+    return (f"A: {bound}{a / 1024:.2f} GB, R: {bound}{r / 1024:.2f} GB, "
+            f"Sys: {s / 1024:.1f}/{t / 1024:g} GB ({pct:.1f}%)")
+
+
+def elapsed_text(seconds: float) -> str:
+    """Time as the webui writes it: ``12.3 sec.`` or ``1 min. 2.3 sec.``."""
+    minutes, rest = int(seconds // 60), seconds % 60
+    return f"{minutes} min. {rest:.1f} sec." if minutes else f"{rest:.1f} sec."
+
+
+# --- the webui's memory monitor ------------------------------------------------------------------
+
+def vram_from_monitor(data: dict) -> Vram:
+    """From a dict with the webui monitor's keys (active_peak, reserved_peak, system_peak, total)."""
+    return Vram(int(data["active_peak"]), int(data["reserved_peak"]), int(data["system_peak"]), int(data["total"]),
+                "host")
+
+
+def monitor_running(mem_mon) -> bool:
+    """Whether the webui's memory monitor is measuring the current request."""
+    if mem_mon is None or getattr(mem_mon, "disabled", True):
+        return False
+    run_flag = getattr(mem_mon, "run_flag", None)
+    return run_flag is not None and run_flag.is_set()
+
+
+def host_vram(mem_mon) -> Vram | None:
+    """The webui monitor's numbers, when it is measuring this generation; else None.
+
+    The monitor resets torch's peak counters itself when a UI generation starts; it does not run for
+    API generations or when disabled (no CUDA, poll rate 0). Reading it does not disturb it.
+    """
+    if not monitor_running(mem_mon):
+        return None
+    try:
+        return vram_from_monitor(mem_mon.read())
+    except KeyError:  # its thread has not taken the first sample yet
+        return None
+
+
+# --- the readout ----------------------------------------------------------------------------------
+
+def _prefix(report: Report, role: str) -> str:
+    prefix = ROLE_PREFIX.get(role, role)
+    if role == "dit" and any(r == "unet" for r, _ in report.calls):
+        prefix = "DiT"  # both denoisers ran: keep them apart
+    return prefix + " " if prefix else ""
+
+
+def _ran(report: Report, role: str, backend: str) -> str:
+    return report.describe(backend) + (TUNED_MARK if report.is_tuned(role, backend) else "")
+
+
+def _clean(reason: str) -> str:
+    """A reason on one line, so that the infotext entry parses back."""
+    return " ".join(str(reason).split())
+
+
+def calls_text(report: Report) -> str:
+    parts = []
+    for role in report.roles():
+        ran = " + ".join(f"{_ran(report, role, b)} ×{n:,}" for b, n in report.backends(role))
+        parts.append(_prefix(report, role) + ran)
+    if parts:
+        return " · ".join(parts)
+    return f"{report.ran_on}, not through this extension" if report.ran_on else "no attention calls"
+
+
+def fallbacks_text(report: Report) -> str:
+    return "; ".join(f"{_prefix(report, role)}{backend} ×{n:,}: {_clean(reason)}"
+                     for (role, backend, reason), n in report.fallback_items())
+
+
+def lines(report: Report) -> list[str]:
+    """The readout: ``Attention: …`` then, when anything fell back, ``Attention fallbacks: …``, then notes."""
+    head = [calls_text(report)]
+    if report.seconds is not None:
+        head.append(elapsed_text(report.seconds))
+    if report.vram is not None:
+        head.append(vram_text(report.vram))
+    out = [f"{INFOTEXT_KEY}: " + " · ".join(head)]
+    if report.fallbacks:
+        out.append(f"{INFOTEXT_FALLBACKS_KEY}: {fallbacks_text(report)}")
+    out.extend(f"{INFOTEXT_NOTE_KEY}: {note}" for note in (*report.notes, *([report.hint] if report.hint else ())))
+    return out
+
+
+def text(report: Report) -> str:
+    return "\n".join(lines(report))
+
+
+def to_json(report: Report) -> dict:
+    """The report's data plus the webui's text of it (``text``, ``infotext``, ``vram.text``): what the
+    status route returns."""
+    data = report.to_dict()
+    if data["vram"] is not None:
+        data["vram"]["text"] = vram_text(report.vram)
+    data["text"] = lines(report)
+    data["infotext"] = to_infotext(report)
+    return data
+
+
+# --- infotext -------------------------------------------------------------------------------------
+
+def to_infotext(report: Report) -> dict:
+    """Infotext entries: ``Attention`` (backend ids with versions, per role) and, when any,
+    ``Attention fallbacks`` (with counts and reasons) and ``Attention note``. Empty when no call ran."""
+    segments = [_prefix(report, role) + " + ".join(_ran(report, role, b) for b, _ in report.backends(role))
+                for role in report.roles()]
+    out = {}
+    if segments:
+        out[INFOTEXT_KEY] = "; ".join(segments)
+    if report.fallbacks:
+        out[INFOTEXT_FALLBACKS_KEY] = fallbacks_text(report)
+    if report.notes:
+        out[INFOTEXT_NOTE_KEY] = "; ".join(_clean(note) for note in report.notes)
+    return out
+
+
+_FALLBACK_RE = re.compile(r"^(?:(?P<prefix>VAE |Text |DiT ))?(?P<backend>\S+) [×x](?P<count>[\d,]+): (?P<reason>.*)$")
+#: Fallback entries are joined with "; ", which reasons may hold too: split only where an entry starts.
+_ENTRY_START = re.compile(r"; (?=(?:VAE |Text |DiT )?[\w.-]+ [×x][\d,]+: )")
+
+
+def _split_prefix(segment: str) -> tuple[str, str]:
+    head, _, rest = segment.partition(" ")
+    if head in _PREFIX_ROLE and rest:
+        return _PREFIX_ROLE[head], rest
+    return "unet", segment
+
+
+def from_infotext(params) -> Report | None:
+    """The report an infotext describes (backends per role, fallbacks; call counts of the ``Attention``
+    entry are not recorded and read back as 0). ``params`` is the dict the webui parsed from an
+    infotext, or the infotext's text itself. None when it has no ``Attention``."""
+    if isinstance(params, str):
+        params = parse_infotext(params)
+    value = params.get(INFOTEXT_KEY)
+    if not value:
+        return None
+    calls, kernels, tuned = {}, {}, set()
+    for segment in str(value).split("; "):
+        role, rest = _split_prefix(segment.strip())
+        for desc in rest.split(" + "):
+            desc = desc.strip()
+            backend = desc.split(" ")[0]
+            calls[(role, backend)] = 0
+            if desc.endswith(TUNED_MARK):
+                desc = desc[:-len(TUNED_MARK)]
+                tuned.add((role, backend))
+            kernels[backend] = desc
+    fallbacks = {}
+    for entry in (part for part in _ENTRY_START.split(str(params.get(INFOTEXT_FALLBACKS_KEY) or "")) if part):
+        match = _FALLBACK_RE.match(entry)
+        if match is None:
+            continue
+        role = _PREFIX_ROLE.get((match["prefix"] or "").strip(), "unet")
+        fallbacks[(role, match["backend"], match["reason"])] = int(match["count"].replace(",", ""))
+    return Report(calls, fallbacks, kernels, tuned=frozenset(tuned))
+
+
+_INFOTEXT_PARAM = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
+
+
+def parse_infotext(text: str) -> dict:
+    """The ``Key: value`` entries of an infotext's last line (values that hold ``,`` ``:`` or a
+    newline are JSON-quoted there, as the webui writes them)."""
+    last = text.strip().splitlines()[-1] if text.strip() else ""
+    out = {}
+    for key, value in _INFOTEXT_PARAM.findall(last):
+        value = value.strip()
+        if len(value) >= 2 and value[0] == '"' and value[-1] == '"':
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass
+        out[key.strip()] = value
+    return out
+
+
+def quote_infotext(value: str) -> str:
+    """A value as the webui writes it into an infotext: JSON-quoted when it holds ``,`` ``:`` or a newline."""
+    value = str(value)
+    if "," not in value and ":" not in value and "\n" not in value:
+        return value
+    return json.dumps(value, ensure_ascii=False)
+
+
+def with_notes(report: Report, notes: tuple, ran_on: str | None, hint: str | None) -> Report:
+    return dataclasses.replace(report, notes=notes, ran_on=ran_on, hint=hint)

@@ -1,0 +1,130 @@
+"""Routing a function-convention host: put the engine's functions where the host's model code finds
+its attention function.
+
+The Forge line and the ``ldm_patched`` line choose attention functions once, at import, and their
+model modules hold them in three ways, each a kind of target here:
+
+* ``Name``: a module global, bound by ``from … import attention_function`` (or ``… as X``) or chosen
+  in the host's own attention module; rebinding the global reaches every later call.
+* ``Stored``: a block class whose instances store the function when built
+  (``self.optimized_attention = …``); reached through ``Patches.patch_stored``.
+
+A target is rebound only when it holds one of the host's own attention functions (``accept``): a
+value put there by another extension is left alone and named in the log. Undo is exact (the
+``Patches`` record). Text encoders are never targets: they stay on the host's attention.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from . import heads, host
+from .patching import Patches
+
+
+@dataclass(frozen=True)
+class Name:
+    """``module.attr`` holds an attention function; ``kind`` "heads" is ``(q, k, v, heads, ...)``,
+    "spatial" the VAE's ``(q, k, v)`` over ``(B, C, H, W)``."""
+
+    module: str
+    attr: str
+    role: str
+    kind: str = "heads"
+
+    def where(self) -> str:
+        return f"{self.module}.{self.attr}"
+
+
+@dataclass(frozen=True)
+class Stored:
+    """Instances of ``module.cls`` store their attention function as ``attr`` when built."""
+
+    module: str
+    cls: str
+    attr: str
+    role: str = "vae"
+    kind: str = "spatial"
+
+    def where(self) -> str:
+        return f"{self.module}.{self.cls}.{self.attr} (every block)"
+
+
+def import_quietly(name: str):
+    """The module, or the reason it cannot be imported here (a model family whose package is missing)."""
+    try:
+        return importlib.import_module(name), None
+    except Exception as exc:  # noqa: BLE001 - any failure means the host cannot run that family either
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+class Router:
+    """The engine's functions for one host, and the record of where they were put.
+
+    ``precision`` is the host's precision rule (``heads.PrecisionRule``) or None; ``accept(value)``
+    says whether a target's current value is the host's own attention function.
+    """
+
+    def __init__(self, name: str, precision=None, accept=None):
+        self.patches = Patches(name)
+        self.precision = precision
+        self.accept = accept or (lambda value: callable(value))
+        self._functions: dict = {}
+        self.skipped: dict = {}
+
+    def function(self, role: str, kind: str):
+        """One engine function per (role, kind), shared by every target of that role."""
+        key = (role, kind)
+        if key not in self._functions:
+            if kind == "spatial":
+                self._functions[key] = heads.make_spatial_function(self.precision)
+            else:
+                self._functions[key] = heads.make_heads_function(role, self.precision)
+        return self._functions[key]
+
+    def route(self, target) -> bool:
+        """Put the engine's function at ``target``; False (and the reason in ``skipped``) when it is
+        absent here or holds something that is not the host's."""
+        module, why = import_quietly(target.module)
+        if module is None:
+            self.skipped[target.where()] = why
+            return False
+        owner = module if isinstance(target, Name) else getattr(module, target.cls, None)
+        if owner is None or (isinstance(target, Name) and not hasattr(owner, target.attr)):
+            return False  # this host has no such model family (an older or newer line)
+        if isinstance(target, Name):
+            value = getattr(owner, target.attr)
+            if self.patches.is_patched(owner, target.attr):
+                return True
+            if not self.accept(value):
+                self.skipped[target.where()] = (f"holds {getattr(value, '__module__', '?')}."
+                                               f"{getattr(value, '__qualname__', value)!s}, not the host's")
+                return False
+            self.patches.patch(owner, target.attr, self.function(target.role, target.kind))
+        elif not self.patches.is_patched(owner, target.attr):
+            self.patches.patch_stored(owner, target.attr, self.function(target.role, target.kind))
+        return True
+
+    def routing(self, host_name: str, own: str) -> host.Routing:
+        """Routed when every rebinding made at startup is still in place; else what runs (``own``)."""
+        if self.patches.active and self.patches.intact():
+            return host.ROUTED
+        return host.Routing(False, f"{host_name}'s own attention ({own})",
+                            "this extension's patches are not in place; the startup log says why")
+
+    def undo(self) -> int:
+        self.skipped.clear()
+        return self.patches.undo()
+
+    def say(self, host_name: str) -> None:
+        """One startup line naming the host and what was routed, and one for what was left alone."""
+        targets = self.patches.targets()
+        if targets:
+            host.log_once(("routed", host_name, tuple(targets)),
+                          f"{host_name}: attention routed through lib_attn: {', '.join(targets)}")
+        else:
+            host.log_once(("routed", host_name), f"{host_name}: no attention function found to route; "
+                                                 "attention is left as the webui set it")
+        if self.skipped:
+            left = "; ".join(f"{where} ({why})" for where, why in self.skipped.items())
+            host.log_once(("left", host_name, left), f"{host_name}: left on the webui's own attention: {left}")
