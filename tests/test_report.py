@@ -327,9 +327,9 @@ def test_a_tuned_choice_is_marked_and_parses_back(monkeypatch, tmp_path):
     with lib_attn.recording() as rec:
         with lib_attn.use(tune="on"):
             lib_attn.attention(q, k, v, role="unet")
+            ran = lib_attn.explain(q, k, v, role="unet")  # what tuning chose (a loaded machine may pick math)
         lib_attn.attention(vq, vk, vv, role="vae")  # tuning off again: the fixed order
     report = Report.from_recording(rec)
-    ran = lib_attn.explain(q, k, v, role="unet")
     assert report.tuned == {("unet", ran.backend)}
     assert calls_text(report) == f"{report.describe(ran.backend)} [tuned] ×1 · VAE {report.describe('sdpa')} ×1"
     entries = to_infotext(report)
