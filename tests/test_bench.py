@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import lib_attn
-from lib_attn import bench, shapes
+from lib_attn import shapes
+from lib_attn.commands import bench
 from tests.engine_helpers import reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

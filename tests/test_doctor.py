@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import lib_attn
-from lib_attn import doctor, shapes
+from lib_attn import shapes
+from lib_attn.commands import doctor
 from lib_attn.__main__ import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,7 +88,7 @@ def test_passed_over_backends_and_their_reasons_are_the_engines():
 
 
 def bench_header(doc):
-    from lib_attn import bench
+    from lib_attn.commands import bench
     settings = {"timer": "t", "columns": [], "h200_floor": False, "load_average": None, "cpu_count": 2,
                 "seconds": 1.0, "memory_method": "m", "reference": "r"}
     return bench.render({"device": doc["device"], "versions": doc["versions"], "settings": settings,

@@ -249,7 +249,7 @@ def every_package(monkeypatch):
 
 
 def described(info):
-    from lib_attn import doctor
+    from lib_attn.commands import doctor
 
     doc = doctor.report(info=info)
     return doc, doctor.render(doc)

@@ -1,7 +1,7 @@
 """``python -m lib_attn doctor``: what this machine has and what the engine would run.
 
-Reports Python, torch, CUDA and cuDNN (on ROCm: HIP and MIOpen) versions, the device, every backend
-(available, version, or the reason it is not), the current configuration, and for
+Reports the environment (``environment``: versions, the device, every backend with its version or
+the reason it is not available), the current configuration and stored tuning, and for
 each model's attention calls the backend the engine would pick now and why the
 ones ahead of it in the chain were passed over. Decisions come from
 ``lib_attn.explain`` on empty tensors of the real shapes: no kernel runs. Given a described device
@@ -10,100 +10,18 @@ from the call metadata alone, as the engine decides before PyTorch's own checks 
 """
 from __future__ import annotations
 
-import importlib.metadata
-import platform
-import sys
 from typing import List, Optional
 
 import torch
 
 import lib_attn
 from lib_attn import shapes, tune
-from lib_attn.device import cpu_model, default_device, miopen_text
+from lib_attn.device import default_device, miopen_text
 from lib_attn.spec import spec_of
 
-GPU_DEFAULT_DTYPE = {"unet": torch.float16, "vae": torch.float16, "dit": torch.bfloat16}
-
-
-# Installed distributions that change what or how attention runs, read from their metadata
-# (nothing is imported).
-PACKAGES = ("flash-attn", "flash_attn_3", "xformers", "sageattention", "triton", "numpy", "matplotlib")
-
-
-def _package_versions() -> dict:
-    found = {}
-    for name in PACKAGES:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = None
-    return found
-
-
-def _cudnn_version() -> Optional[int]:
-    """The cuDNN this torch build carries: known from the build alone, with or without a GPU."""
-    if not torch.backends.cudnn.is_available():
-        return None
-    return torch.backends.cudnn.version()
-
-
-def _device_dict(device: torch.device, info=None) -> dict:
-    info = info or lib_attn.device_info(device)
-    cap = getattr(info, "capability", None)
-    d = {
-        "type": info.type,
-        "index": getattr(info, "index", None),
-        "name": info.name,
-        "capability": list(cap) if cap else None,
-        "total_memory": getattr(info, "total_memory", None),
-        "threads": torch.get_num_threads(),
-        "platform": info.platform,
-        "arch": info.arch or None,
-        "hip": info.hip,
-        "miopen": info.miopen,
-        "macos": list(info.macos) if info.macos else None,
-    }
-    if info.platform == "rocm":
-        mem = f", {d['total_memory'] / 2**30:.1f} GiB" if d["total_memory"] else ""
-        d["description"] = (f"{info.name} ({info.arch or 'gfx?'}, ROCm: HIP {info.hip or '?'}, "
-                            f"MIOpen {miopen_text(info.miopen)}{mem})")
-    elif info.platform == "mps":
-        mem = f", {d['total_memory'] / 2**30:.1f} GiB recommended" if d["total_memory"] else ""
-        d["description"] = f"{info.name} (MPS{mem})"
-    elif info.type == "cuda":
-        mem = f", {d['total_memory'] / 2**30:.1f} GiB" if d["total_memory"] else ""
-        sm = f"sm{cap[0]}{cap[1]}" if cap else "sm?"
-        d["description"] = f"{info.name} ({sm}{mem})"
-    else:
-        d["cpu_model"] = cpu_model()
-        d["description"] = f"CPU only ({d['cpu_model'] or info.name}, {d['threads']} threads)"
-    return d
-
-
-def environment(device: Optional[torch.device] = None, info=None) -> dict:
-    """Versions, the device and every backend, as plain data; ``info`` describes the device instead."""
-    if info is not None:
-        device = torch.device(info.type)
-    if device is None:
-        device = torch.device(default_device())
-    dev = _device_dict(device, info)
-    rocm = dev["platform"] == "rocm"
-    backends = [{"id": b.id, "label": b.label, "available": bool(b.available),
-                 "reason": b.reason or "", "version": b.version} for b in lib_attn.backends()]
-    versions = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "hip": dev["hip"] if rocm else getattr(torch.version, "hip", None),
-        # On ROCm torch.backends.cudnn is MIOpen: its version is not a cuDNN one.
-        "cudnn": None if rocm or getattr(torch.version, "hip", None) else _cudnn_version(),
-        "miopen": dev["miopen"] if rocm else None,
-        "lib_attn": lib_attn.__version__,
-        "backends": {b["id"]: b["version"] for b in backends},
-        "packages": _package_versions(),
-    }
-    return {"versions": versions, "device": dev, "backends": backends}
+from .dtypes import default_dtype, dtype_name
+from .environment import environment
+from .formats import shown
 
 
 def _config_dict() -> dict:
@@ -148,7 +66,7 @@ def decisions(device: torch.device, dtype: Optional[torch.dtype] = None,
     out = []
     for model in models:
         for call in shapes.model_calls(model, res):
-            dt = dtype or (GPU_DEFAULT_DTYPE[call.role] if device.type != "cpu" else torch.float32)
+            dt = dtype or default_dtype(call.role, gpu=device.type != "cpu")
             stored = None
             if info is not None:
                 d = _described(call, dt, info)
@@ -161,7 +79,7 @@ def decisions(device: torch.device, dtype: Optional[torch.dtype] = None,
             out.append({
                 "model": model, "res": call.res, "where": call.where, "kind": call.kind,
                 "role": call.role, "shape": list(call.shape), "calls": call.calls,
-                "dtype": str(dt).replace("torch.", ""),
+                "dtype": dtype_name(dt),
                 "backend": d.backend, "variant": getattr(d, "variant", "") or "",
                 "cast": str(cast).replace("torch.", "") if cast else None,
                 "rejected": [[bid, list(reasons)] for bid, reasons in (d.rejected or [])],
@@ -188,12 +106,8 @@ def report(device: Optional[torch.device] = None, dtype: Optional[torch.dtype] =
     return doc
 
 
-def shown(value) -> str:
-    """A version as the text reports print it: '-' when there is none."""
-    return "-" if value is None else str(value)
-
-
 def render(doc: dict) -> str:
+    """The text report of ``report()``'s document."""
     v, dev = doc["versions"], doc["device"]
     lines = [
         "lib_attn doctor" + (" (described device: decisions from call metadata, no PyTorch checks)"
@@ -253,15 +167,3 @@ def render(doc: dict) -> str:
             lines.append(f"        {bid}: {why}")
     return "\n".join(lines)
 
-
-def main(as_json: bool = False, dtype: Optional[torch.dtype] = None, stream=None) -> int:
-    import json
-
-    stream = stream or sys.stdout
-    doc = report(dtype=dtype)
-    if as_json:
-        json.dump(doc, stream, indent=2)
-        stream.write("\n")
-    else:
-        stream.write(render(doc) + "\n")
-    return 0

@@ -1,6 +1,9 @@
 """``python -m lib_attn tune``: rank the backends on every attention call kind of a model, store the
 rankings (so that the webui starts with them), and print each candidate's time, the winner and its
-speed-up over the fixed order. The inputs are random, laid out as A1111 passes them."""
+speed-up over the fixed order. The inputs are random, laid out as A1111 passes them.
+
+The command only drives the engine's tuning (``lib_attn.tune``: measuring, ranking, the stored file)
+with tuning on, one call per call kind."""
 from __future__ import annotations
 
 import time
@@ -9,21 +12,20 @@ from typing import List, Optional
 import torch
 
 import lib_attn
-from lib_attn import bench, shapes, tune
+from lib_attn import shapes, tune
 from lib_attn.dispatch import chain_for, decide
 from lib_attn.spec import spec_of
 
-
-def _default_dtype(call: shapes.AttentionCall, device: torch.device) -> torch.dtype:
-    if device.type == "cuda":
-        return bench.parse_dtype(bench.GPU_DEFAULT_DTYPE[call.role])
-    return torch.float32
+from .bench import Timer, make_inputs
+from .dtypes import default_dtype, dtype_name
+from .environment import environment
+from .formats import fmt_time, format_table
 
 
 def tune_call(call: shapes.AttentionCall, dtype: torch.dtype, device: torch.device) -> dict:
     """Tune one call kind (tuning must be on) and describe the result."""
-    q, k, v = bench.make_inputs(call, dtype, device)
-    timer = bench.Timer(device)
+    q, k, v = make_inputs(call, dtype, device)
+    timer = Timer(device)
 
     def once() -> float:
         timer.sync()
@@ -43,7 +45,7 @@ def tune_call(call: shapes.AttentionCall, dtype: torch.dtype, device: torch.devi
     speedup = timings[order] / timings[d.backend] if order in timings and d.backend in timings else None
     return {
         "model": call.model, "res": call.res, "where": call.where, "role": call.role,
-        "shape": list(call.shape), "calls": call.calls, "dtype": bench.dtype_name(dtype),
+        "shape": list(call.shape), "calls": call.calls, "dtype": dtype_name(dtype),
         "backend": d.backend, "source": d.source, "order": order, "timings": timings,
         "rejected": dict(stored.get("rejected", {})), "speedup": speedup,
         # The first call ranks the candidates and then runs the winner, which the second call repeats.
@@ -52,18 +54,18 @@ def tune_call(call: shapes.AttentionCall, dtype: torch.dtype, device: torch.devi
 
 
 def run(models: List[str], res: Optional[int], dtypes: Optional[List[torch.dtype]], device: torch.device) -> List[dict]:
+    """Tune every call kind of ``models`` in each of ``dtypes`` (None: the device's default per role)."""
     rows = []
     with lib_attn.use(tune="on"):
         for model in models:
             for call in shapes.model_calls(model, res):
-                for dtype in dtypes or [_default_dtype(call, device)]:
+                for dtype in dtypes or [default_dtype(call.role, gpu=device.type == "cuda")]:
                     rows.append(tune_call(call, dtype, device))
     return rows
 
 
 def render(rows: List[dict], device: torch.device) -> str:
-    from lib_attn.doctor import environment
-
+    """The text report: per model and dtype, a table of each candidate's time per call."""
     out = [f"lib_attn tune: {environment(device)['device']['description']}; results in {tune.cache_path()}"]
     groups: dict = {}
     for r in rows:
@@ -73,13 +75,13 @@ def render(rows: List[dict], device: torch.device) -> str:
         out += ["", f"{shapes.MODEL_LABELS[model]} @ {res}, {dt}: median per call of each candidate"]
         table = []
         for r in group:
-            cells = [bench.fmt_time(r["timings"][b] * 1e6) if b in r["timings"] else
+            cells = [fmt_time(r["timings"][b] * 1e6) if b in r["timings"] else
                      ("rejected" if b in r["rejected"] else "-") for b in ids]
             table.append([r["where"], ",".join(map(str, r["shape"])), *cells, r["backend"], r["order"],
                           f"{r['speedup']:.2f}×" if r["speedup"] else "-",
                           f"{r['tuning_ms']:.0f} ms" if r["tuning_ms"] is not None else r["source"]])
-        out.append(bench.format_table(["call", "b,h,q,kv,d", *ids, "winner", "fixed order", "speed-up",
-                                       "tuning"], table, right_from=2))
+        out.append(format_table(["call", "b,h,q,kv,d", *ids, "winner", "fixed order", "speed-up",
+                                 "tuning"], table, right_from=2))
         for r in group:
             for b, why in r["rejected"].items():
                 out.append(f"  {r['where']}: {b} rejected: {why}")

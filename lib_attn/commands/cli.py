@@ -1,0 +1,202 @@
+"""The command line, ``python -m lib_attn doctor|bench|tune``: one parser for the three commands,
+the options they share (``--model``, ``--res``, ``--dtype``, ``--device``) defined and read in one
+place, and one way of writing results: a command module builds a document and its text, and only
+this module prints them (``_print``, ``_print_json``, ``_save_json``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+import torch
+
+from lib_attn import shapes
+from lib_attn import tune as tuning
+
+from . import bench, doctor
+from . import tune as tune_command
+from .dtypes import dtype_name, parse_dtype
+
+MODEL_CHOICES = (*shapes.MODELS, "all")
+
+
+# ------------------------------------------------------------------ the parser
+
+
+def _add_workload(p: argparse.ArgumentParser, verb: str) -> None:
+    """``--model``, ``--res`` and ``--dtype``: which calls a command runs ("model whose calls to <verb>")."""
+    p.add_argument("--model", default=None, choices=MODEL_CHOICES,
+                   help=f"model whose calls to {verb} (default: sd15 on CPU, all on a GPU)")
+    p.add_argument("--res", type=int, default=None, help="image side in pixels (default: each model's native size)")
+    p.add_argument("--dtype", nargs="+", default=None,
+                   help="fp16, bf16 and/or fp32 (default: fp32 on CPU; fp16 UNet/VAE and bf16 DiT on a GPU)")
+
+
+def _add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when present)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lib_attn",
+                                     description="Attention engine diagnostics and benchmark.")
+    sub = parser.add_subparsers(dest="command", metavar="{doctor,bench,tune}")
+
+    doc = sub.add_parser("doctor", help="versions, device, backends and what the engine would run")
+    doc.add_argument("--json", action="store_true", help="print the report as JSON")
+    doc.add_argument("--dtype", help="dtype of the described calls (default: fp32 on CPU, "
+                                     "fp16 UNet/VAE and bf16 DiT on a GPU)")
+
+    b = sub.add_parser("bench", help="time every backend on real model attention calls")
+    _add_workload(b, "time")
+    b.add_argument("--backends", nargs="+", default=None,
+                   help="columns to time: auto and/or backend ids (default: auto + every "
+                        "available backend)")
+    b.add_argument("--json", dest="json_path", metavar="FILE", help="write all results as JSON")
+    b.add_argument("--plot", metavar="FILE.png", help="bar chart of ms per step (needs matplotlib)")
+    _add_device(b)
+    b.add_argument("--budget", type=float, default=None,
+                   help="timed seconds per call row across all columns (default 1.5 CPU, 0.4 GPU)")
+    b.add_argument("--no-overhead", action="store_true", help="skip the engine overhead measurement")
+    b.add_argument("--overhead-rounds", type=int, default=200, help=argparse.SUPPRESS)
+    b.add_argument("--no-memory", action="store_true", help="skip the peak memory measurement")
+    b.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
+    b.add_argument("--tune", choices=("on", "off"), default="on",
+                   help="the auto column with tuning on (default: it runs what tuning ranks fastest) or off "
+                        "(the fixed order)")
+
+    t = sub.add_parser("tune", help="measure each call kind's backends and store the fastest correct one")
+    _add_workload(t, "tune")
+    _add_device(t)
+    t.add_argument("--clear", action="store_true",
+                   help="forget every stored result first (alone: only forget)")
+    return parser
+
+
+# ------------------------------------------------------------------ reading the shared options
+
+
+def _split(values: Optional[List[str]]) -> Optional[List[str]]:
+    """Accept both ``--backends a b`` and ``--backends a,b``."""
+    if not values:
+        return None
+    return [v for item in values for v in item.split(",") if v]
+
+
+def _dtype(name: str, parser: argparse.ArgumentParser) -> torch.dtype:
+    try:
+        return parse_dtype(name)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def _dtypes(names: Optional[List[str]], parser: argparse.ArgumentParser) -> Optional[List[torch.dtype]]:
+    """The dtypes named (``fp16 bf16`` or ``fp16,bf16``); None when none are."""
+    return [_dtype(name, parser) for name in _split(names) or []] or None
+
+
+def _device(requested: Optional[str], parser: argparse.ArgumentParser) -> torch.device:
+    """The device asked for, else cuda when this torch sees one, else cpu."""
+    device = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this torch sees no CUDA device")
+    return device
+
+
+def _models(model: Optional[str], res: Optional[int], device: torch.device,
+            parser: argparse.ArgumentParser) -> List[str]:
+    """The models whose calls to run (default: every model on a GPU, SD1.5 elsewhere), with
+    ``res`` checked against each of them."""
+    model = model or ("all" if device.type == "cuda" else "sd15")
+    models = list(shapes.MODELS) if model == "all" else [model]
+    try:
+        for m in models:
+            shapes.model_calls(m, res)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return models
+
+
+# ------------------------------------------------------------------ writing results
+
+
+def _print(text: str) -> None:
+    sys.stdout.write(text + "\n")
+
+
+def _print_json(doc: dict) -> None:
+    json.dump(doc, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def _save_json(doc: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+# ------------------------------------------------------------------ the commands
+
+
+def _doctor(args, parser: argparse.ArgumentParser) -> int:
+    doc = doctor.report(dtype=_dtype(args.dtype, parser) if args.dtype else None)
+    if args.json:
+        _print_json(doc)
+    else:
+        _print(doctor.render(doc))
+    return 0
+
+
+def _bench(args, parser: argparse.ArgumentParser) -> int:
+    if args.plot:
+        missing = bench.matplotlib_missing()
+        if missing:
+            parser.error(missing)
+    device = _device(args.device, parser)
+    dtypes = _dtypes(args.dtype, parser)
+    backends = _split(args.backends)
+    try:
+        bench.resolve_columns(backends)
+    except ValueError as exc:
+        parser.error(str(exc))
+    models = _models(args.model, args.res, device, parser)
+    settings = bench.BenchSettings(models=models, res=args.res,
+                                   dtypes=[dtype_name(d) for d in dtypes] if dtypes else None,
+                                   backends=backends, device=str(device), budget_s=args.budget,
+                                   overhead=not args.no_overhead, overhead_rounds=args.overhead_rounds,
+                                   memory=not args.no_memory, progress=not args.no_progress, tune=args.tune)
+    doc = bench.run(settings)
+    _print(bench.render(doc))
+    if args.json_path:
+        _save_json(doc, args.json_path)
+        _print(f"\nJSON written to {args.json_path}")
+    if args.plot:
+        bench.plot(doc, args.plot)
+        _print(f"chart written to {args.plot}")
+    return 0
+
+
+def _tune(args, parser: argparse.ArgumentParser) -> int:
+    if args.clear:
+        removed = tuning.clear()
+        _print(f"{'removed' if removed else 'no stored results at'} {tuning.cache_path()}")
+        if args.model is None and args.res is None and args.dtype is None:
+            return 0
+    device = _device(args.device, parser)
+    dtypes = _dtypes(args.dtype, parser)
+    models = _models(args.model, args.res, device, parser)
+    rows = tune_command.run(models, args.res, dtypes, device)
+    _print(tune_command.render(rows, device))
+    return 0
+
+
+COMMANDS = {"doctor": _doctor, "bench": _bench, "tune": _tune}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = COMMANDS.get(args.command)
+    if command is None:
+        parser.print_help()
+        return 2
+    return command(args, parser)
