@@ -25,9 +25,17 @@ an ``approximate`` backend).
 
 Results are stored in ``tuning.json`` in ``cache_dir()``, keyed by a fingerprint of the machine and
 its software (device facts, driver, torch, CUDA, cuDNN, each backend's version, lib_attn) and by the
-signature. A file that cannot be read, parsed or written costs one log line; tuning then works in
-memory. Writes are atomic (a temporary file in the same directory, then ``os.replace``) and merge
-what another process wrote since it was read.
+signature. Processes that tune at once (one web UI per GPU, ``python -m lib_attn tune`` beside a
+web UI) take turns on ``tuning.json.lock`` next to it (``file_lock``): each write reads the file,
+merges its own entries into what the others wrote, and replaces it atomically (a temporary file in
+the same directory, then ``os.replace``), all under the lock, so no process drops another's results.
+A process that waits more than ``LOCK_TIMEOUT_S`` for the lock logs one line and keeps its results in
+memory; its next write tries the lock without waiting and, once it gets it, stores them all.
+
+A file that is not a tuning file (not UTF-8, not JSON, another schema) is renamed to
+``tuning.json.corrupt-<local time>`` (``-2``, ``-3`` ... appended when taken), named in one log line,
+and tuning goes on with a new file. A file that cannot be read (permissions) is left untouched; it,
+like a directory that cannot be written, costs one log line, and tuning then works in memory.
 """
 from __future__ import annotations
 
@@ -47,6 +55,7 @@ import torch
 from . import _compat
 from ._version import __version__
 from .device import device_info
+from .file_lock import FileLock
 from .kernels import REGISTRY, status
 from .kernels.base import as_4d, failure_text, is_sticky
 from .spec import NO_MASK
@@ -56,6 +65,9 @@ log = logging.getLogger("lib_attn")
 SCHEMA = "lib_attn.tune/1"
 FILE_NAME = "tuning.json"
 ENV_DIR = "LIB_ATTN_CACHE_DIR"
+LOCK_SUFFIX = ".lock"
+#: Seconds a process waits for another one to finish its write before it keeps its results in memory.
+LOCK_TIMEOUT_S = 5.0
 
 REPS = 5
 BUDGET_S = 0.3
@@ -188,6 +200,23 @@ def _parse(text: str) -> dict:
     return machines
 
 
+def _stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def _set_aside(path: str) -> str:
+    """Rename the file at ``path`` to ``<path>.corrupt-<local time>``, with ``-2``, ``-3``, ... added
+    when that name is taken; the new path. Called with the lock held, so no other process of this
+    module picks the same name between the check and the rename (which on POSIX would replace it)."""
+    stem = f"{path}.corrupt-{_stamp()}"
+    target, n = stem, 1
+    while os.path.lexists(target):
+        n += 1
+        target = f"{stem}-{n}"
+    os.rename(path, target)
+    return target
+
+
 class Store:
     """The tuning results of this process, mirrored to the file in ``cache_path()``."""
 
@@ -195,6 +224,7 @@ class Store:
         self.machines: dict = {}
         self._path: str | None = None
         self._logged: set = set()
+        self._gave_up: set = set()  # files whose lock another process held past the timeout
 
     def _log_once(self, what: str, path: str, exc: BaseException) -> None:
         if (what, path) not in self._logged:
@@ -202,14 +232,48 @@ class Store:
             log.warning("attention tuning: %s %s (%s); tuning results are kept in memory", what, path,
                         failure_text(exc))
 
-    def _read(self, path: str) -> dict:
+    def _lock(self, path: str, quiet: bool = False) -> FileLock | None:
+        """The lock of the file at ``path``, held; None (logged once) when it cannot be had; ``quiet``:
+        log only a timeout. After one timeout the next tries do not wait, so a stuck holder costs
+        ``LOCK_TIMEOUT_S`` once."""
+        lock = FileLock(path + LOCK_SUFFIX)
         try:
-            with open(path, encoding="utf-8") as f:
-                return _parse(f.read())
+            lock.acquire(0 if path in self._gave_up else LOCK_TIMEOUT_S)
+        except TimeoutError as exc:
+            self._gave_up.add(path)
+            self._log_once("cannot lock", lock.path, exc)
+            return None
+        except OSError as exc:
+            if not quiet:
+                self._log_once("cannot lock", lock.path, exc)
+            return None
+        self._gave_up.discard(path)
+        return lock
+
+    def _read(self, path: str, locked: bool) -> dict | None:
+        """The machines in the file: {} when there is none, or when it was corrupt and has been set
+        aside (only with the lock held); None, logged once, when it cannot be used."""
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError, UnicodeDecodeError) as exc:
+        except OSError as exc:  # e.g. no permission: left where it is
             self._log_once("cannot use", path, exc)
+            return None
+        try:
+            return _parse(data.decode("utf-8"))
+        except ValueError as exc:  # not UTF-8, not JSON, or not a tuning file
+            if not locked:
+                self._log_once("cannot use", path, exc)
+                return None
+            try:
+                aside = _set_aside(path)
+            except OSError as err:
+                self._log_once("cannot set aside", path, err)
+                return None
+            log.warning("attention tuning: %s is no tuning file (%s); moved it to %s and started a new one",
+                        path, failure_text(exc), aside)
             return {}
 
     def load(self) -> None:
@@ -217,7 +281,17 @@ class Store:
         path = cache_path()
         if path != self._path:
             self._path = path
-            self.machines = self._read(path)
+            if not os.path.exists(path):
+                self.machines = {}
+                return
+            # With the lock, so that a corrupt file can be set aside; without it when it cannot be had
+            # (a read-only directory is reported by the first write, if any).
+            lock = self._lock(path, quiet=True)
+            try:
+                self.machines = self._read(path, locked=lock is not None) or {}
+            finally:
+                if lock is not None:
+                    lock.release()
 
     def entry(self, key: str, sig: str) -> dict | None:
         self.load()
@@ -229,13 +303,24 @@ class Store:
         self._write({key: {sig: entry}})
 
     def _write(self, ours: dict) -> None:
+        """Merge this process's entries into the file, under its lock; ``ours`` (key -> sig -> entry)
+        replace what the file has for them, the file's own entries are kept."""
         path = self._path
         directory = os.path.dirname(path)
-        tmp = None
         try:
             os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            self._log_once("cannot write", path, exc)
+            return
+        lock = self._lock(path)
+        if lock is None:
+            return
+        tmp = None
+        try:
             # Another process may have added entries since this one read the file: keep them.
-            merged = self._read(path) if os.path.exists(path) else {}
+            merged = self._read(path, locked=True)
+            if merged is None:
+                return  # a file this process cannot read is not replaced
             for key, machine in self.machines.items():
                 slot = merged.setdefault(key, {"fingerprint": machine["fingerprint"], "entries": {}})
                 for sig, entry in machine["entries"].items():
@@ -255,16 +340,22 @@ class Store:
                     os.unlink(tmp)
                 except OSError:
                     pass
+            lock.release()
 
     def clear(self) -> bool:
-        """Forget every result, in memory and on disk; True when a file was removed."""
+        """Forget every result, in memory and on disk; True when a file was removed. The lock file
+        stays (see ``file_lock``)."""
         self.machines = {}
         self._path = cache_path()
+        lock = self._lock(self._path) if os.path.exists(self._path) else None
         try:
             os.remove(self._path)
             return True
         except FileNotFoundError:
             return False
+        finally:
+            if lock is not None:
+                lock.release()
 
 
 _store = Store()

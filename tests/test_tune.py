@@ -167,10 +167,11 @@ def test_a_changed_fingerprint_measures_again(monkeypatch):
         assert len(json.load(f)["machines"]) == 2  # the old machine's entries stay, unused
 
 
-def test_a_corrupt_file_costs_one_log_line_and_is_replaced(caplog):
+def test_a_corrupt_file_costs_one_log_line_and_is_set_aside(caplog):
     os.makedirs(tune.cache_dir())
+    corrupt = '{"schema": "lib_attn.tune/1", "machines": {'
     with open(tune.cache_path(), "w") as f:
-        f.write('{"schema": "lib_attn.tune/1", "machines": {')
+        f.write(corrupt)
     ranked_chain()
     with caplog.at_level(logging.WARNING, logger="lib_attn"):
         for n in (48, 56, 64):
@@ -179,7 +180,11 @@ def test_a_corrupt_file_costs_one_log_line_and_is_replaced(caplog):
             assert rel_err(out, reference(q, k, v)) < 1e-5
             assert lib_attn.explain(q, k, v).source == "measured"
     lines = [r.getMessage() for r in caplog.records if "tuning" in r.getMessage()]
-    assert len(lines) == 1 and tune.cache_path() in lines[0] and "cannot use" in lines[0]
+    (aside,) = [n for n in os.listdir(tune.cache_dir()) if n.startswith(tune.FILE_NAME + ".corrupt-")]
+    aside = os.path.join(tune.cache_dir(), aside)
+    assert len(lines) == 1 and f"{tune.cache_path()} is no tuning file" in lines[0] and aside in lines[0]
+    with open(aside) as f:
+        assert f.read() == corrupt
     with open(tune.cache_path()) as f:
         assert len(next(iter(json.load(f)["machines"].values()))["entries"]) == 3
 
