@@ -1,4 +1,4 @@
-"""The engine's configuration: preference chains per role, fp32 policy, strict mode, tuning."""
+"""The engine's configuration: preference chains per role, backends to avoid, fp32 policy, strict mode, tuning."""
 from __future__ import annotations
 
 import contextlib
@@ -15,12 +15,14 @@ TUNE_MODES = ("auto", "on", "off")
 
 @dataclass(frozen=True)
 class Config:
-    """``preference`` maps each role to a tuple of backend ids, or None for the default chain."""
+    """``preference`` maps each role to a tuple of backend ids, or None for the default chain;
+    ``avoid``: backend ids the default chains leave out (a chain the user names may still hold them)."""
 
     preference: dict = field(default_factory=lambda: {role: None for role in ROLES})
     fp32: str = "cast"
     strict: bool = False
     tune: str = "auto"
+    avoid: tuple = ()
 
 
 _config = Config()
@@ -75,7 +77,7 @@ def _tune_mode(value) -> str:
     return value
 
 
-def configure(preference=None, fp32=None, strict=None, tune=None) -> Config:
+def configure(preference=None, fp32=None, strict=None, tune=None, avoid=None) -> Config:
     """Change the configuration; an argument left at None keeps its current value.
 
     ``preference``: ``"auto"``, a list of backend ids for every role, or a dict role -> list
@@ -84,15 +86,19 @@ def configure(preference=None, fp32=None, strict=None, tune=None) -> Config:
     ``strict``: when True, every fallback raises ``AttentionFallbackError``. ``tune``: ``"auto"``
     (measure on CUDA devices), ``"on"`` (measure on every device) or ``"off"`` (fixed order); True and
     False stand for on and off. Measuring ranks the backends that take a call kind on its first call,
-    and is kept on disk (see ``lib_attn.tune``).
+    and is kept on disk (see ``lib_attn.tune``). ``avoid``: backend ids (a list, or ``"a,b"``) that
+    the default chains leave out, as a host does for a kernel its user disabled; ``math`` is never
+    left out, and a chain named in ``preference`` keeps what it names.
     """
     pref = _config.preference if preference is None else normalise_preference(preference)
+    left_out = _config.avoid if avoid is None else tuple(i for i in _check_ids(avoid, "avoid") if i != "math")
     if fp32 is not None and fp32 not in FP32_POLICIES:
         raise ValueError(f"fp32 policy {fp32!r} is not one of {', '.join(FP32_POLICIES)}")
     if strict is not None and not isinstance(strict, bool):
         raise ValueError(f"strict must be a bool, got {type(strict).__name__}")
     mode = _config.tune if tune is None else _tune_mode(tune)
-    _set(Config(pref, _config.fp32 if fp32 is None else fp32, _config.strict if strict is None else strict, mode))
+    _set(Config(pref, _config.fp32 if fp32 is None else fp32, _config.strict if strict is None else strict, mode,
+                left_out))
     return _config
 
 
@@ -105,10 +111,10 @@ def _set(new: Config) -> None:
 
 
 @contextlib.contextmanager
-def use(preference=None, fp32=None, strict=None, tune=None):
+def use(preference=None, fp32=None, strict=None, tune=None, avoid=None):
     """``configure`` for the duration of a ``with`` block; the previous state returns on exit."""
     saved = _config
-    configure(preference, fp32, strict, tune)
+    configure(preference, fp32, strict, tune, avoid)
     try:
         yield _config
     finally:

@@ -134,7 +134,13 @@ def chain_for(role: str, device: DeviceInfo, backend: str | None, cfg, spec: Cal
     """The chain for one call and whether its head was named by the user (per call or configured)."""
     explicit = cfg.preference.get(role)
     head = ((backend,) if backend else ()) + (explicit or ())
-    return _dedupe(head + default_chain(role, device, spec=spec)), bool(head)
+    return _dedupe(head + _default(role, device, cfg, spec)), bool(head)
+
+
+def _default(role: str, device: DeviceInfo, cfg, spec: CallSpec | None) -> tuple:
+    """The default chain without the backends the configuration avoids."""
+    chain = default_chain(role, device, spec=spec)
+    return tuple(b for b in chain if b not in cfg.avoid) if cfg.avoid else chain
 
 
 def tuning_chain(role: str, device: DeviceInfo, backend: str | None, cfg, spec: CallSpec | None = None) -> tuple | None:
@@ -149,7 +155,7 @@ def tuning_chain(role: str, device: DeviceInfo, backend: str | None, cfg, spec: 
     named = cfg.preference.get(role)
     if named:
         return named if len(named) > 1 else None
-    return tuple(b for b in default_chain(role, device, spec=spec) if not REGISTRY[b].approximate)
+    return tuple(b for b in _default(role, device, cfg, spec) if not REGISTRY[b].approximate)
 
 
 @dataclass

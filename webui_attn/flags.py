@@ -1,15 +1,25 @@
-"""Command-line flags (added by ``preload.py``) turned into the engine's ``flags`` configuration layer.
+"""Command-line flags turned into the engine's configuration layers.
 
-Both hosts read the flags from ``shared.cmd_opts``; Forge's own ``backend.args.args`` never sees them.
-A flag with an unknown backend id is reported with the valid ids and ignored, so the webui starts as if
-it had not been given.
+* This extension's flags (added by ``preload.py``) make the ``flags`` layer. Every host reads them from
+  ``shared.cmd_opts``. A flag with an unknown backend id is reported with the valid ids and ignored, so
+  the webui starts as if it had not been given.
+* The host's own attention flags make the weaker ``host`` layer, with the host's meaning (``HOST_FLAGS``):
+  a flag that makes the host use a kernel puts that kernel first for the UNet/DiT, in the host's own
+  order; a flag that keeps the host off a kernel keeps it out of the default chains. They are read
+  where the host parsed them (``shared.cmd_opts``, and ``backend.args.args`` or ldm_patched's
+  ``args_parser.args``) and never redefined.
 """
 from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
 
 import lib_attn
 from lib_attn.config import FP32_POLICIES, TUNE_MODES
 
-from . import host, layers
+from . import host as host_log
+from . import layers
 
 #: ``--opt-*-attention`` flag dest -> the engine backend it puts first, in the order they combine.
 OPT_FLAGS = (
@@ -109,7 +119,7 @@ def layer_from(cmd_opts) -> dict | None:
 def apply(cmd_opts) -> dict | None:
     """Report malformed flags once, then set the ``flags`` layer; returns the layer set."""
     for message in problems(cmd_opts):
-        host.log_once(("flag", message), message)
+        host_log.log_once(("flag", message), message)
     layer = layer_from(cmd_opts)
     layers.set_layer("flags", layer)
     return layer
@@ -138,7 +148,128 @@ def startup_note(cmd_opts) -> str | None:
 def say_startup(cmd_opts) -> None:
     note = startup_note(cmd_opts)
     if note:
-        host.log_once(("startup", note), note)
+        host_log.log_once(("startup", note), note)
+
+
+# --- the host's own attention flags --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HostFlag:
+    """One of a host's own attention flags: ``prefer`` is the engine backend it makes the host use,
+    ``avoid`` the one it keeps the host off; ``note`` says what the engine makes of a flag it has
+    no kernel for."""
+
+    spelling: str
+    dest: str
+    prefer: str | None = None
+    avoid: str | None = None
+    note: str | None = None
+
+
+_SAGE3 = ("SageAttention 3 (the sageattn package, Blackwell only) is not among this extension's kernels; the "
+          "engine's chain stays, and sage (SageAttention 1/2) runs only where a chain names it")
+
+#: Host key (``hosts.Host.key``) -> its attention flags, in the order the host itself prefers kernels.
+#: Forge Neo and Forge Classic use SageAttention, flash-attn and xformers whenever they are installed
+#: (``--sage``/``--flash``/``--xformers`` install them) unless ``--disable-*``; reForge uses the kernel
+#: its ``--use-*`` flag names (and exits at startup when its package is missing); ``--attention-pytorch``
+#: keeps Forge, Neo, reForge and Classic off xformers.
+HOST_FLAGS = {
+    "forge": (
+        HostFlag("--disable-xformers", "disable_xformers", avoid="xformers"),
+        HostFlag("--attention-pytorch", "attention_pytorch", avoid="xformers"),
+    ),
+    "neo": (
+        HostFlag("--sage", "sage", prefer="sage"),
+        HostFlag("--flash", "flash", prefer="flash-attn"),
+        HostFlag("--xformers", "xformers", prefer="xformers"),
+        HostFlag("--disable-sage", "disable_sage", avoid="sage"),
+        HostFlag("--disable-flash", "disable_flash", avoid="flash-attn"),
+        HostFlag("--disable-xformers", "disable_xformers", avoid="xformers"),
+        HostFlag("--attention-pytorch", "attention_pytorch", avoid="xformers"),
+    ),
+    "reforge": (
+        HostFlag("--use-sage-attention3", "use_sage_attention3", note=_SAGE3),
+        HostFlag("--use-sage-attention", "use_sage_attention", prefer="sage"),
+        HostFlag("--use-flash-attention", "use_flash_attention", prefer="flash-attn"),
+        HostFlag("--disable-xformers", "disable_xformers", avoid="xformers"),
+        HostFlag("--attention-pytorch", "attention_pytorch", avoid="xformers"),
+    ),
+    "classic": (
+        HostFlag("--sage", "sage", prefer="sage"),
+        HostFlag("--disable-sage", "disable_sage", avoid="sage"),
+        HostFlag("--disable-xformers", "disable_xformers", avoid="xformers"),
+        HostFlag("--attention-pytorch", "attention_pytorch", avoid="xformers"),
+    ),
+}
+#: Where each host keeps the namespace its own parser filled, besides ``shared.cmd_opts``.
+HOST_ARGS = {"forge": "backend.args", "neo": "backend.args", "reforge": "ldm_patched.modules.args_parser",
+             "classic": "ldm_patched.modules.args_parser"}
+
+
+def host_namespaces(host_key: str) -> list:
+    """The parsed flags of the running host: ``shared.cmd_opts`` and its own parser's ``args``."""
+    found = []
+    shared = sys.modules.get("modules.shared")
+    if getattr(shared, "cmd_opts", None) is not None:
+        found.append(shared.cmd_opts)
+    name = HOST_ARGS.get(host_key)
+    if name:
+        try:
+            args = getattr(importlib.import_module(name), "args", None)
+        except ImportError:
+            args = None
+        if args is not None:
+            found.append(args)
+    return found
+
+
+def host_flags_given(host_key: str, namespaces) -> list[HostFlag]:
+    """The host's own attention flags given on its command line, in the host's order."""
+    return [f for f in HOST_FLAGS.get(host_key, ()) if any(getattr(ns, f.dest, False) is True for ns in namespaces)]
+
+
+def host_layer(given) -> dict | None:
+    """The ``host`` layer for the host flags given: their kernels first for the UNet/DiT (a kernel the
+    host was told to keep off is not preferred), the kept-off ones out of the default chains."""
+    avoid = list(dict.fromkeys(f.avoid for f in given if f.avoid))
+    prefer = [b for b in dict.fromkeys(f.prefer for f in given if f.prefer) if b not in avoid]
+    layer = {}
+    if prefer:
+        layer["preference"] = {role: prefer for role in DENOISER_ROLES}
+    if avoid:
+        layer["avoid"] = avoid
+    return layer or None
+
+
+def host_notes(host_name: str, given) -> list[str]:
+    """One line per host flag given: what the engine makes of it, and whether its kernel runs here."""
+    infos = {b.id: b for b in lib_attn.backends()}
+    out = []
+    for f in given:
+        if f.note:
+            out.append(f"{host_name} {f.spelling}: {f.note}")
+        elif f.prefer:
+            text = f"{host_name} {f.spelling}: UNet/DiT attention prefers {f.prefer} in this extension"
+            info = infos.get(f.prefer)
+            if info is not None and not info.available:
+                text += (f"; cannot run here: {info.reason}, so its calls fall back per call, counted with the "
+                         f"reason in the readout")
+            out.append(text)
+        else:
+            out.append(f"{host_name} {f.spelling}: {f.avoid} is left out of this extension's default chains")
+    return out
+
+
+def apply_host(host) -> dict | None:
+    """Set the ``host`` layer from the running host's own flags and say what each one does; ``host``
+    is a ``hosts.Host``."""
+    given = host_flags_given(host.key, host_namespaces(host.key))
+    for note in host_notes(host.name, given):
+        host_log.log_once(("host-flag", note), note)
+    layer = host_layer(given)
+    layers.set_layer("host", layer)
+    return layer
 
 
 def fp32_for_upcast(upcast: bool) -> str | None:

@@ -94,9 +94,11 @@ def uninstall() -> int:
 
 
 def apply() -> list[str]:
-    """Flags from ``shared.cmd_opts`` into the engine, then the patches; safe to call twice."""
+    """The host's own attention flags and this extension's into the engine, then the patches; safe to
+    call twice."""
     from modules import shared
 
+    flags.apply_host(running())
     flags.apply(shared.cmd_opts)
     return install()
 

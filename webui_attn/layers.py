@@ -1,17 +1,19 @@
 """One place where every source of the engine's configuration meets.
 
-Sources, weakest first: command-line flags, the A1111 optimizer chosen in the dropdown, the extension's
-settings, the per-generation override. Each source sets its layer; the merged result goes to
-``lib_attn.configure``. A layer is a dict with any of ``preference``, ``fp32``, ``strict``, ``tune``; None clears it. A role whose
-chain a layer leaves out (or sets to "auto") keeps the chain of the layers below.
+Sources, weakest first: the host's own attention flags (Forge Neo's ``--sage``, reForge's
+``--use-flash-attention``, …), this extension's command-line flags, the A1111 optimizer chosen in the
+dropdown, the extension's settings, the per-generation override. Each source sets its layer; the
+merged result goes to ``lib_attn.configure``. A layer is a dict with any of ``preference``, ``fp32``,
+``strict``, ``tune``, ``avoid``; None clears it. A role whose chain a layer leaves out (or sets to
+"auto") keeps the chain of the layers below.
 """
 from __future__ import annotations
 
 import lib_attn
 from lib_attn.config import normalise_preference
 
-ORDER = ("flags", "optimizer", "settings", "generation")
-DEFAULTS = {"preference": "auto", "fp32": "cast", "strict": False, "tune": "auto"}
+ORDER = ("host", "flags", "optimizer", "settings", "generation")
+DEFAULTS = {"preference": "auto", "fp32": "cast", "strict": False, "tune": "auto", "avoid": ()}
 
 _layers: dict[str, dict | None] = {name: None for name in ORDER}
 

@@ -93,6 +93,7 @@ def uninstall() -> int:
 def apply() -> list[str]:
     from modules import shared
 
+    flags.apply_host(running())
     flags.apply(shared.cmd_opts)
     return install()
 
