@@ -181,6 +181,13 @@ class Decision:
     source: str = "order"
     timings: dict = field(default_factory=dict)
     final: bool = field(default=True, repr=False)  # False: decided where tuning was blocked, not cached
+    #: The counters of ``count_key`` and ``fallback_key``: the hot path counts with one increment.
+    call_cell: object = field(default=None, init=False, repr=False, compare=False)
+    fallback_cell: object = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        self.call_cell = stats.call_cell(self.count_key) if self.count_key else None
+        self.fallback_cell = None if self.fallback_key is None else stats.fallback_cell(self.fallback_key)
 
     @property
     def fallback(self) -> bool:
@@ -415,13 +422,13 @@ def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", bac
     except (AttributeError, TypeError, RuntimeError):  # not tensors (or an unhashable argument)
         key = None
         dec = _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key)
-    if dec.fallback_key is not None:
-        _on_fallback(dec, dec.fallback_key)
+    if dec.fallback_cell is not None:
+        _on_fallback(dec)
     try:
         out = dec.run(q, k, v, mask, scale)
     except Exception as exc:  # noqa: BLE001 - sorted by _recover: only recoverable kinds fall back
         return _recover(key, dec, exc, q, k, v, mask, scale)
-    stats.calls[dec.count_key] += 1
+    dec.call_cell.n += 1
     return out
 
 
@@ -430,14 +437,14 @@ def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", bac
 traced = graph_op.operator(attention)
 
 
-def _on_fallback(dec: Decision, fallback_key: tuple) -> None:
+def _on_fallback(dec: Decision) -> None:
     if _config.current().strict:
-        role, preferred, reasons = fallback_key
+        role, preferred, reasons = dec.fallback_key
         raise AttentionFallbackError(
             f"strict mode: {preferred} cannot take this {role} call ({dec.spec.describe()}): {reasons}; "
             f"it would run on {dec.backend}")
-    stats.fallbacks[fallback_key] += 1
-    _report_once(fallback_key, dec.backend)
+    dec.fallback_cell.n += 1
+    _report_once(dec.fallback_key, dec.backend)
 
 
 def _report_once(fallback_key: tuple, ran_on: str) -> None:
@@ -465,10 +472,10 @@ def _recover(key, dec: Decision, exc: Exception, q, k, v, mask, scale):
         fallback_key = (dec.spec.role, dec.backend, "out of memory")
         if _config.current().strict:
             raise AttentionFallbackError(f"strict mode: {dec.backend} ran out of memory on a vae call") from exc
-        stats.fallbacks[fallback_key] += 1
+        stats.count_fallback(fallback_key)
         _report_once(fallback_key, "math")
         out = _wrap(REGISTRY["math"].run, dec.spec.layout != "bhsd", None)(q, k, v, mask, scale)
-        stats.calls[(dec.spec.role, "math")] += 1
+        stats.count_call((dec.spec.role, "math"))
         return out
     sticky = is_sticky(exc)
     recoverable = isinstance(exc, (RuntimeError, NotImplementedError, ValueError, TypeError, AssertionError))
@@ -485,14 +492,14 @@ def _recover(key, dec: Decision, exc: Exception, q, k, v, mask, scale):
     # A fresh spec carries this call's tensors, so PyTorch's own checks speak for the next backend.
     new = decide(spec_of(q, k, v, mask, layout, role), chain, fp32=fp32 or cfg.fp32, explicit=explicit, failed=failed)
     _cache[key] = new
-    if new.fallback_key is not None:
-        stats.fallbacks[new.fallback_key] += 1
+    if new.fallback_cell is not None:
+        new.fallback_cell.n += 1
         _report_once(new.fallback_key, new.backend)
     try:
         out = new.run(q, k, v, mask, scale)
     except Exception as again:  # noqa: BLE001 - the next backend may fail too; same rules
         return _recover(key, new, again, q, k, v, mask, scale)
-    stats.calls[new.count_key] += 1
+    new.call_cell.n += 1
     return out
 
 

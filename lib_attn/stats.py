@@ -1,11 +1,15 @@
 """Counters of what ran: calls per (role, backend) and fallbacks per (role, backend, reason).
 
-One recording is current at a time, process-wide, so counts are right whichever thread runs the
-generation (Forge runs it on a worker thread).
+Each key has one process-wide ``Cell``; a cached decision holds its cells, so the hot path counts a
+call with one attribute increment. A ``Recording`` is the difference of the cells between its start
+and its end (or now, while it is open): counts are right whichever thread runs the generation (Forge
+runs it on a worker thread), a recording inside another one counts for both, and any number of them
+can be open at once.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections import Counter
 
@@ -15,15 +19,79 @@ _kernels: dict[str, set] = {}
 _tuned: set = set()
 
 
-class Recording:
-    """Counts for one stretch of work (a generation). ``calls``: Counter {(role, backend): n};
-    ``fallbacks``: Counter {(role, backend passed over, reason): n}; ``seconds``: wall time."""
+class Cell:
+    """The number of times one key was counted, in this process."""
+
+    __slots__ = ("n",)
 
     def __init__(self):
-        self.calls: Counter = Counter()
-        self.fallbacks: Counter = Counter()
+        self.n = 0
+
+
+_calls: dict = {}      # (role, backend) -> Cell
+_fallbacks: dict = {}  # (role, backend passed over, reason) -> Cell
+_lock = threading.Lock()
+
+
+def _cell(table: dict, key) -> Cell:
+    found = table.get(key)
+    if found is None:
+        with _lock:
+            found = table.setdefault(key, Cell())
+    return found
+
+
+def call_cell(key) -> Cell:
+    """The cell counting calls of ``key`` = (role, backend id)."""
+    return _cell(_calls, key)
+
+
+def fallback_cell(key) -> Cell:
+    """The cell counting fallbacks of ``key`` = (role, backend passed over, reason)."""
+    return _cell(_fallbacks, key)
+
+
+def count_call(key) -> None:
+    call_cell(key).n += 1
+
+
+def count_fallback(key) -> None:
+    fallback_cell(key).n += 1
+
+
+def _snapshot(table: dict) -> dict:
+    return {key: cell.n for key, cell in list(table.items())}
+
+
+def _since(table: dict, base: dict) -> Counter:
+    return Counter({key: cell.n - base.get(key, 0) for key, cell in list(table.items())
+                    if cell.n > base.get(key, 0)})
+
+
+class Recording:
+    """Counts for one stretch of work (a generation), from its creation to ``finish()``.
+    ``calls``: Counter {(role, backend): n}; ``fallbacks``: Counter {(role, backend passed over,
+    reason): n}; ``seconds``: wall time."""
+
+    def __init__(self):
+        self._calls, self._fallbacks = _snapshot(_calls), _snapshot(_fallbacks)
+        self._final: tuple | None = None
         self.started = time.perf_counter()
         self.finished: float | None = None
+
+    def finish(self) -> None:
+        """Stop counting: the counts stay as they are now."""
+        if self._final is None:
+            self._final = (_since(_calls, self._calls), _since(_fallbacks, self._fallbacks))
+            self.finished = time.perf_counter()
+
+    @property
+    def calls(self) -> Counter:
+        return Counter(self._final[0]) if self._final is not None else _since(_calls, self._calls)
+
+    @property
+    def fallbacks(self) -> Counter:
+        return Counter(self._final[1]) if self._final is not None else _since(_fallbacks, self._fallbacks)
 
     @property
     def seconds(self) -> float:
@@ -47,17 +115,9 @@ class Recording:
         return f"Recording(calls={dict(self.calls)}, fallbacks={dict(self.fallbacks)})"
 
 
+#: Everything counted in this process.
 lifetime = Recording()
-current = lifetime
-# The current recording's counters, also as module globals: the hot path saves a lookup per call.
-calls = current.calls
-fallbacks = current.fallbacks
 _last: Recording | None = None
-
-
-def _make_current(rec: Recording) -> None:
-    global current, calls, fallbacks
-    current, calls, fallbacks = rec, rec.calls, rec.fallbacks
 
 
 def note_kernel(backend: str, description: str) -> None:
@@ -76,19 +136,12 @@ def forget_tuned() -> None:
 def recording():
     """Count into a fresh Recording for the ``with`` block; yields it."""
     global _last
-    saved, rec = current, Recording()
-    _make_current(rec)
+    rec = Recording()
     try:
         yield rec
     finally:
-        rec.finished = time.perf_counter()
-        _make_current(saved)
+        rec.finish()
         _last = rec
-        if saved is not lifetime:  # a recording inside another one counts for both
-            saved.calls.update(rec.calls)
-            saved.fallbacks.update(rec.fallbacks)
-        lifetime.calls.update(rec.calls)
-        lifetime.fallbacks.update(rec.fallbacks)
 
 
 def last_recording() -> Recording | None:

@@ -15,6 +15,7 @@ import os
 from . import readout, state
 
 ROUTE = "/flash-attention/v1/status"
+_WEBUI = object()  # the webui's own routing and last report
 
 
 def tuning() -> dict:
@@ -23,13 +24,15 @@ def tuning() -> dict:
     return dict(data, file=os.path.basename(data["file"]))
 
 
-def status() -> dict:
-    report = state.last_report()
-    route = state.routing()
+def status(route=_WEBUI, report=_WEBUI, to_json=readout.to_json) -> dict:
+    """The route's answer; ``route``, ``report`` and ``to_json`` are the webui's unless a host (ComfyUI)
+    gives its own routing, last report (or None) and text."""
+    report = state.last_report() if report is _WEBUI else report
+    route = state.routing() if route is _WEBUI else route
     return {"availability": state.availability(),
             "routing": {"routed": route.routed, "ran_on": route.ran_on, "hint": route.hint},
             "tuning": tuning(),
-            "last_report": None if report is None else readout.to_json(report)}
+            "last_report": None if report is None else to_json(report)}
 
 
 def register(app, cmd_opts=None) -> bool:
@@ -41,7 +44,7 @@ def register(app, cmd_opts=None) -> bool:
         return False
     from . import auth
 
-    app.add_api_route(ROUTE, status, methods=["GET"], tags=["flash-attention"],
+    app.add_api_route(ROUTE, lambda: status(), methods=["GET"], tags=["flash-attention"],
                       summary="Attention backends available here and the last generation's report",
                       dependencies=auth.dependencies(cmd_opts))
     return True

@@ -28,14 +28,14 @@ def _upcast(tensors, upcast: bool):
 
 
 def heads_attention(q, k, v, heads: int, mask=None, *, role: str, upcast: bool = False,
-                    skip_reshape: bool = False, skip_output_reshape: bool = False):
+                    skip_reshape: bool = False, skip_output_reshape: bool = False, fp32_rule=flags.fp32_for_upcast):
     """Multi-head attention in the hosts' convention, in q's dtype.
 
     q: ``(b, n, heads*d)``, k/v: ``(b, m, heads*d)``; with ``skip_reshape`` all three are already
     ``(b, heads, n|m, d)`` (strided views are fine: Flux passes them). ``mask`` is bool (True attends)
     or additive, shaped ``(n, m)``, ``(b|1, n, m)`` or ``(b|1, heads|1, n, m)``, as PyTorch's SDPA reads
     it. Returns ``(b, n, heads*d)``, or ``(b, heads, n, d)`` with ``skip_output_reshape``.
-    ``upcast`` runs the attention in fp32.
+    ``upcast`` runs the attention in fp32; ``fp32_rule(upcast)`` gives the per-call fp32 policy then.
     """
     dtype = q.dtype
     b = q.shape[0]
@@ -48,7 +48,7 @@ def heads_attention(q, k, v, heads: int, mask=None, *, role: str, upcast: bool =
     q, k, v = _upcast((q, k, v), upcast)
     if mask is not None and mask.dim() == 3:
         mask = mask.unsqueeze(1)  # (b, n, m) has no heads axis: it applies to every head
-    out = lib_attn.attention(q, k, v, layout=layout, mask=mask, role=role, fp32=flags.fp32_for_upcast(upcast))
+    out = lib_attn.attention(q, k, v, layout=layout, mask=mask, role=role, fp32=fp32_rule(upcast))
     if skip_output_reshape:
         out = out if skip_reshape else out.transpose(1, 2)
         return out.to(dtype)
@@ -57,14 +57,15 @@ def heads_attention(q, k, v, heads: int, mask=None, *, role: str, upcast: bool =
     return out.reshape(b, out.shape[1], -1).to(dtype)
 
 
-def spatial_attention(q, k, v, *, upcast: bool = False):
-    """The VAE's single-head attention over pixels: ``(B, C, H, W)`` x3 -> ``(B, C, H, W)``, head dim C."""
-    dtype = q.dtype
-    B, C, H, W = q.shape
-    q, k, v = (t.reshape(B, 1, C, H * W).transpose(2, 3) for t in (q, k, v))
+def spatial_attention(q, k, v, *, upcast: bool = False, fp32_rule=flags.fp32_for_upcast):
+    """The VAE's single-head attention over pixels: ``(B, C, H, W)`` x3 -> ``(B, C, H, W)``, head dim C
+    (any number of spatial axes after C: a video VAE's blocks pass what they have)."""
+    dtype, shape = q.dtype, q.shape
+    B, C = shape[:2]
+    q, k, v = (t.reshape(B, 1, C, -1).transpose(2, 3) for t in (q, k, v))
     q, k, v = _upcast((q, k, v), upcast)
-    out = lib_attn.attention(q, k, v, layout="bhsd", role="vae", fp32=flags.fp32_for_upcast(upcast))
-    return out.transpose(2, 3).reshape(B, C, H, W).to(dtype)
+    out = lib_attn.attention(q, k, v, layout="bhsd", role="vae", fp32=fp32_rule(upcast))
+    return out.transpose(2, 3).reshape(shape).to(dtype)
 
 
 class PrecisionRule:
@@ -93,27 +94,28 @@ class PrecisionRule:
             return requested
 
 
-def make_heads_function(role: str, precision: PrecisionRule | None = None):
+def make_heads_function(role: str, precision: PrecisionRule | None = None, fp32_rule=flags.fp32_for_upcast):
     """An attention function of ComfyUI's form (see the module docstring) that calls the engine with
     ``role``. ``precision(attn_precision, dtype)`` resolves the host's precision rule; a result of
     ``torch.float32`` makes the call run in fp32, None keeps the inputs' dtype. The same function
     serves Forge's narrower form and A1111's SD3 ``attention(q, k, v, heads, mask=None)``.
+    ``fp32_rule``: see ``heads_attention``.
     """
     def attention_function(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
                            skip_output_reshape=False, **kwargs):
         wanted = precision(attn_precision, q.dtype) if precision is not None else attn_precision
         return heads_attention(q, k, v, heads, mask, role=role, upcast=wanted == torch.float32,
-                               skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape)
+                               skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape, fp32_rule=fp32_rule)
 
     attention_function.__qualname__ = attention_function.__name__ = f"lib_attn_{role}_attention"
     return attention_function
 
 
-def make_spatial_function(precision: PrecisionRule | None = None):
+def make_spatial_function(precision: PrecisionRule | None = None, fp32_rule=flags.fp32_for_upcast):
     """The VAE's function ``(q, k, v) -> (B, C, H, W)`` through the engine (role ``vae``)."""
     def attention_function_single_head_spatial(q, k, v):
         wanted = precision(None, q.dtype) if precision is not None else None
-        return spatial_attention(q, k, v, upcast=wanted == torch.float32)
+        return spatial_attention(q, k, v, upcast=wanted == torch.float32, fp32_rule=fp32_rule)
 
     attention_function_single_head_spatial.__qualname__ = "lib_attn_vae_attention"
     return attention_function_single_head_spatial

@@ -64,7 +64,7 @@ def _unserved(q_heads: int, k_heads: int, dropout_p, is_causal, enable_gqa, retu
 
 def _count_unserved(role: str, reason: str, ran_on: str) -> None:
     if not _compat.IS_COMPILING():
-        stats.fallbacks[(role, PASSED_OVER, f"{reason}: ran on {ran_on}")] += 1
+        stats.count_fallback((role, PASSED_OVER, f"{reason}: ran on {ran_on}"))
 
 
 # --- processors that call F.scaled_dot_product_attention ----------------------------------------

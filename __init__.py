@@ -1,0 +1,43 @@
+"""ComfyUI custom node package of sd-webui-flash-attention (the webuis load ``scripts/`` instead).
+
+ComfyUI imports this file as a package named after its folder and does not put the folder on
+``sys.path``; the project's packages import one another by their own names, so each one is loaded
+here under its name (and only those: the folder's other files stay out of every import path).
+"""
+import importlib.util
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _package(name: str):
+    if name in sys.modules:  # already imported: a webui or a test put this folder on sys.path
+        return sys.modules[name]
+    path = os.path.join(_HERE, name)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
+                                                  submodule_search_locations=[path])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+for _name in ("lib_attn", "webui_attn", "comfy_attn"):
+    _package(_name)
+
+from comfy_attn import startup  # noqa: E402
+from comfy_attn.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
+
+WEB_DIRECTORY = "./web"
+__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]
+
+
+def _start():
+    server = getattr(sys.modules.get("server"), "PromptServer", None)
+    instance = getattr(server, "instance", None)
+    args = getattr(sys.modules.get("comfy.cli_args"), "args", None)
+    startup.start(getattr(instance, "routes", None), args)
+
+
+_start()

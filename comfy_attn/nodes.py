@@ -1,0 +1,142 @@
+"""The custom nodes: Attention backend (MODEL -> MODEL), VAE attention backend (VAE -> VAE) and
+Attention report (shows what the run's attention did).
+
+Choices list only valid values; a backend chain typed by hand is checked before the graph runs
+(``VALIDATE_INPUTS``) and again when the node runs, with a message naming the bad id and the valid ones.
+"""
+from __future__ import annotations
+
+import lib_attn
+from lib_attn.config import FP32_POLICIES, TUNE_MODES
+
+from . import readout, route, run
+
+AUTO = "auto"
+CATEGORY = "advanced/attention"
+
+
+def backend_choices() -> list[str]:
+    return [AUTO, *lib_attn.BACKEND_IDS]
+
+
+def parse_chain(backend: str, chain: str) -> list[str] | None:
+    """The chain a node asks for: ``chain`` (comma-separated ids) when given, else ``backend``; None
+    for Auto. ValueError names an unknown id and the valid ones."""
+    text = (chain or "").strip() or ("" if backend == AUTO else backend)
+    ids = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [i for i in ids if i not in lib_attn.BACKEND_IDS]
+    if unknown:
+        raise ValueError(f"unknown backend id {', '.join(map(repr, unknown))}; valid ids: "
+                         f"{', '.join(lib_attn.BACKEND_IDS)} (or leave the chain empty for Auto)")
+    return ids or None
+
+
+def config_for(roles, backend: str, chain: str, strict: bool, fp32: str, tune: str = AUTO) -> dict:
+    """``lib_attn.configure`` arguments for the roles a node routes; ValueError for a bad value."""
+    if fp32 not in (AUTO, *FP32_POLICIES):
+        raise ValueError(f"fp32 {fp32!r} is not one of {AUTO}, {', '.join(FP32_POLICIES)}")
+    if tune not in TUNE_MODES:
+        raise ValueError(f"tune {tune!r} is not one of {', '.join(TUNE_MODES)}")
+    ids = parse_chain(backend, chain)
+    config = {"preference": {role: ids for role in roles} if ids else "auto", "strict": bool(strict), "tune": tune}
+    if fp32 != AUTO:
+        config["fp32"] = fp32
+    return config
+
+
+def _validate(backend, chain, fp32=AUTO, tune=AUTO):
+    try:
+        config_for(("unet",), backend, chain, False, fp32, tune)
+    except ValueError as exc:
+        return str(exc)
+    return True
+
+
+def _common_inputs() -> dict:
+    return {
+        "backend": (backend_choices(), {"default": AUTO, "tooltip": "Auto: the fastest backend that takes each "
+                                        "call; a backend id: that one first, falling back per call"}),
+        "chain": ("STRING", {"default": "", "tooltip": "Optional: a chain of backend ids tried in order per call, "
+                             "e.g. flash-attn,sdpa-cudnn (overrides backend)"}),
+        "strict": ("BOOLEAN", {"default": False, "tooltip": "Stop the run instead of falling back when the first "
+                               "backend cannot take a call"}),
+        "fp32": ([AUTO, *FP32_POLICIES], {"default": AUTO, "tooltip": "fp32 inputs: cast (half-precision kernels, "
+                                          "result cast back) or keep (fp32 kernels only)"}),
+    }
+
+
+class AttentionBackend:
+    """MODEL -> MODEL: the model's attention (every call of its forward) runs on the engine."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        inputs = {"model": ("MODEL",), **_common_inputs(),
+                  "tune": (list(TUNE_MODES), {"default": AUTO, "tooltip": "Measure the backends that take each "
+                                              "call kind on its first call and run the fastest (auto: on CUDA GPUs)"})}
+        return {"required": inputs}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "apply"
+    CATEGORY = CATEGORY
+    DESCRIPTION = "Runs the model's attention on the fastest kernel that takes each call, falling back per call."
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, backend, chain, fp32, tune):
+        return _validate(backend, chain, fp32, tune)
+
+    def apply(self, model, backend, chain, strict, fp32, tune):
+        config = config_for(("unet", "dit"), backend, chain, strict, fp32, tune)
+        return (route.route_model(model, config, None if fp32 == AUTO else fp32),)
+
+
+class VAEAttentionBackend:
+    """VAE -> VAE: the VAE's attention blocks run on the engine while this VAE encodes or decodes."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"vae": ("VAE",), **_common_inputs()}}
+
+    RETURN_TYPES = ("VAE",)
+    FUNCTION = "apply"
+    CATEGORY = CATEGORY
+    DESCRIPTION = ("Runs the VAE's attention on the engine (one head of 512 channels: flash-attn and "
+                   "SageAttention cannot take it).")
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, backend, chain, fp32):
+        return _validate(backend, chain, fp32)
+
+    def apply(self, vae, backend, chain, strict, fp32):
+        return (route.route_vae(vae, config_for(("vae",), backend, chain, strict, fp32)),)
+
+
+class AttentionReport:
+    """Shows which kernels ran this run, how often, what fell back and why, time and peak VRAM."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"images": ("IMAGE",)}}
+
+    RETURN_TYPES = ("IMAGE",)
+    FUNCTION = "show"
+    OUTPUT_NODE = True
+    CATEGORY = CATEGORY
+    DESCRIPTION = "The attention readout of this run; passes the images on."
+
+    def show(self, images):
+        report = run.current_report() or lib_attn.Report(
+            ran_on="ComfyUI's own attention", notes=("no call of this run went through this extension",))
+        run.send(report)
+        return {"ui": {"text": readout.lines(report)}, "result": (images,)}
+
+
+NODE_CLASS_MAPPINGS = {
+    "FlashAttentionBackend": AttentionBackend,
+    "FlashAttentionVAEBackend": VAEAttentionBackend,
+    "FlashAttentionReport": AttentionReport,
+}
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "FlashAttentionBackend": "Attention backend",
+    "FlashAttentionVAEBackend": "VAE attention backend",
+    "FlashAttentionReport": "Attention report",
+}

@@ -1,0 +1,51 @@
+"""A report as ComfyUI shows it: a few plain lines on the Attention report node and in the server
+message, with the same content as the webuis' readout (kernels × calls, fallbacks with reasons,
+time, peak VRAM as allocated / reserved / device)."""
+from __future__ import annotations
+
+from lib_attn.report import MIB, Report
+
+ROLE_NAMES = {"unet": "UNet", "dit": "DiT", "vae": "VAE", "text": "Text"}
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1024 * MIB):.2f} GiB"
+
+
+def vram_text(vram) -> str:
+    """``peak VRAM: allocated 3.21 GiB / reserved 4.00 GiB / device 5.62 of 80.00 GiB``; a ``≤`` marks
+    peaks that only bound this run's (torch's counters were not reset for it and did not rise)."""
+    bound = "≤" if vram.peaks_bounded else ""
+    return (f"peak VRAM: allocated {bound}{_gib(vram.active_peak)} / reserved {bound}{_gib(vram.reserved_peak)} / "
+            f"device {_gib(vram.system_peak)} of {_gib(vram.total)}")
+
+
+def lines(report: Report) -> list[str]:
+    """One line per role that ran (most calls first), one per fallback, then time, memory and notes."""
+    out = []
+    for role in report.roles():
+        ran = ", ".join(f"{report.describe(b)}{' [tuned]' if report.is_tuned(role, b) else ''} ×{n:,}"
+                        for b, n in report.backends(role))
+        out.append(f"{ROLE_NAMES.get(role, role)}: {ran}")
+    if not out:
+        out.append(f"{report.ran_on}, not through this extension" if report.ran_on else "no attention calls")
+    for (role, backend, reason), n in report.fallback_items():
+        out.append(f"fallback {ROLE_NAMES.get(role, role)} {backend} ×{n:,}: {' '.join(str(reason).split())}")
+    facts = []
+    if report.seconds is not None:
+        facts.append(f"time {report.seconds:.1f} s")
+    if report.vram is not None:
+        facts.append(vram_text(report.vram))
+    if facts:
+        out.append(" · ".join(facts))
+    out.extend(f"note: {note}" for note in (*report.notes, *([report.hint] if report.hint else ())))
+    return out
+
+
+def text(report: Report) -> str:
+    return "\n".join(lines(report))
+
+
+def to_json(report: Report) -> dict:
+    """The report's data plus ComfyUI's text of it (what the status route and the server message carry)."""
+    return dict(report.to_dict(), text=lines(report))

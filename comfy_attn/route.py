@@ -1,0 +1,223 @@
+"""Routing ComfyUI's attention through the engine, from narrowest to widest.
+
+* One model (the Attention backend node): ComfyUI wraps every attention function in ``wrap_attn``,
+  which calls ``transformer_options["optimized_attention_override"](func, *args, **kwargs)`` when a
+  model's options carry one: every call of that model's forward (SD1.5/SDXL, Flux, SD3, Wan,
+  Qwen-Image, Lumina, HunyuanVideo, …) then reaches ``override``. An ``OUTER_SAMPLE`` wrapper puts
+  the node's configuration in force while that model samples and counts the run.
+* One VAE (the VAE attention backend node): VAE blocks store their function when built and no
+  wrapper reaches them, so a class descriptor (``Patches.patch_stored``) gives them the engine's
+  function while a routed VAE's encode or decode runs; the VAE object ComfyUI caches keeps its own.
+* Every model and VAE (the global route, ``ATTN_COMFY_ROUTE`` or ComfyUI's own
+  ``--use-flash-attention`` / ``--use-sage-attention`` with this package installed): every loaded
+  module's ``optimized_attention`` / ``optimized_attention_masked`` that is ComfyUI's chosen function
+  is rebound to the engine's, wrapped in ComfyUI's own ``wrap_attn`` so that overrides still apply,
+  and the VAE blocks see the engine's function always.
+
+Text encoders ask ``optimized_attention_for_device`` for their function and keep ComfyUI's.
+"""
+from __future__ import annotations
+
+import contextvars
+import importlib
+import sys
+
+import lib_attn
+
+from webui_attn import heads, host
+from webui_attn.patching import Patches
+from webui_attn.rebind import import_quietly
+
+from . import run
+
+SOURCE = "comfy.ldm.modules.attention"
+NAMES = ("optimized_attention", "optimized_attention_masked")
+#: (module, class): VAE blocks that store their attention function as ``optimized_attention`` when built.
+VAE_BLOCKS = (
+    ("comfy.ldm.modules.diffusionmodules.model", "AttnBlock"),
+    ("comfy.ldm.wan.vae", "AttentionBlock"),
+    ("comfy.ldm.cosmos.cosmos_tokenizer.layers3d", "CausalAttnBlock"),
+    ("comfy.ldm.mmaudio.vae.vae_modules", "AttnBlock1D"),
+)
+WRAPPER_KEY = "flash_attention"
+UNET_CLASS = ("comfy.ldm.modules.diffusionmodules.openaimodel", "UNetModel")
+
+#: The configuration of the routed VAE whose encode/decode runs now (None: ComfyUI's own attention).
+_vae_config: contextvars.ContextVar = contextvars.ContextVar("lib_attn_vae_config", default=None)
+_blocks = Patches("comfy-vae")
+_global = Patches("comfy-global")
+_functions: dict = {}
+
+
+def precision():
+    """ComfyUI's ``get_attn_precision(requested, dtype)``, called as ComfyUI defines it."""
+    attention = importlib.import_module(SOURCE)
+    return heads.PrecisionRule(getattr(attention, "get_attn_precision", None), "ComfyUI")
+
+
+def fp32_rule(fp32: str | None):
+    """The per-call fp32 policy when ComfyUI asks for fp32 attention: ``keep``, unless the node set one."""
+    def rule(upcast: bool):
+        return None if not upcast or fp32 else "keep"
+    return rule
+
+
+def function(role: str, fp32: str | None = None):
+    """The engine's attention function for ``role`` (ComfyUI's form; see ``webui_attn.heads``)."""
+    key = (role, fp32)
+    if key not in _functions:
+        if role == "vae":
+            _functions[key] = heads.make_spatial_function(precision(), fp32_rule(fp32))
+        else:
+            _functions[key] = heads.make_heads_function(role, precision(), fp32_rule(fp32))
+    return _functions[key]
+
+
+def role_of(model_patcher) -> str:
+    """``unet`` for SD1.5/SD2/SDXL's UNet, ``dit`` for every other denoiser."""
+    module, name = UNET_CLASS
+    unet = getattr(sys.modules.get(module), name, None)
+    diffusion = getattr(getattr(model_patcher, "model", None), "diffusion_model", None)
+    return "unet" if unet is not None and isinstance(diffusion, unet) else "dit"
+
+
+# --- one model --------------------------------------------------------------------------------------
+
+def make_override(role: str, fp32: str | None = None):
+    """``optimized_attention_override``: ComfyUI calls it as ``override(func, *args, **kwargs)`` with
+    the arguments of the attention function ``func``; the engine serves the call instead."""
+    serve = function(role, fp32)
+
+    def override(func, *args, **kwargs):
+        return serve(*args, **kwargs)
+
+    override.__qualname__ = override.__name__ = f"lib_attn_{role}_override"
+    return override
+
+
+def make_sample_wrapper(config: dict):
+    """An ``OUTER_SAMPLE`` wrapper: the model samples under ``config``, counted in the run."""
+    def wrapper(executor, *args, **kwargs):
+        with run.segment(config):
+            return executor(*args, **kwargs)
+    return wrapper
+
+
+def route_model(model_patcher, config: dict, fp32: str | None = None):
+    """A clone of ``model_patcher`` whose attention runs on the engine under ``config``."""
+    from comfy.patcher_extension import WrappersMP
+
+    model = model_patcher.clone()
+    options = model.model_options.setdefault("transformer_options", {})
+    options["optimized_attention_override"] = make_override(role_of(model), fp32)
+    model.remove_wrappers_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
+    model.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, make_sample_wrapper(config))
+    return model
+
+
+# --- VAE blocks ---------------------------------------------------------------------------------------
+
+def _vae_routed() -> bool:
+    return _vae_config.get() is not None or _global.active
+
+
+def route_vae_blocks() -> list[str]:
+    """Put the descriptor on every VAE block class that is loaded (once): blocks see the engine's
+    function while a routed VAE runs or the global route is on, and their own otherwise."""
+    for module_name, cls_name in VAE_BLOCKS:
+        module, _ = import_quietly(module_name)
+        cls = getattr(module, cls_name, None) if module is not None else None
+        if cls is not None and not _blocks.is_patched(cls, "optimized_attention"):
+            _blocks.patch_stored(cls, "optimized_attention", _vae_function, when=_vae_routed)
+    return _blocks.targets()
+
+
+def _vae_function(q, k, v):
+    config = _vae_config.get()
+    return function("vae", (config or {}).get("fp32"))(q, k, v)
+
+
+VAE_METHODS = ("decode", "decode_tiled", "encode", "encode_tiled")
+
+
+def route_vae(vae, config: dict):
+    """A copy of ComfyUI's ``VAE`` object whose encode/decode run its blocks on the engine under
+    ``config``; the original (which ComfyUI caches between graphs) is left as it is."""
+    import copy
+
+    route_vae_blocks()
+    routed = copy.copy(vae)
+    for name in VAE_METHODS:
+        method = getattr(vae, name, None)
+        if method is not None:
+            setattr(routed, name, _in_vae_segment(method, config))
+    return routed
+
+
+def _in_vae_segment(method, config: dict):
+    def routed(*args, **kwargs):
+        token = _vae_config.set(dict(config))
+        try:
+            with run.segment(config):
+                return method(*args, **kwargs)
+        finally:
+            _vae_config.reset(token)
+    routed.__name__ = getattr(method, "__name__", "routed")
+    return routed
+
+
+# --- every model: the global route --------------------------------------------------------------------
+
+def _chosen(attention) -> set:
+    return {id(getattr(attention, name)) for name in NAMES if hasattr(attention, name)}
+
+
+def route_everything(config: dict | None = None) -> list[str]:
+    """Rebind ComfyUI's chosen function wherever a loaded module holds it, and route every VAE
+    block; returns what was routed. ``config`` is put in force for good."""
+    attention = importlib.import_module(SOURCE)
+    if config:
+        lib_attn.configure(**config)
+    if not _global.active:
+        chosen = _chosen(attention)
+        wrap = getattr(attention, "wrap_attn", None)
+        for module_name, module in list(sys.modules.items()):
+            namespace = getattr(module, "__dict__", None)
+            if not module_name.startswith("comfy") or not isinstance(namespace, dict):
+                continue
+            for name in NAMES:
+                value = namespace.get(name)
+                if value is not None and id(value) in chosen:
+                    role = "dit" if module is not attention else "unet"
+                    served = _global_function(role, wrap)
+                    _global.patch(module, name, served)
+    route_vae_blocks()
+    return _global.targets() + _blocks.targets()
+
+
+def _global_function(role: str, wrap):
+    key = ("global", role)
+    if key not in _functions:
+        serve = function(role)
+
+        def attention_function(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                               skip_output_reshape=False, **kwargs):
+            run.begin()  # counts the run a graph without the nodes is
+            return serve(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, **kwargs)
+
+        attention_function.__qualname__ = attention_function.__name__ = f"lib_attn_{role}_attention"
+        _functions[key] = wrap(attention_function) if wrap is not None else attention_function
+    return _functions[key]
+
+
+def routing() -> host.Routing:
+    if _global.active and _global.intact():
+        return host.ROUTED
+    return host.Routing(False, "ComfyUI's own attention, except the models and VAEs an Attention backend "
+                               "node routes", "add the Attention backend nodes, or start ComfyUI with "
+                                              "ATTN_COMFY_ROUTE=auto (or a chain of backend ids)")
+
+
+def undo() -> int:
+    """Every rebinding and descriptor back as ComfyUI had it (tests)."""
+    return _global.undo() + _blocks.undo()

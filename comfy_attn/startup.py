@@ -1,0 +1,68 @@
+"""What happens when ComfyUI loads this package: the status route, and the global route when asked for.
+
+The global route is asked for by ``ATTN_COMFY_ROUTE`` (``auto``, or a chain of backend ids such as
+``flash-attn,sdpa-cudnn``; empty, ``0`` or ``off``: no global route), or by ComfyUI's own
+``--use-flash-attention`` / ``--use-sage-attention`` (``host_flags``: ComfyUI would stop at startup
+where such a flag's package is missing; this package lets it start, and every model runs on the
+engine with that kernel first, falling back per call with the reason).
+"""
+from __future__ import annotations
+
+import os
+
+import lib_attn
+
+from webui_attn import host
+
+from . import host_flags, route
+
+ENV_ROUTE = "ATTN_COMFY_ROUTE"
+OFF = ("", "0", "off", "false", "no")
+
+
+def requested(environ=os.environ, args=None) -> tuple[list[str] | None, list[str]]:
+    """(the chain asked for, None for Auto; what asked for it), or (None, []) when no global route is.
+    ValueError names an unknown id in ``ATTN_COMFY_ROUTE`` and the valid ones."""
+    why, chain = [], []
+    value = environ.get(ENV_ROUTE, "").strip()
+    if value.lower() not in OFF:
+        why.append(f"{ENV_ROUTE}={value}")
+        if value.lower() not in ("auto", "on", "1", "true", "yes"):
+            chain = [part.strip() for part in value.split(",") if part.strip()]
+            unknown = [i for i in chain if i not in lib_attn.BACKEND_IDS]
+            if unknown:
+                raise ValueError(f"{ENV_ROUTE}={value!r}: unknown backend id {', '.join(map(repr, unknown))}; "
+                                 f"valid: auto or ids of {', '.join(lib_attn.BACKEND_IDS)}")
+    for spelling, backend in host_flags.given(args, environ):
+        why.append(spelling)
+        if backend not in chain:
+            chain.append(backend)
+    if not why:
+        return None, []
+    return chain or None, why
+
+
+def start(routes=None, args=None) -> list[str]:
+    """Register the status route on ``routes`` (ComfyUI's), and route every model when asked for;
+    returns what the global route routed (empty without it)."""
+    from . import api
+
+    if routes is not None:
+        try:
+            api.register(routes)
+        except ImportError as exc:  # aiohttp comes with ComfyUI; a bare test process may lack it
+            host.log_once(("comfy-route", str(exc)), f"status route not added: {exc}")
+    try:
+        chain, why = requested(args=args)
+    except ValueError as exc:
+        host.log_once(("comfy-env", str(exc)), f"{exc}. No global route; the nodes still work.")
+        return []
+    if not why:
+        return []
+    config = {"preference": {"unet": chain, "dit": chain}} if chain else None
+    routed = route.route_everything(config)
+    first = f"{chain[0]} first, " if chain else ""
+    host.log_once(("comfy-global", tuple(routed)),
+                  f"{' and '.join(why)}: every model's attention runs on this extension's engine ({first}falling "
+                  f"back per call, with the reason in the report): {', '.join(routed) or 'nothing loaded yet'}")
+    return routed
