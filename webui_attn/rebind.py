@@ -51,9 +51,12 @@ class Stored:
 
 
 def import_quietly(name: str):
-    """The module, or the reason it cannot be imported here (a model family whose package is missing)."""
+    """The module, or the reason it cannot be imported here; no reason when it or a package it needs
+    is not installed (a model family this host line lacks, or Nunchaku's without its package)."""
     try:
         return importlib.import_module(name), None
+    except ModuleNotFoundError:
+        return None, None
     except Exception as exc:  # noqa: BLE001 - any failure means the host cannot run that family either
         return None, f"{type(exc).__name__}: {exc}"
 
@@ -87,7 +90,8 @@ class Router:
         absent here or holds something that is not the host's."""
         module, why = import_quietly(target.module)
         if module is None:
-            self.skipped[target.where()] = why
+            if why:
+                self.skipped[target.where()] = why
             return False
         owner = module if isinstance(target, Name) else getattr(module, target.cls, None)
         if owner is None or (isinstance(target, Name) and not hasattr(owner, target.attr)):

@@ -34,9 +34,20 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 A1111_ROOT = os.path.join(HERE, "a1111")
 FORGE_ROOT = os.path.join(HERE, "forge")
+NEO_ROOT = os.path.join(HERE, "neo")
+REFORGE_ROOT = os.path.join(HERE, "reforge")
+CLASSIC_ROOT = os.path.join(HERE, "classic")
+#: mode -> (roots in front of A1111's, ``modules`` overlays, ``modules.*`` the host does not have)
+MODES = {
+    "a1111": ((), (), ()),
+    "forge": ((FORGE_ROOT,), (os.path.join(FORGE_ROOT, "modules"),), ()),
+    "neo": ((NEO_ROOT,), (os.path.join(NEO_ROOT, "modules"),), ("modules.sd_hijack_optimizations",)),
+    "reforge": ((REFORGE_ROOT,), (os.path.join(REFORGE_ROOT, "modules"),), ()),
+    "classic": ((CLASSIC_ROOT,), (os.path.join(CLASSIC_ROOT, "modules"),), ("modules.sd_hijack_optimizations",)),
+}
 REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
 EXTENSION_NAME = "sd-webui-flash-attention"
-DOUBLE_PACKAGES = ("modules", "ldm", "sgm", "backend", "launch")
+DOUBLE_PACKAGES = ("modules", "ldm", "sgm", "backend", "launch", "ldm_patched", "modules_forge")
 
 _active = []
 
@@ -76,8 +87,8 @@ def _drop_double_modules():
 @contextlib.contextmanager
 def webui_double(mode: str = "a1111", argv=()):
     """Context manager behind ``webui_factory``; yields a ``Webui``."""
-    if mode not in ("a1111", "forge"):
-        raise ValueError(f"mode {mode!r} is not 'a1111' or 'forge'")
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     if _active:
         raise RuntimeError("a webui double is already installed")
     saved_path, saved_argv = list(sys.path), list(sys.argv)
@@ -88,12 +99,17 @@ def webui_double(mode: str = "a1111", argv=()):
     _drop_double_modules()
     _active.append(mode)
     try:
-        roots = [FORGE_ROOT, A1111_ROOT] if mode == "forge" else [A1111_ROOT]
-        sys.path[:0] = roots
+        roots, overlays, absent = MODES[mode]
+        sys.path[:0] = [*roots, A1111_ROOT]
         sys.argv = ["webui.py", *argv]
         import modules
-        if mode == "forge":
-            modules.__path__.insert(0, os.path.join(FORGE_ROOT, "modules"))
+        modules.__path__[:0] = [o for o in overlays if os.path.isdir(o)]
+        for name in absent:
+            sys.modules[name] = None  # the host has no such module: importing it fails
+        if mode in ("reforge", "classic"):
+            # these hosts parse ldm_patched's own arguments first (initialize_forge)
+            from modules_forge.initialization import initialize_forge
+            initialize_forge()
         from modules import paths_internal
         paths_internal.extensions_dir = extensions_dir
         import modules.shared  # noqa: F401  (runs preload.py and parses argv)

@@ -1,0 +1,88 @@
+"""Double of Forge Neo's backend/memory_management.py: what attention selection reads.
+
+xformers, SageAttention and flash-attn count as available when they import, unless their
+``--disable-*`` flag is given (``--xformers``/``--sage``/``--flash`` only install them); each is used
+only on an NVIDIA GPU. ``--attention-pytorch`` turns SDPA on and xformers off; on a GPU SDPA is on
+unless ``--attention-split``.
+"""
+import importlib.util
+from enum import Enum
+
+import torch
+
+from backend.args import args
+
+
+class CPUState(Enum):
+    GPU = 0
+    CPU = 1
+    MPS = 2
+
+
+cpu_state = CPUState.CPU if args.always_cpu or not torch.cuda.is_available() else CPUState.GPU
+OOM_EXCEPTION = torch.cuda.OutOfMemoryError
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+XFORMERS_IS_AVAILABLE = not args.disable_xformers and _importable("xformers")
+SAGE_IS_AVAILABLE = not args.disable_sage and _importable("sageattention")
+FLASH_IS_AVAILABLE = not args.disable_flash and _importable("flash_attn")
+
+ENABLE_PYTORCH_ATTENTION = False
+if args.attention_pytorch:
+    ENABLE_PYTORCH_ATTENTION = True
+    XFORMERS_IS_AVAILABLE = False
+if cpu_state == CPUState.GPU and not ENABLE_PYTORCH_ATTENTION and not args.attention_split:
+    ENABLE_PYTORCH_ATTENTION = True
+
+
+def is_nvidia():
+    return cpu_state == CPUState.GPU and torch.version.cuda is not None
+
+
+def get_torch_device():
+    return torch.device("cpu") if cpu_state == CPUState.CPU else torch.device(torch.cuda.current_device())
+
+
+def xformers_enabled():
+    return cpu_state == CPUState.GPU and XFORMERS_IS_AVAILABLE
+
+
+def sage_enabled():
+    return cpu_state == CPUState.GPU and is_nvidia() and SAGE_IS_AVAILABLE
+
+
+def flash_enabled():
+    return cpu_state == CPUState.GPU and is_nvidia() and FLASH_IS_AVAILABLE
+
+
+def xformers_enabled_vae():
+    return xformers_enabled()
+
+
+def pytorch_attention_enabled():
+    return ENABLE_PYTORCH_ATTENTION
+
+
+def force_upcast_attention_dtype():
+    """{fp16: fp32} under --force-upcast-attention, else None (Neo also upcasts on macOS 14.5+)."""
+    return {torch.float16: torch.float32} if args.force_upcast_attention else None
+
+
+def dtype_size(dtype):
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def get_free_memory(dev=None, torch_free_too=False):
+    free = 16 * 1024 ** 3
+    return (free, free) if torch_free_too else free
+
+
+def soft_empty_cache(force=False):
+    pass

@@ -1,0 +1,277 @@
+"""Forge Neo (the neo line, ComfyUI's function form) against its double: every model family's calls
+reach the engine with Neo's keyword arguments, outputs match Neo's own attention in fp32, the
+precision rule is called as Neo defines it (and Neo's own defect in it never fails a generation),
+blocks that store their function are reached and restored, and undo is exact."""
+import pytest
+import torch
+
+import lib_attn
+from tests.doubles.fixtures import webui_factory  # noqa: F401
+from webui_attn import forge, host, hosts, layers
+
+FP32 = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def fresh_log(monkeypatch):
+    """Each test sees the extension's once-per-process lines as a fresh start would."""
+    monkeypatch.setattr(host, "_said", set())
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def bindings():
+    import backend.attention as attention
+    import backend.nn.flux as flux
+    import backend.nn.llm.llama as llama
+    import backend.nn.lumina as lumina
+    import backend.nn.qwen as qwen
+    import backend.nn.t5 as t5
+    import backend.nn.unet as unet
+    import backend.nn.vae as vae
+    import backend.nn.wan as wan
+    import backend.nn.wan_vae as wan_vae
+    return {
+        "attention.attention_function": attention.attention_function, "unet": unet.attention_function,
+        "flux": flux.attention_function, "wan": wan.optimized_attention, "qwen": qwen.attention_function,
+        "lumina": lumina.attention_function, "vae": vae.attention_function_single_head_spatial,
+        "wan_vae.vae_attention": wan_vae.vae_attention, "t5": t5.attention_function, "llama": llama.attention_function,
+        "wan_vae.AttentionBlock": wan_vae.AttentionBlock.__dict__.get("optimized_attention"),
+    }
+
+
+def start(webui_factory, argv=("--attention-pytorch",)):
+    """Neo started as its CPU recipe says (SDPA chosen), the model modules imported as Neo's loader does."""
+    webui = webui_factory("neo", argv=list(argv))
+    before = bindings()
+    webui.load_scripts()
+    return webui, before
+
+
+def test_recognised_as_neo_and_every_family_routed(webui_factory, capsys):
+    webui, before = start(webui_factory)
+    assert hosts.detect() == hosts.NEO
+    after = bindings()
+    for name in ("attention.attention_function", "unet", "flux", "wan", "qwen", "lumina", "vae"):
+        assert after[name] is not before[name], name
+    assert after["wan_vae.AttentionBlock"] is not None                     # the blocks' descriptor
+    for name in ("t5", "llama", "wan_vae.vae_attention"):                  # text encoders keep Neo's
+        assert after[name] is before[name], name
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith(f"{host.PREFIX} Forge Neo: attention routed"))
+    for target in ("backend.nn.unet.attention_function", "backend.nn.flux.attention_function",
+                   "backend.nn.wan.optimized_attention", "backend.nn.qwen.attention_function",
+                   "backend.nn.lumina.attention_function", "backend.nn.vae.attention_function_single_head_spatial",
+                   "backend.nn.wan_vae.AttentionBlock.optimized_attention"):
+        assert target in line, target
+    assert "not recognised" not in out
+
+
+def test_flux_call_with_transformer_options_matches_neo(webui_factory):
+    """The call that raised TypeError before: skip_reshape, mask= and transformer_options= keywords."""
+    start(webui_factory)
+    import backend.attention as attention
+    import backend.nn.flux as flux
+    qkv = torch.randn(2, 40, 3, 6, 64, dtype=torch.float64).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    ref = attention.attention_pytorch(q, k, v, 6, skip_reshape=True)
+    with lib_attn.recording() as rec:
+        out = flux.attention(q.float(), k.float(), v.float(), None, transformer_options={"cond_or_uncond": [0]})
+    assert out.shape == (2, 40, 6 * 64) and rel_err(out, ref) <= FP32
+    assert rec.calls == {("dit", "sdpa"): 1}
+
+
+def test_flux_and_chroma_blocks_match_neo(webui_factory):
+    webui, before = start(webui_factory)
+    import backend.nn.chroma as chroma
+    import backend.nn.flux as flux
+    hidden, heads, l_txt, l_img = 96, 4, 6, 12
+    double = flux.DoubleStreamBlock(hidden, heads).double()
+    single = chroma.ChromaSingleStreamBlock(hidden, heads).double()
+    img, txt = torch.randn(1, l_img, hidden, dtype=torch.float64), torch.randn(1, l_txt, hidden, dtype=torch.float64)
+    ids = torch.stack([torch.zeros(l_txt + l_img), torch.arange(l_txt + l_img, dtype=torch.float64),
+                       torch.zeros(l_txt + l_img)], -1)[None]
+    pe = flux.EmbedND(hidden // heads, 10000, [8, 8, 8])(ids)
+    mask = torch.zeros(1, 1, l_txt + l_img, l_txt + l_img, dtype=torch.float64)
+    mask[..., l_txt - 2:l_txt] = float("-inf")                              # Chroma masks padded text tokens
+    patched = flux.attention_function
+    flux.attention_function = before["flux"]
+    try:
+        ref = double(img, txt, pe)
+        ref_single = single(torch.cat((txt, img), 1), pe, attn_mask=mask, transformer_options={})
+    finally:
+        flux.attention_function = patched
+    double.float()
+    single.float()
+    with lib_attn.recording() as rec:
+        out = double(img.float(), txt.float(), pe)
+        out_single = single(torch.cat((txt, img), 1).float(), pe, attn_mask=mask.float(), transformer_options={})
+    assert sum(rec.calls.values()) == 2 and all(role == "dit" for role, _ in rec.calls)
+    for o, r in ((out[0], ref[0]), (out[1], ref[1]), (out_single, ref_single)):
+        assert rel_err(o, r) <= FP32
+
+
+def test_unet_call_survives_neos_precision_defect(webui_factory, capsys, monkeypatch):
+    """Neo's get_attn_precision raises AttributeError (its parser lacks dont_upcast_attention): the call
+    runs at the requested precision, and that is said once."""
+    start(webui_factory)
+    import backend.attention as attention
+    import backend.nn.unet as unet
+    with pytest.raises(AttributeError):
+        attention.get_attn_precision(None, torch.float16)                  # Neo's own defect
+    layer = unet.CrossAttention(64, context_dim=32, heads=4, dim_head=16).double()
+    x, ctx = torch.randn(2, 24, 64, dtype=torch.float64), torch.randn(2, 7, 32, dtype=torch.float64)
+    patched = unet.attention_function
+    unet.attention_function = attention.attention_pytorch
+    try:
+        ref = layer(x, ctx)
+    finally:
+        unet.attention_function = patched
+    layer.float()
+    with lib_attn.recording() as rec:
+        for _ in range(3):
+            out = layer(x.float(), ctx.float())
+    assert rel_err(out, ref) <= FP32 and rec.calls == {("unet", "sdpa"): 3}
+    lines = [x for x in capsys.readouterr().out.splitlines() if "get_attn_precision failed" in x]
+    assert len(lines) == 1 and "Forge Neo" in lines[0] and "AttributeError" in lines[0]
+
+
+def test_precision_rule_gets_the_inputs_dtype(webui_factory, monkeypatch):
+    """Neo's rule is (requested, current_dtype): with --force-upcast-attention fp16 runs in fp32."""
+    start(webui_factory)
+    import backend.attention as attention
+    from webui_attn import heads
+    seen = []
+    monkeypatch.setattr(attention, "args", type("A", (), {"dont_upcast_attention": False})())
+    rule = heads.PrecisionRule(attention.get_attn_precision, "Forge Neo")
+    assert rule.takes_dtype
+    monkeypatch.setattr(attention, "FORCE_UPCAST_ATTENTION_DTYPE", {torch.float16: torch.float32})
+    seen.append(rule(None, torch.float16))
+    seen.append(rule(None, torch.bfloat16))
+    assert seen == [torch.float32, None]
+
+
+@pytest.mark.parametrize("skip_output_reshape", [False, True])
+def test_wan_calls_with_heads_as_keyword_and_match(webui_factory, skip_output_reshape):
+    start(webui_factory)
+    import backend.attention as attention
+    import backend.nn.wan as wan
+    layer = wan.WanSelfAttention(64, 4).double()
+    x, freqs = torch.randn(1, 10, 64, dtype=torch.float64), torch.randn(10, 8, dtype=torch.float64)
+    patched = wan.optimized_attention
+    wan.optimized_attention = attention.attention_pytorch
+    try:
+        ref = layer(x, freqs)
+    finally:
+        wan.optimized_attention = patched
+    with lib_attn.recording() as rec:
+        out = layer.float()(x.float(), freqs.float())
+    assert rel_err(out, ref) <= FP32 and rec.calls == {("dit", "sdpa"): 1}
+    q = torch.randn(1, 10, 64)
+    direct = wan.optimized_attention(q, q, q, heads=4, skip_output_reshape=skip_output_reshape)
+    want = attention.attention_pytorch(q.double(), q.double(), q.double(), heads=4, skip_output_reshape=skip_output_reshape)
+    assert direct.shape == want.shape and rel_err(direct, want) <= FP32
+
+
+@pytest.mark.parametrize("kind", ["none", "additive-2d", "additive-3d", "additive-4d", "bool-4d"])
+def test_qwen_and_lumina_masks_match_neo(webui_factory, kind):
+    start(webui_factory)
+    import backend.attention as attention
+    import backend.nn.lumina as lumina
+    import backend.nn.qwen as qwen
+    heads, d, n = 4, 16, 20
+    mask = None
+    if kind == "bool-4d":
+        mask = torch.rand(1, 1, n, n) > 0.3
+        mask[..., 0] = True
+    elif kind != "none":
+        mask = torch.randn({"additive-2d": (n, n), "additive-3d": (1, n, n), "additive-4d": (1, heads, n, n)}[kind],
+                           dtype=torch.float64) * 3
+    q, k, v = (torch.randn(2, n, heads * d, dtype=torch.float64) for _ in range(3))
+    ref = attention.attention_pytorch(q, k, v, heads, mask)
+    bq, bk, bv = (t.view(2, n, heads, d).transpose(1, 2) for t in (q, k, v))
+    ref_lumina = attention.attention_pytorch(bq, bk, bv, heads, mask, skip_reshape=True)
+    f = (lambda m: m if m is None or m.dtype == torch.bool else m.float())(mask)
+    with lib_attn.recording() as rec:
+        out = qwen.attention_function(q.float(), k.float(), v.float(), heads, f)
+        out_lumina = lumina.attention_function(bq.float(), bk.float(), bv.float(), heads, f, skip_reshape=True,
+                                               transformer_options={})
+    assert rel_err(out, ref) <= FP32 and rel_err(out_lumina, ref_lumina) <= FP32
+    assert sum(rec.calls.values()) == 2 and all(role == "dit" for role, _ in rec.calls)
+
+
+def test_wan_vae_blocks_built_before_and_after_are_reached_and_restored(webui_factory):
+    webui = webui_factory("neo", argv=["--attention-pytorch"])
+    import backend.attention as attention
+    import backend.nn.wan_vae as wan_vae
+    early = wan_vae.AttentionBlock(32).double()                              # built before the extension loads
+    own = early.optimized_attention
+    assert own is attention.attention_function_single_head_spatial
+    x = torch.randn(1, 32, 2, 4, 4, dtype=torch.float64)
+    ref = early(x)
+    webui.load_scripts()
+    late = wan_vae.AttentionBlock(32).double()
+    late.load_state_dict(early.state_dict())
+    with lib_attn.recording() as rec:
+        out_early, out_late = early.float()(x.float()), late.float()(x.float())
+    assert rec.calls == {("vae", "sdpa"): 2}                                 # one call per block (frames in the batch)
+    assert rel_err(out_early, ref) <= FP32 and rel_err(out_late, ref) <= FP32
+    assert early.optimized_attention is not own
+    forge.uninstall()
+    assert early.optimized_attention is own and late.optimized_attention is own
+    assert "optimized_attention" not in wan_vae.AttentionBlock.__dict__
+
+
+def test_undo_is_exact_and_reload_routes_again(webui_factory):
+    webui, before = start(webui_factory)
+    from modules import script_callbacks
+    script_callbacks.script_unloaded_callback()
+    after = bindings()
+    assert all(after[name] is before[name] for name in before)
+    webui.load_scripts()
+    assert bindings()["flux"] is not before["flux"]
+
+
+def test_memory_estimate_is_unchanged(webui_factory):
+    webui = webui_factory("neo", argv=["--attention-pytorch"])
+    from backend.modules.k_model import KModel
+    model = KModel(torch.float16)
+    shapes = [(2, 4, 64, 64), (1, 16, 128, 128)]
+    estimate = [model.memory_required(s) for s in shapes]
+    webui.load_scripts()
+    assert [model.memory_required(s) for s in shapes] == estimate
+
+
+@pytest.mark.parametrize("argv,preference,avoid,note", [
+    (["--sage"], ("sage",), (), "Forge Neo --sage: UNet/DiT attention prefers sage"),
+    (["--flash", "--sage"], ("sage", "flash-attn"), (), "Forge Neo --flash: UNet/DiT attention prefers flash-attn"),
+    (["--sage", "--disable-sage"], None, ("sage",), "Forge Neo --disable-sage: sage is left out"),
+    (["--attention-pytorch"], None, ("xformers",), "Forge Neo --attention-pytorch: xformers is left out"),
+])
+def test_neos_own_flags_are_a_preference(webui_factory, capsys, argv, preference, avoid, note):
+    start(webui_factory, argv)
+    config = lib_attn.config()
+    assert config.preference["unet"] == preference and config.preference["dit"] == preference
+    assert config.preference["vae"] is None
+    assert config.avoid == avoid
+    assert any(line.startswith(f"{host.PREFIX} {note}") for line in capsys.readouterr().out.splitlines())
+
+
+def test_our_flag_wins_over_neos(webui_factory):
+    start(webui_factory, ["--sage", "--attn-backend", "sdpa-math"])
+    assert lib_attn.config().preference["unet"] == ("sdpa-math",)
+    assert layers.get_layer("host") == {"preference": {"unet": ["sage"], "dit": ["sage"]}}
+
+
+def test_sage_flag_without_the_package_falls_back_per_call_with_the_reason(webui_factory):
+    start(webui_factory, ["--attention-pytorch", "--sage"])
+    import backend.nn.unet as unet
+    sage = {b.id: b for b in lib_attn.backends()}["sage"]
+    q = torch.randn(1, 16, 64)
+    with lib_attn.recording() as rec:
+        unet.attention_function(q, q, q, 4)
+    assert rec.calls == {("unet", "sdpa"): 1}
+    if not sage.available:
+        assert rec.fallbacks == {("unet", "sage", f"not available: {sage.reason}"): 1}
