@@ -1,10 +1,18 @@
 """Command-line flags of sd-webui-flash-attention. The webui loads this file by path before parsing
-its arguments; it imports nothing heavy (no torch) and only adds flags.
+its arguments; it imports nothing heavy (no torch) and adds flags.
 
 Backend ids are checked when the extension loads, where the engine is importable: an unknown id is
 reported with the list of valid ids and the flag is ignored.
+
+On the ldm_patched line (reForge) it also claims the host's own ``--use-flash-attention`` /
+``--use-sage-attention`` / ``--use-sage-attention3`` when their package is missing and the host has
+not imported its attention module yet (``webui_attn/startup_flags.py``): the webui then starts instead
+of exiting, and the extension puts that kernel first, falling back per call.
 """
 import argparse
+import importlib.util
+import os
+import sys
 
 GROUP_TITLE = "sd-webui-flash-attention"
 
@@ -55,7 +63,20 @@ FLAGS = (
 )
 
 
+def _claim_startup_flags() -> None:
+    host_args = getattr(sys.modules.get("ldm_patched.modules.args_parser"), "args", None)
+    if host_args is None or "ldm_patched.ldm.modules.attention" in sys.modules:
+        return  # not that line, or too late: the host has chosen its attention already
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "webui_attn", "startup_flags.py")
+    spec = importlib.util.spec_from_file_location("flash_attention_startup_flags", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for message in module.claim(host_args):
+        print(f"[flash-attention] {message}")
+
+
 def preload(parser: argparse.ArgumentParser) -> None:
+    _claim_startup_flags()
     group = parser.add_argument_group(GROUP_TITLE)
     for flag, kwargs in FLAGS:
         try:

@@ -2,9 +2,9 @@
 
 The global route is asked for by ``ATTN_COMFY_ROUTE`` (``auto``, or a chain of backend ids such as
 ``flash-attn,sdpa-cudnn``; empty, ``0`` or ``off``: no global route), or by ComfyUI's own
-``--use-flash-attention`` / ``--use-sage-attention`` (``host_flags``: ComfyUI would stop at startup
-where such a flag's package is missing; this package lets it start, and every model runs on the
-engine with that kernel first, falling back per call with the reason).
+``--use-flash-attention`` / ``--use-sage-attention`` (``webui_attn.startup_flags``: ComfyUI would stop
+at startup where such a flag's package is missing; this package lets it start, and every model runs
+on the engine with that kernel first, falling back per call with the reason).
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import os
 
 import lib_attn
 
-from webui_attn import host
+from webui_attn import host, startup_flags
 
-from . import host_flags, route
+from . import route
 
 ENV_ROUTE = "ATTN_COMFY_ROUTE"
 OFF = ("", "0", "off", "false", "no")
@@ -33,9 +33,9 @@ def requested(environ=os.environ, args=None) -> tuple[list[str] | None, list[str
             if unknown:
                 raise ValueError(f"{ENV_ROUTE}={value!r}: unknown backend id {', '.join(map(repr, unknown))}; "
                                  f"valid: auto or ids of {', '.join(lib_attn.BACKEND_IDS)}")
-    for spelling, backend in host_flags.given(args, environ):
+    for spelling, backend in startup_flags.given(args, environ):
         why.append(spelling)
-        if backend not in chain:
+        if backend and backend not in chain:
             chain.append(backend)
     if not why:
         return None, []

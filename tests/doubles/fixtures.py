@@ -1,25 +1,27 @@
-"""Install a webui double (A1111 1.10.1 or Forge) into this process for one test.
+"""Install a webui double (A1111 1.10.1, Forge, Forge Neo, reForge or Forge Classic) into this process for
+one test.
 
 Usage, in a test module::
 
     from tests.doubles.fixtures import webui_factory  # noqa: F401  (pytest finds the fixture)
 
     def test_something(webui_factory):
-        webui = webui_factory("a1111", argv=["--opt-flash-attention"])   # or "forge"
+        webui = webui_factory("a1111", argv=["--opt-flash-attention"])   # or "forge", "neo", "reforge", "classic"
         webui.load_scripts()          # imports scripts/flash_attention.py as the webui does (A1111 also
                                       # rebuilds its optimizer list); returns the script module
         from modules import shared, sd_hijack
         ...
         webui.reload_ui()             # "Reload UI": unload callbacks, then load the scripts again
 
-What it does: puts ``tests/doubles/a1111`` (plus ``tests/doubles/forge`` in front, for Forge) on
-``sys.path``, sets ``sys.argv`` to ``["webui.py", *argv]`` before anything parses it, links this repository
-as the only extension so that its ``preload.py`` adds the flags as the webui would, and imports
-``modules.shared``. In Forge mode ``modules`` is the A1111 double overlaid with Forge's stub
-``sd_hijack`` and empty ``sd_hijack_optimizations``, and ``backend`` (args, memory_management, attention,
-nn.{unet,flux,chroma,vae,t5}, modules.k_model) is Forge's, CPU-only, chosen as Forge chooses on CPU
-(pass ``--attention-pytorch`` to get ``attention_pytorch``). On exit it runs the unload callbacks, drops
-every double module from ``sys.modules``, restores ``sys.path``/``sys.argv`` and resets the engine
+What it does: puts the host's double root in front of ``tests/doubles/a1111`` on ``sys.path`` (``MODES``),
+sets ``sys.argv`` to ``["webui.py", *argv]`` before anything parses it, links this repository as the only
+extension so that its ``preload.py`` adds the flags as the webui would, and imports ``modules.shared``.
+``modules`` is the A1111 double overlaid with the host's own files (Forge's lines: a stub ``sd_hijack``;
+Forge, reForge: an emptied ``sd_hijack_optimizations``; Neo and Classic have none, so importing it fails);
+``backend`` (Forge, Neo) or ``ldm_patched`` and ``modules_forge`` (reForge, Classic) are the host's,
+CPU-only, chosen as the host chooses on CPU (pass ``--attention-pytorch`` to get SDPA). reForge and
+Classic run ``initialize_forge()`` first, as their webui.py does. On exit it runs the unload callbacks,
+drops every double module from ``sys.modules``, restores ``sys.path``/``sys.argv`` and resets the engine
 configuration layers. One double at a time.
 """
 from __future__ import annotations
@@ -53,7 +55,7 @@ _active = []
 
 
 class Webui:
-    """A running double: ``mode`` ("a1111" or "forge"), ``extension_dir`` (this repository)."""
+    """A running double: ``mode`` (a key of ``MODES``), ``extension_dir`` (this repository)."""
 
     def __init__(self, mode: str, extension_dir: str):
         self.mode = mode
@@ -134,7 +136,7 @@ def webui_double(mode: str = "a1111", argv=()):
 
 @pytest.fixture
 def webui_factory():
-    """``webui_factory(mode="a1111"|"forge", argv=())`` -> Webui; uninstalled after the test."""
+    """``webui_factory(mode="a1111"|"forge"|"neo"|"reforge"|"classic", argv=())`` -> Webui; uninstalled after the test."""
     stack = contextlib.ExitStack()
 
     def make(mode: str = "a1111", argv=()):
