@@ -11,8 +11,6 @@ is protected as the webui protects itself:
 Credentials are read as the webuis read them: comma-separated ``user:password`` pairs, the password
 being everything after the first ``:``; the auth file holds the same, on one or more lines.
 """
-from __future__ import annotations
-
 import secrets
 
 REALM = {"WWW-Authenticate": "Basic"}
