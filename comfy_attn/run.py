@@ -111,7 +111,8 @@ def send(report: Report) -> None:
 
 
 def reset() -> None:
-    """Forget the run (tests)."""
-    global _run
+    """Forget the run and where the execution context is read from (tests)."""
+    global _run, _context
     with _lock:
         _run = None
+        _context = None

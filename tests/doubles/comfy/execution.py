@@ -1,0 +1,40 @@
+"""Double of the node checks and calls of ComfyUI's execution.py, for one node at a time.
+
+``validate`` does what ``validate_inputs`` does with a node's own values: a combo input's value must be
+in its list ("Value not in list") unless the node's ``VALIDATE_INPUTS`` takes that input, and
+``VALIDATE_INPUTS`` is called with the inputs it names (True, or a message: "Custom validation failed
+for node"). ``execute`` runs ``FUNCTION`` inside the node's execution context (its prompt id); a
+node's exception fails the prompt with that exception.
+"""
+import inspect
+
+from comfy_execution.utils import CurrentNodeContext
+
+
+def validate(node_cls, inputs):
+    """(True, []) or (False, errors) as ComfyUI reports them."""
+    errors = []
+    check = getattr(node_cls, "VALIDATE_INPUTS", None)
+    names = inspect.getfullargspec(check).args if check is not None else []
+    types = node_cls.INPUT_TYPES()
+    for section in ("required", "optional"):
+        for name, info in types.get(section, {}).items():
+            if name not in inputs:
+                if section == "required":
+                    errors.append({"type": "required_input_missing", "details": name})
+                continue
+            if name not in names and isinstance(info[0], list) and inputs[name] not in info[0]:
+                errors.append({"type": "value_not_in_list", "message": "Value not in list",
+                               "details": f"{name}: '{inputs[name]}' not in {info[0]}"})
+    if check is not None:
+        result = check(**{n: inputs[n] for n in names if n in inputs})
+        if result is not True:
+            errors.append({"type": "custom_validation_failed", "message": "Custom validation failed for node",
+                           "details": f"{names} - {result}"})
+    return (not errors), errors
+
+
+def execute(node_cls, inputs, prompt_id="prompt-1", node_id="1"):
+    """The node's outputs (its ``FUNCTION``'s return value), run as node ``node_id`` of ``prompt_id``."""
+    with CurrentNodeContext(prompt_id, node_id):
+        return getattr(node_cls(), node_cls.FUNCTION)(**inputs)

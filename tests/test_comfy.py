@@ -1,0 +1,345 @@
+"""The ComfyUI custom node against the ComfyUI 0.8.0 double: the loader's contract, the nodes' inputs
+and errors, output equality with ComfyUI's own attention in fp32 for every call form the models use,
+call counts per role, the VAE route and its undo, the report, the global route and ComfyUI's own
+flags, and the status route."""
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lib_attn
+from tests.doubles.comfy_fixtures import COMFY_ROOT, REPO_ROOT, comfy_factory  # noqa: F401
+from webui_attn import host
+
+FP32 = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def fresh_log(monkeypatch):
+    monkeypatch.setattr(host, "_said", set())
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def loaded(comfy_factory, argv=("--cpu",), env=None, prestartup=True):
+    comfy = comfy_factory(argv=argv, env=env, prestartup=prestartup)
+    assert comfy.load_node()
+    import nodes
+    return comfy, nodes
+
+
+def node(nodes, name, prompt_id="p1", **inputs):
+    import execution
+    cls = nodes.NODE_CLASS_MAPPINGS[name]
+    ok, errors = execution.validate(cls, inputs)
+    assert ok, errors
+    return execution.execute(cls, inputs, prompt_id=prompt_id)
+
+
+def unet_patcher(seed=0):
+    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+    from comfy.model_base import BaseModel
+    from comfy.model_patcher import ModelPatcher
+    torch.manual_seed(seed)
+    return ModelPatcher(BaseModel(UNetModel()))
+
+
+def flux_patcher(seed=0):
+    from comfy.ldm.flux.model import Flux
+    from comfy.model_base import BaseModel
+    from comfy.model_patcher import ModelPatcher
+    torch.manual_seed(seed)
+    return ModelPatcher(BaseModel(Flux()))
+
+
+def sample(patcher, prompt_id="p1", steps=2):
+    """KSampler's work, as node ``prompt_id``'s sampler would do it."""
+    from comfy import samplers
+    from comfy_execution.utils import CurrentNodeContext
+    gen = torch.Generator().manual_seed(1)
+    noise = torch.randn(1, 4, 8, 8, generator=gen)
+    context = torch.randn(1, 7, 32, generator=gen)
+    with CurrentNodeContext(prompt_id, "3"):
+        return samplers.sample(patcher, noise, torch.linspace(1.0, 0.1, steps + 1), context)
+
+
+BACKEND = dict(backend="auto", chain="", strict=False, fp32="auto")
+
+
+# --- the loader's contract ----------------------------------------------------------------------------
+
+def test_loads_as_a_custom_node_package(comfy_factory):
+    comfy, nodes = loaded(comfy_factory)
+    assert set(nodes.NODE_CLASS_MAPPINGS) >= {"FlashAttentionBackend", "FlashAttentionVAEBackend", "FlashAttentionReport"}
+    assert nodes.NODE_DISPLAY_NAME_MAPPINGS["FlashAttentionBackend"] == "Attention backend"
+    web = nodes.EXTENSION_WEB_DIRS["sd-webui-flash-attention"]
+    assert os.path.realpath(web) == os.path.join(os.path.realpath(REPO_ROOT), "web")
+    assert os.path.isfile(os.path.join(web, "flash_attention.js"))
+    assert comfy.node_dir not in sys.path
+
+
+def test_loads_in_a_fresh_comfyui_where_nothing_of_it_is_on_sys_path(tmp_path):
+    """ComfyUI does not put the folder on sys.path: the package loads its own packages itself."""
+    custom = tmp_path / "custom_nodes"
+    custom.mkdir()
+    os.symlink(REPO_ROOT, custom / "sd-webui-flash-attention")
+    code = (
+        "import asyncio, sys\n"
+        f"sys.path = [p for p in sys.path if p not in ({REPO_ROOT!r}, '')]\n"
+        f"sys.path.insert(0, {COMFY_ROOT!r})\n"
+        "import comfy.cli_args, server\n"
+        "server.PromptServer()\n"
+        "import nodes\n"
+        f"ok = asyncio.run(nodes.load_custom_node({str(custom / 'sd-webui-flash-attention')!r}))\n"
+        "import lib_attn\n"
+        "print(ok, lib_attn.__file__, sorted(nodes.NODE_CLASS_MAPPINGS))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert out.returncode == 0, out.stderr
+    ok, path, names = out.stdout.split(" ", 2)
+    assert ok == "True" and os.path.realpath(path).startswith(os.path.realpath(REPO_ROOT))
+    assert "FlashAttentionBackend" in names
+
+
+# --- the Attention backend node -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("inputs,words", [
+    (dict(backend="nope"), ["'nope'", "valid ids", "flash-attn"]),
+    (dict(chain="sdpa, flahs-attn"), ["'flahs-attn'", "valid ids"]),
+    (dict(fp32="sideways"), ["'sideways'", "cast", "keep"]),
+])
+def test_bad_values_are_refused_before_the_graph_runs(comfy_factory, inputs, words):
+    _, nodes = loaded(comfy_factory)
+    import execution
+    values = dict(model=None, tune="auto", **{**BACKEND, **inputs})
+    ok, errors = execution.validate(nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"], values)
+    assert not ok and all(w in errors[0]["details"] for w in words)
+    with pytest.raises(ValueError) as raised:                                 # and again when it runs
+        execution.execute(nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"], dict(values, model=unet_patcher()))
+    assert all(w in str(raised.value) for w in words)
+
+
+def test_choices_list_only_valid_values(comfy_factory):
+    _, nodes = loaded(comfy_factory)
+    required = nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"].INPUT_TYPES()["required"]
+    assert required["backend"][0] == ["auto", *lib_attn.BACKEND_IDS]
+    assert required["fp32"][0] == ["auto", "cast", "keep"] and required["tune"][0] == ["auto", "on", "off"]
+
+
+@pytest.mark.parametrize("make,role,per_step", [(unet_patcher, "unet", 2), (flux_patcher, "dit", 1)])
+def test_model_through_the_node_matches_comfyui_and_is_counted(comfy_factory, make, role, per_step):
+    _, nodes = loaded(comfy_factory)
+    from comfy.ldm.modules import attention
+    assert attention.optimized_attention.__wrapped__.__name__ == "attention_sub_quad"   # ComfyUI on CPU
+    original = make()
+    ref = sample(original)
+    (routed,) = node(nodes, "FlashAttentionBackend", model=original, tune="auto", **BACKEND)
+    assert routed is not original and routed.model is original.model                 # a clone, same weights
+    assert "optimized_attention_override" not in original.model_options["transformer_options"]
+    assert not original.wrappers
+    with lib_attn.recording() as rec:
+        out = sample(routed, steps=2)
+    assert rel_err(out, ref) <= FP32
+    assert rec.calls == {(role, "sdpa"): 2 * per_step}
+    assert rel_err(sample(original), ref) <= 1e-12                                    # the original is ComfyUI's
+
+
+@pytest.mark.parametrize("form", ["plain", "skip_reshape", "skip_output_reshape", "both"])
+@pytest.mark.parametrize("kind", ["none", "additive-2d", "additive-3d", "additive-4d", "bool-2d", "bool-3d", "bool-4d"])
+def test_every_call_form_through_the_override_matches_attention_pytorch(comfy_factory, form, kind):
+    _, _ = loaded(comfy_factory)
+    from comfy.ldm.modules import attention
+    from comfy_attn import route
+    heads, d, n, m = 4, 16, 12, 10
+    q = torch.randn(2, n, heads * d, dtype=torch.float64)
+    k, v = (torch.randn(2, m, heads * d, dtype=torch.float64) for _ in range(2))
+    skip_reshape = form in ("skip_reshape", "both")
+    skip_output_reshape = form in ("skip_output_reshape", "both")
+    if skip_reshape:
+        q, k, v = (t.view(2, -1, heads, d).transpose(1, 2) for t in (q, k, v))
+    mask = None
+    if kind.startswith("bool"):
+        mask = torch.rand({"bool-2d": (n, m), "bool-3d": (2, n, m), "bool-4d": (2, heads, n, m)}[kind]) > 0.3
+        mask[..., 0] = True
+    elif kind != "none":
+        mask = torch.randn({"additive-2d": (n, m), "additive-3d": (2, n, m), "additive-4d": (2, heads, n, m)}[kind],
+                           dtype=torch.float64)
+    ref = attention.attention_pytorch(q, k, v, heads, mask, skip_reshape=skip_reshape,
+                                      skip_output_reshape=skip_output_reshape)
+    options = {"optimized_attention_override": route.make_override("dit")}
+    f = None if mask is None else (mask if mask.dtype == torch.bool else mask.float())
+    with lib_attn.recording() as rec:
+        out = attention.optimized_attention(q.float(), k.float(), v.float(), heads, f, skip_reshape=skip_reshape,
+                                            skip_output_reshape=skip_output_reshape, transformer_options=options)
+    assert out.shape == ref.shape and rel_err(out, ref) <= FP32
+    assert rec.calls == {("dit", "sdpa"): 1}
+
+
+def test_text_encoders_keep_comfyuis_attention(comfy_factory):
+    _, _ = loaded(comfy_factory, env={"ATTN_COMFY_ROUTE": "auto"})
+    from comfy.ldm.modules import attention
+    fn = attention.optimized_attention_for_device(torch.device("cpu"), small_input=True)
+    q = torch.randn(1, 8, 32)
+    with lib_attn.recording() as rec:
+        fn(q, q, q, 4)
+    assert fn is attention.attention_basic and not rec.calls
+
+
+def test_strict_raises_into_the_sampler_and_the_configuration_comes_back(comfy_factory):
+    _, nodes = loaded(comfy_factory)
+    flash = {b.id: b for b in lib_attn.backends()}["flash-attn"]
+    if flash.available:
+        pytest.skip("flash-attn runs here")
+    (routed,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto",
+                     **dict(BACKEND, backend="flash-attn", strict=True))
+    before = lib_attn.config()
+    with pytest.raises(lib_attn.AttentionFallbackError, match="flash-attn"):
+        sample(routed)
+    assert lib_attn.config() == before
+
+
+# --- the VAE --------------------------------------------------------------------------------------------
+
+def test_vae_route_and_a_later_graph_without_the_node(comfy_factory):
+    _, nodes = loaded(comfy_factory)
+    from comfy.ldm.wan.vae import AttentionBlock
+    from comfy.sd import VAE
+    torch.manual_seed(0)
+    vae = VAE()
+    block = vae.first_stage_model.mid_attn_1
+    own = block.optimized_attention
+    latent = torch.randn(1, 4, 8, 8)
+    ref = vae.decode(latent)
+    (routed,) = node(nodes, "FlashAttentionVAEBackend", vae=vae, **BACKEND)
+    with lib_attn.recording() as rec:
+        out = routed.decode(latent)
+        routed.decode_tiled(latent)
+    assert rel_err(out, ref) <= FP32 and rec.calls == {("vae", "sdpa"): 2}
+    with lib_attn.recording() as rec:                                        # the cached VAE, no node
+        again = vae.decode(latent)
+    assert not rec.calls and rel_err(again, ref) <= 1e-12
+    assert block.optimized_attention is own and "optimized_attention" in type(block).__dict__
+    from comfy_attn import route
+    holder = torch.nn.Module()
+    holder.mid_attn_1 = AttentionBlock(32)                                   # Wan's VAE blocks too
+    (routed_wan,) = node(nodes, "FlashAttentionVAEBackend", vae=VAE(first_stage_model=holder), **BACKEND)
+    with lib_attn.recording() as rec:
+        routed_wan.encode(torch.randn(1, 2, 4, 4, 32))                        # (b, t, h, w, c) pixels
+    assert rec.calls == {("vae", "sdpa"): 1}
+    route.undo()
+    assert "optimized_attention" not in type(block).__dict__ and block.optimized_attention is own
+
+
+# --- the report ---------------------------------------------------------------------------------------------
+
+def test_report_of_a_run_and_of_a_run_without_routed_calls(comfy_factory):
+    comfy, nodes = loaded(comfy_factory)
+    from comfy.sd import VAE
+    (model,) = node(nodes, "FlashAttentionBackend", prompt_id="p1", model=unet_patcher(), tune="auto", **BACKEND)
+    (vae,) = node(nodes, "FlashAttentionVAEBackend", prompt_id="p1", vae=VAE(), **BACKEND)
+    latent = sample(model, prompt_id="p1")
+    from comfy_execution.utils import CurrentNodeContext
+    with CurrentNodeContext("p1", "8"):
+        images = vae.decode(latent)
+    result = node(nodes, "FlashAttentionReport", prompt_id="p1", images=images)
+    assert result["result"][0] is images
+    text = result["ui"]["text"]
+    assert text[0].startswith("UNet: sdpa") and text[0].endswith("×4") and text[1].startswith("VAE: sdpa")
+    assert text[1].endswith("×1") and text[2].startswith("time ")
+    event, data, _ = comfy.server.sent[-1]
+    assert event == "flash-attention.report" and data["text"] == text
+    assert {(c["role"], c["backend"], c["count"]) for c in data["calls"]} == {("unet", "sdpa", 4), ("vae", "sdpa", 1)}
+    assert [e for e, _, _ in comfy.server.sent].count("flash-attention.report") == 3   # sampling, decode, node
+    later = node(nodes, "FlashAttentionReport", prompt_id="p2", images=images)
+    assert later["ui"]["text"][0] == "ComfyUI's own attention, not through this extension"
+
+
+# --- the global route and ComfyUI's own flags -------------------------------------------------------------
+
+def test_global_route_reaches_every_model_and_vae_and_undoes(comfy_factory, capsys):
+    _, nodes = loaded(comfy_factory, env={"ATTN_COMFY_ROUTE": "auto"})
+    from comfy.ldm.flux import math as flux_math
+    from comfy.ldm.modules import attention
+    from comfy.sd import VAE
+    chosen = attention.attention_sub_quad
+    assert flux_math.optimized_attention is not chosen and attention.optimized_attention is not chosen
+    assert flux_math.optimized_attention.__wrapped__.__name__ == "lib_attn_dit_attention"
+    assert "ATTN_COMFY_ROUTE=auto: every model's attention runs on this extension's engine" in capsys.readouterr().out
+    original = unet_patcher()
+    with lib_attn.recording() as rec:
+        sample(original, prompt_id="g1")
+        VAE().decode(torch.randn(1, 4, 8, 8))
+    assert rec.calls == {("unet", "sdpa"): 4, ("vae", "sdpa"): 1}
+    (routed,) = node(nodes, "FlashAttentionBackend", prompt_id="g1", model=original, tune="auto",
+                     **dict(BACKEND, backend="sdpa-math"))
+    with lib_attn.recording() as rec:
+        sample(routed, prompt_id="g1")
+    assert rec.calls == {("unet", "sdpa-math"): 4}                           # the node's override still rules
+    from comfy_attn import route
+    route.undo()
+    assert flux_math.optimized_attention is chosen and attention.optimized_attention is chosen
+
+
+def test_unknown_id_in_the_switch_is_said_and_nothing_is_rebound(comfy_factory, capsys):
+    _, _ = loaded(comfy_factory, env={"ATTN_COMFY_ROUTE": "flash-atn"})
+    from comfy.ldm.modules import attention
+    assert attention.optimized_attention is attention.attention_sub_quad
+    out = capsys.readouterr().out
+    assert "ATTN_COMFY_ROUTE='flash-atn': unknown backend id 'flash-atn'" in out and "No global route" in out
+
+
+def test_comfyuis_flash_flag_without_the_package(comfy_factory, capsys):
+    if {b.id: b for b in lib_attn.backends()}["flash-attn"].available:
+        pytest.skip("flash-attn is installed here")
+    _, _ = loaded(comfy_factory, argv=("--cpu", "--use-flash-attention"))
+    from comfy.ldm.modules import attention
+    out = capsys.readouterr().out
+    assert "--use-flash-attention: flash_attn is not installed" in out
+    assert "--use-flash-attention: every model's attention runs on this extension's engine (flash-attn first" in out
+    assert lib_attn.config().preference["unet"] == ("flash-attn",)
+    with lib_attn.recording() as rec:
+        sample(unet_patcher(), prompt_id="f1")
+    flash = {b.id: b for b in lib_attn.backends()}["flash-attn"]
+    assert rec.calls == {("unet", "sdpa"): 4}
+    assert rec.fallbacks == {("unet", "flash-attn", f"not available: {flash.reason}"): 4}
+    assert attention.optimized_attention is not attention.attention_flash
+
+
+def test_without_this_package_comfyuis_flag_stops_it(comfy_factory):
+    if {b.id: b for b in lib_attn.backends()}["flash-attn"].available:
+        pytest.skip("flash-attn is installed here")
+    comfy_factory(argv=("--cpu", "--use-flash-attention"), prestartup=False)
+    with pytest.raises(SystemExit):
+        import comfy.ldm.modules.attention  # noqa: F401
+
+
+# --- the status route -------------------------------------------------------------------------------------
+
+def test_status_route_on_comfyuis_server(comfy_factory, tmp_path, monkeypatch):
+    monkeypatch.setenv("LIB_ATTN_CACHE_DIR", str(tmp_path / "private-folder"))
+    comfy, nodes = loaded(comfy_factory)
+    from aiohttp.test_utils import TestClient, TestServer
+    (model,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto", **BACKEND)
+    sample(model, prompt_id="s1")
+    comfy.server.add_routes()
+
+    async def fetch():
+        async with TestClient(TestServer(comfy.server.app)) as client:
+            response = await client.get("/flash-attention/v1/status")
+            return response.status, await response.json()
+
+    status, body = asyncio.run(fetch())
+    assert status == 200
+    assert set(body) == {"availability", "routing", "tuning", "last_report"}
+    assert body["last_report"]["calls"] == [{"role": "unet", "backend": "sdpa", "kernel": body["last_report"]["calls"][0]["kernel"],
+                                             "count": 4, "tuned": False}]
+    assert body["last_report"]["text"][0].startswith("UNet: sdpa")
+    assert body["tuning"]["file"] == "tuning.json" and "private-folder" not in json.dumps(body)
+    assert body["routing"]["routed"] is False and "Attention backend" in body["routing"]["hint"]
