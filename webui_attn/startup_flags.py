@@ -42,8 +42,8 @@ def claim(args, environ=os.environ) -> list:
             then = (f"this extension's engine puts {backend} first and each call it cannot take falls back to the "
                     f"next kernel, with the reason in the report") if backend else \
                    "this extension's engine keeps its own chain (it has no kernel of that package)"
-            messages.append(f"{spelling}: {module} is not installed, which would stop the webui here; it starts with "
-                            f"its usual attention instead, and {then}")
+            messages.append(f"{spelling}: {module} is not installed, which would stop the program at startup; it "
+                            f"starts with its usual attention instead, and {then}")
     if claimed:
         environ[ENV_CLAIMED] = ",".join(dict.fromkeys(claimed))
     return messages
