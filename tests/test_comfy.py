@@ -103,7 +103,7 @@ def test_loads_in_a_fresh_comfyui_where_nothing_of_it_is_on_sys_path(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert out.returncode == 0, out.stderr
-    ok, path, names = out.stdout.split(" ", 2)
+    ok, path, names = out.stdout.strip().splitlines()[-1].split(" ", 2)
     assert ok == "True" and os.path.realpath(path).startswith(os.path.realpath(REPO_ROOT))
     assert "FlashAttentionBackend" in names
 

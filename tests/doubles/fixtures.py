@@ -94,6 +94,7 @@ def webui_double(mode: str = "a1111", argv=()):
     if _active:
         raise RuntimeError("a webui double is already installed")
     saved_path, saved_argv = list(sys.path), list(sys.argv)
+    saved_env = dict(os.environ)  # preload.py records the host flags it claims there
     tmp = tempfile.TemporaryDirectory()
     extensions_dir = os.path.join(tmp.name, "extensions")
     os.makedirs(extensions_dir)
@@ -127,6 +128,8 @@ def webui_double(mode: str = "a1111", argv=()):
             _drop_double_modules()
             sys.path[:] = saved_path
             sys.argv[:] = saved_argv
+            os.environ.clear()
+            os.environ.update(saved_env)
             _active.clear()
             tmp.cleanup()
             layers = sys.modules.get("webui_attn.layers")
