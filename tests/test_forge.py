@@ -59,14 +59,14 @@ def test_memory_required_is_unchanged(webui_factory, argv):
     shapes = [(2, 4, 64, 64), (1, 16, 128, 128)]
     estimate = [model.memory_required(s) for s in shapes]
     webui.load_scripts()
-    assert forge.router.patches.active
+    assert forge.line.router.patches.active
     assert [model.memory_required(s) for s in shapes] == estimate
 
 
 def test_unpatching_restores_every_original_and_apply_twice_is_harmless(webui_factory):
     webui, before = start(webui_factory)
     patched = originals()
-    assert forge.apply() == forge.router.patches.targets()       # again: nothing changes
+    assert forge.apply() == forge.line.router.patches.targets()       # again: nothing changes
     assert originals() == patched
     from modules import script_callbacks
     script_callbacks.script_unloaded_callback()

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import sys
 
-from . import flags, heads, host, hosts
-from .rebind import Name, Router, Stored, import_quietly
+from . import heads, hosts
+from .rebind import Line, Name, Router, Stored, import_quietly
 
 SOURCE = "backend.attention"
 
@@ -39,9 +39,7 @@ TARGETS = (
 #: The host's own global; see ``compares_identity``.
 SOURCE_TARGET = Name(SOURCE, "attention_function", "unet")
 #: Model modules whose attention stays the host's: text encoders.
-TEXT_ENCODERS = ("backend.nn.t5", "backend.nn.clip", "backend.nn.llm")
-
-router: Router | None = None
+TEXT_ENCODERS = ("backend.nn.t5", "backend.nn.clip", "backend.nn.llm.llama", "backend.nn.llm.qwen_vl")
 
 
 def _hosts_function(value) -> bool:
@@ -62,53 +60,19 @@ def running() -> hosts.Host:
     return hosts.NEO if hosts.takes_comfy_form(getattr(attention, "attention_pytorch", None)) else hosts.FORGE
 
 
-def install() -> list[str]:
-    """Rebind every target this host has; returns what is routed. Harmless when already routed."""
-    global router
-    if router is not None and router.patches.active:
-        return router.patches.targets()
-    attention, why = import_quietly(SOURCE)
-    if attention is None:
-        host.log_once(("forge-import", SOURCE), f"{SOURCE} not patched: {why}")
-        return []
-    router = Router("forge", heads.PrecisionRule(getattr(attention, "get_attn_precision", None), running().name),
-                    accept=_hosts_function)
+def _router(attention) -> Router:
+    rule = heads.PrecisionRule(getattr(attention, "get_attn_precision", None), running().name)
+    return Router("forge", rule, accept=_hosts_function)
+
+
+def _route(router: Router, attention) -> None:
     for target in TARGETS:
         router.route(target)
     if not compares_identity():
+        for name in TEXT_ENCODERS:  # imported first, they keep the host's function by name
+            import_quietly(name)
         router.route(SOURCE_TARGET)
-    return router.patches.targets()
 
 
-def routing() -> host.Routing:
-    """Whether attention runs through the engine: every rebinding made at startup is still in place."""
-    if router is None:
-        return host.Routing(False, f"{running().name}'s own attention ({SOURCE})",
-                            "this extension's patches are not in place; the startup log says why")
-    return router.routing(running().name, SOURCE)
-
-
-def uninstall() -> int:
-    """Put every original back; safe to call again."""
-    return router.undo() if router is not None else 0
-
-
-def apply() -> list[str]:
-    """The host's own attention flags and this extension's into the engine, then the patches; safe to
-    call twice."""
-    from modules import shared
-
-    flags.apply_host(running())
-    flags.apply(shared.cmd_opts)
-    return install()
-
-
-def register(script_callbacks) -> None:
-    """Called at entry-script import: patch now (these hosts have no optimizer hook), undo on unload."""
-    apply()
-    from modules import shared
-
-    flags.say_startup(shared.cmd_opts)
-    if router is not None:
-        router.say(running().name)
-    script_callbacks.on_script_unloaded(uninstall)
+line = Line(SOURCE, running, _router, _route)
+install, routing, uninstall, apply, register = line.install, line.routing, line.uninstall, line.apply, line.register

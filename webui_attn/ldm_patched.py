@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import sys
 
-from . import flags, heads, host, hosts
-from .rebind import Name, Router, Stored, import_quietly
+from . import heads, hosts
+from .rebind import Line, Name, Router, Stored
 
 SOURCE = "ldm_patched.ldm.modules.attention"
 NAMES = ("optimized_attention", "optimized_attention_masked")
@@ -24,9 +24,6 @@ VAE = Stored("ldm_patched.ldm.modules.diffusionmodules.model", "AttnBlock", "opt
 #: Modules whose calls are the UNet's (the host's own CrossAttention, ControlNet's copy of the UNet,
 #: self-attention guidance); any other module's are a DiT's, and a VAE's when its path says so.
 UNET_MODULES = (SOURCE, "ldm_patched.controlnet.", "ldm_patched.contrib.")
-
-router: Router | None = None
-
 
 def role_of(module_name: str) -> str:
     if module_name.startswith(UNET_MODULES):
@@ -60,50 +57,18 @@ def running() -> hosts.Host:
         else hosts.CLASSIC
 
 
-def install() -> list[str]:
-    """Rebind the host's chosen function wherever it is held; returns what is routed."""
-    global router
-    if router is not None and router.patches.active:
-        return router.patches.targets()
-    attention, why = import_quietly(SOURCE)
-    if attention is None:
-        host.log_once(("ldm-import", SOURCE), f"{SOURCE} not patched: {why}")
-        return []
+def _router(attention) -> Router:
     chosen = _chosen(attention)
     rule = getattr(attention, "get_attn_precision", None)
-    router = Router("ldm_patched", heads.PrecisionRule(rule, running().name) if rule else None,
-                    accept=lambda value: id(value) in chosen)
+    return Router("ldm_patched", heads.PrecisionRule(rule, running().name) if rule else None,
+                  accept=lambda value: id(value) in chosen)
+
+
+def _route(router: Router, attention) -> None:
     for target in by_name_copies(attention):
         router.route(target)
     router.route(VAE)
-    return router.patches.targets()
 
 
-def routing() -> host.Routing:
-    if router is None:
-        return host.Routing(False, f"{running().name}'s own attention ({SOURCE})",
-                            "this extension's patches are not in place; the startup log says why")
-    return router.routing(running().name, SOURCE)
-
-
-def uninstall() -> int:
-    return router.undo() if router is not None else 0
-
-
-def apply() -> list[str]:
-    from modules import shared
-
-    flags.apply_host(running())
-    flags.apply(shared.cmd_opts)
-    return install()
-
-
-def register(script_callbacks) -> None:
-    """Called at entry-script import: patch now, undo on unload."""
-    apply()
-    from modules import shared
-
-    flags.say_startup(shared.cmd_opts)
-    if router is not None:
-        router.say(running().name)
-    script_callbacks.on_script_unloaded(uninstall)
+line = Line(SOURCE, running, _router, _route)
+install, routing, uninstall, apply, register = line.install, line.routing, line.uninstall, line.apply, line.register
