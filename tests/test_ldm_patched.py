@@ -198,3 +198,11 @@ def test_without_the_extension_the_flag_stops_the_host(webui_factory, monkeypatc
         import ldm_patched.ldm.modules.attention  # noqa: F401
     for name in [n for n in sys.modules if n.startswith("ldm_patched")]:
         monkeypatch.delitem(sys.modules, name)
+
+
+def test_roles_of_the_modules_that_hold_a_copy():
+    assert ldm_patched.role_of("ldm_patched.ldm.flux.math") == "dit"
+    assert ldm_patched.role_of("ldm_patched.ldm.genmo.vae.model") == "vae"
+    assert ldm_patched.role_of("ldm_patched.ldm.modules.attention") == "unet"
+    assert ldm_patched.role_of("ldm_patched.controlnet.cldm") == "unet"
+    assert ldm_patched.role_of("lib_ipadapter.IPAdapterPlus") == "unet"       # an extension's copy

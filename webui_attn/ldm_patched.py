@@ -21,14 +21,15 @@ from .rebind import Line, Name, Router, Stored
 SOURCE = "ldm_patched.ldm.modules.attention"
 NAMES = ("optimized_attention", "optimized_attention_masked")
 VAE = Stored("ldm_patched.ldm.modules.diffusionmodules.model", "AttnBlock", "optimized_attention")
-#: Modules whose calls are the UNet's (the host's own CrossAttention, ControlNet's copy of the UNet,
-#: self-attention guidance); any other module's are a DiT's, and a VAE's when its path says so.
-UNET_MODULES = (SOURCE, "ldm_patched.controlnet.", "ldm_patched.contrib.")
+
 
 def role_of(module_name: str) -> str:
-    if module_name.startswith(UNET_MODULES):
-        return "unet"
-    return "vae" if ".vae" in module_name else "dit"
+    """A model family's module under ``ldm_patched.ldm`` serves a DiT (a VAE where its path says so);
+    the host's own attention module and everything outside (ControlNet's UNet copy, self-attention
+    guidance, IP-Adapter) serve the UNet."""
+    if module_name.startswith("ldm_patched.ldm.") and module_name != SOURCE:
+        return "vae" if ".vae" in module_name else "dit"
+    return "unet"
 
 
 def _chosen(attention) -> set:
