@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import lib_attn
 from lib_attn.config import FP32_POLICIES, TUNE_MODES
+from webui_attn.flags import parse_ids
 
 from . import readout, route, run
 
@@ -23,8 +24,7 @@ def parse_chain(backend: str, chain: str) -> list[str] | None:
     """The chain a node asks for: ``chain`` (comma-separated ids) when given, else ``backend``; None
     for Auto. ValueError names an unknown id and the valid ones."""
     text = (chain or "").strip() or ("" if backend == AUTO else backend)
-    ids = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [i for i in ids if i not in lib_attn.BACKEND_IDS]
+    ids, unknown = parse_ids(text)
     if unknown:
         raise ValueError(f"unknown backend id {', '.join(map(repr, unknown))}; valid ids: "
                          f"{', '.join(lib_attn.BACKEND_IDS)} (or leave the chain empty for Auto)")

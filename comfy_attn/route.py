@@ -26,7 +26,7 @@ import lib_attn
 
 from webui_attn import heads, host
 from webui_attn.patching import Patches
-from webui_attn.rebind import import_quietly
+from webui_attn.rebind import copies, import_quietly
 
 from . import run
 
@@ -168,10 +168,6 @@ def _in_vae_segment(method, config: dict):
 
 # --- every model: the global route --------------------------------------------------------------------
 
-def _chosen(attention) -> set:
-    return {id(getattr(attention, name)) for name in NAMES if hasattr(attention, name)}
-
-
 def route_everything(config: dict | None = None) -> list[str]:
     """Rebind ComfyUI's chosen function wherever a loaded module holds it, and route every VAE
     block; returns what was routed. ``config`` is put in force for good."""
@@ -179,18 +175,9 @@ def route_everything(config: dict | None = None) -> list[str]:
     if config:
         lib_attn.configure(**config)
     if not _global.active:
-        chosen = _chosen(attention)
         wrap = getattr(attention, "wrap_attn", None)
-        for module_name, module in list(sys.modules.items()):
-            namespace = getattr(module, "__dict__", None)
-            if not module_name.startswith("comfy") or not isinstance(namespace, dict):
-                continue
-            for name in NAMES:
-                value = namespace.get(name)
-                if value is not None and id(value) in chosen:
-                    role = "dit" if module is not attention else "unet"
-                    served = _global_function(role, wrap)
-                    _global.patch(module, name, served)
+        for _, module, name in copies(attention, NAMES, prefix="comfy"):
+            _global.patch(module, name, _global_function("unet" if module is attention else "dit", wrap))
     route_vae_blocks()
     return _global.targets() + _blocks.targets()
 

@@ -13,6 +13,7 @@ import os
 import lib_attn
 
 from webui_attn import host, startup_flags
+from webui_attn.flags import parse_ids
 
 from . import route
 
@@ -28,8 +29,7 @@ def requested(environ=os.environ, args=None) -> tuple[list[str] | None, list[str
     if value.lower() not in OFF:
         why.append(f"{ENV_ROUTE}={value}")
         if value.lower() not in ("auto", "on", "1", "true", "yes"):
-            chain = [part.strip() for part in value.split(",") if part.strip()]
-            unknown = [i for i in chain if i not in lib_attn.BACKEND_IDS]
+            chain, unknown = parse_ids(value)
             if unknown:
                 raise ValueError(f"{ENV_ROUTE}={value!r}: unknown backend id {', '.join(map(repr, unknown))}; "
                                  f"valid: auto or ids of {', '.join(lib_attn.BACKEND_IDS)}")

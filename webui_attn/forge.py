@@ -56,8 +56,7 @@ def compares_identity() -> bool:
 
 
 def running() -> hosts.Host:
-    attention = sys.modules.get(SOURCE)
-    return hosts.NEO if hosts.takes_comfy_form(getattr(attention, "attention_pytorch", None)) else hosts.FORGE
+    return hosts.backend_line(sys.modules.get(SOURCE))
 
 
 def _router(attention) -> Router:

@@ -66,6 +66,16 @@ def takes_comfy_form(fn) -> bool:
     return "skip_output_reshape" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
+def backend_line(attention) -> Host:
+    """Forge or Forge Neo, from the form of their ``backend.attention``'s functions."""
+    return NEO if takes_comfy_form(getattr(attention, "attention_pytorch", None)) else FORGE
+
+
+def ldm_line(attention) -> Host:
+    """reForge or Forge Classic, from whether their ``ldm_patched`` attention functions take a precision."""
+    return REFORGE if "attn_precision" in parameters(getattr(attention, "attention_pytorch", None)) else CLASSIC
+
+
 def detect() -> Host:
     """The host this process runs in."""
     if not _importable("modules"):
@@ -73,11 +83,11 @@ def detect() -> Host:
     if _importable("backend.attention") and _importable("backend.nn"):
         attention = _import("backend.attention")
         if attention is not None:
-            return NEO if takes_comfy_form(getattr(attention, "attention_pytorch", None)) else FORGE
+            return backend_line(attention)
     if _importable("ldm_patched.ldm.modules.attention"):
         attention = _import("ldm_patched.ldm.modules.attention")
         if attention is not None and hasattr(attention, "optimized_attention"):
-            return REFORGE if "attn_precision" in parameters(attention.attention_pytorch) else CLASSIC
+            return ldm_line(attention)
     module = _import("modules.sd_hijack_optimizations")
     return A1111 if module is not None and hasattr(module, "SdOptimization") else NONE
 

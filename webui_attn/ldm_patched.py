@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 
 from . import heads, hosts
-from .rebind import Line, Name, Router, Stored
+from .rebind import Line, Name, Router, Stored, copies
 
 SOURCE = "ldm_patched.ldm.modules.attention"
 NAMES = ("optimized_attention", "optimized_attention_masked")
@@ -39,23 +39,11 @@ def _chosen(attention) -> set:
 def by_name_copies(attention) -> list[Name]:
     """Every loaded module's ``optimized_attention``/``optimized_attention_masked`` that is the host's
     chosen function (the source module's own two globals first)."""
-    chosen = _chosen(attention)
-    found = [Name(SOURCE, name, "unet") for name in NAMES if hasattr(attention, name)]
-    for module_name, module in list(sys.modules.items()):
-        namespace = getattr(module, "__dict__", None)
-        if module is attention or not isinstance(namespace, dict):
-            continue
-        for name in NAMES:
-            value = namespace.get(name)  # the namespace itself: no module __getattr__ runs
-            if value is not None and id(value) in chosen:
-                found.append(Name(module_name, name, role_of(module_name)))
-    return found
+    return [Name(module_name, name, role_of(module_name)) for module_name, _, name in copies(attention, NAMES)]
 
 
 def running() -> hosts.Host:
-    attention = sys.modules.get(SOURCE)
-    return hosts.REFORGE if "attn_precision" in hosts.parameters(getattr(attention, "attention_pytorch", None)) \
-        else hosts.CLASSIC
+    return hosts.ldm_line(sys.modules.get(SOURCE))
 
 
 def _router(attention) -> Router:

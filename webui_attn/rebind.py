@@ -16,6 +16,7 @@ value put there by another extension is left alone and named in the log. Undo is
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass
 
 from . import flags, heads, host
@@ -59,6 +60,23 @@ def import_quietly(name: str):
         return None, None
     except Exception as exc:  # noqa: BLE001 - any failure means the host cannot run that family either
         return None, f"{type(exc).__name__}: {exc}"
+
+
+def copies(source, names, prefix: str = "") -> list[tuple[str, object, str]]:
+    """(module name, module, attribute) of every loaded module (whose name starts with ``prefix``) that
+    holds the ``source`` module's own value of one of ``names`` under that name: the host's chosen
+    function, imported by name. ``source`` itself comes first."""
+    chosen = {id(getattr(source, name)) for name in names if hasattr(source, name)}
+    found = [(source.__name__, source, name) for name in names if hasattr(source, name)]
+    for module_name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if module is source or not module_name.startswith(prefix) or not isinstance(namespace, dict):
+            continue
+        for name in names:
+            value = namespace.get(name)  # the namespace itself: no module __getattr__ runs
+            if value is not None and id(value) in chosen:
+                found.append((module_name, module, name))
+    return found
 
 
 class Router:
