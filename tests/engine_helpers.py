@@ -72,3 +72,37 @@ def spy(monkeypatch, backend_id):
     monkeypatch.setattr(backend, "runner", runner)
     lib_attn.reset()
     return ran
+
+
+SAGE_IDS = ("sage", "sage-triton", "sage-cuda", "sage-fp8", "sage-fp8pp")
+
+
+def sage_release(version="2.2.0", **fields):
+    """The facts an installed SageAttention release shows the engine (``sage_facts.read``), with stand-in
+    kernels: 1.x has only its Triton kernel; a 2.x release has every kernel compiled; from 2.2.0 the
+    Triton kernel masks the keys past kv_len and takes masks, and the fp8 kernel has fp16 accumulation."""
+    from lib_attn.kernels import sage_facts
+
+    def kernel(*args, **kwargs):
+        raise AssertionError("a stand-in SageAttention kernel ran")
+
+    major = sage_facts.release(version)[0]
+    if major <= 1:
+        return sage_facts.SageFacts(version, major, kernel, {"triton": kernel})
+    fixed = sage_facts.release(version) >= (2, 2, 0)
+    kinds = dict(sage_facts.FUNCTIONS)
+    if sage_facts.release(version) < (2, 1, 0):
+        kinds.pop("fp8-sm90")
+    defaults = dict(
+        functions={kind: kernel for kind in kinds},
+        dispatch=dict(sage_facts.DISPATCH_2_0 if "fp8-sm90" not in kinds else sage_facts.DISPATCH_2_1),
+        compiled=frozenset(k for k in sage_facts.COMPILED_FLAG if k in kinds),
+        triton_pads_right=fixed, triton_masks=fixed, fp8_fp16_accum=fixed)
+    defaults.update(fields)
+    return sage_facts.SageFacts(version, major, kernel, **defaults)
+
+
+def install_sage(monkeypatch, facts):
+    """Every SageAttention 1/2 backend sees ``facts`` as the installed package."""
+    for bid in SAGE_IDS:
+        monkeypatch.setattr(REGISTRY[bid], "facts", facts)

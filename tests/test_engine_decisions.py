@@ -11,6 +11,8 @@ from lib_attn.device import DeviceInfo
 from lib_attn.dispatch import decide, default_chain
 from lib_attn.spec import CallSpec
 
+from engine_helpers import install_sage, sage_release
+
 AMPERE = DeviceInfo("cuda", 0, "RTX 3090", (8, 6))
 HOPPER = DeviceInfo("cuda", 0, "H200", (9, 0))
 TURING = DeviceInfo("cuda", 0, "RTX 2080", (7, 5))
@@ -25,10 +27,10 @@ def spec(device=AMPERE, dtype=torch.float16, d=64, q=4096, kv=77, mask="none", m
 @pytest.fixture(autouse=True)
 def installed_packages(monkeypatch):
     """The package probes as a machine with FA2 (no FA3), xformers 2 and sage 2 would see them."""
-    fa, sage = registry.REGISTRY["flash-attn"], registry.REGISTRY["sage"]
+    fa = registry.REGISTRY["flash-attn"]
     monkeypatch.setattr(fa, "fa2", object())
     monkeypatch.setattr(fa, "fa3", None)
-    monkeypatch.setattr(sage, "major", 2)
+    install_sage(monkeypatch, sage_release("2.2.0"))
     # A CUDA build of torch, whatever build runs the tests.
     monkeypatch.setattr("lib_attn._compat.flash_built", lambda: True)
     lib_attn.reset()
@@ -61,10 +63,10 @@ def test_sage_reasons():
 
 
 def test_sage_1x_runs_from_volta_in_fp16(monkeypatch):
-    monkeypatch.setattr(registry.REGISTRY["sage"], "major", 1)
-    assert reasons("sage", spec(device=TURING)) == []
-    assert "bf16 needs sm80, GPU is sm75" in reasons("sage", spec(device=TURING, dtype=torch.bfloat16))
-    assert "GPU sm61 < sm70" in reasons("sage", spec(device=DeviceInfo("cuda", 0, "P40", (6, 1))))
+    install_sage(monkeypatch, sage_release("1.0.6"))
+    assert reasons("sage", spec(device=TURING, kv=4096)) == []
+    assert "bf16 needs sm80, GPU is sm75" in reasons("sage", spec(device=TURING, dtype=torch.bfloat16, kv=4096))
+    assert "GPU sm61 < sm70" in reasons("sage", spec(device=DeviceInfo("cuda", 0, "P40", (6, 1)), kv=4096))
 
 
 def test_sdpa_kernel_reasons():
@@ -194,9 +196,9 @@ def test_sage_architectures_and_version_1_head_sizes(monkeypatch):
     assert reasons("sage", spec(device=sm89)) == []
     assert any("sm87" in r for r in reasons("sage", spec(device=DeviceInfo("cuda", 0, "Orin", (8, 7)))))
     assert any("sm100" in r for r in reasons("sage", spec(device=DeviceInfo("cuda", 0, "B200", (10, 0)))))
-    monkeypatch.setattr(registry.REGISTRY["sage"], "major", 1)
-    assert reasons("sage", spec(device=sm89, d=64)) == []
-    assert "head_dim 40 not in 64/96/128 (SageAttention 1)" in reasons("sage", spec(device=sm89, d=40))
+    install_sage(monkeypatch, sage_release("1.0.6"))
+    assert reasons("sage", spec(device=sm89, d=64, kv=4096)) == []
+    assert "head_dim 40 not in 64/96/128 (SageAttention 1.0.6)" in reasons("sage", spec(device=sm89, d=40, kv=4096))
 
 
 def test_efficient_kernel_head_dim_alignment():

@@ -17,6 +17,8 @@ from lib_attn.dispatch import FULL_MATRIX_MAX_BYTES, decide, default_chain, scor
 from lib_attn.kernels import Status
 from lib_attn.spec import CallSpec
 
+from engine_helpers import install_sage, sage_release
+
 # What a ROCm build of torch reports: device type "cuda", a capability that is not an NVIDIA one.
 MI300 = DeviceInfo("cuda", 0, "AMD Instinct MI300X", (9, 4), 192 * 2**30, platform="rocm", arch="gfx942",
                    hip="6.2.41133", miopen=3002000)
@@ -51,7 +53,7 @@ def installed_packages(monkeypatch):
     monkeypatch.setattr(fa, "fa2", object())
     monkeypatch.setattr(fa, "fa3", None)
     monkeypatch.setattr(fa, "rocm_build", "CK")
-    monkeypatch.setattr(registry.REGISTRY["sage"], "major", 2)
+    install_sage(monkeypatch, sage_release("2.2.0"))
     monkeypatch.setattr(_compat, "TORCH_VERSION", (2, 13))
     monkeypatch.setattr(_compat, "TORCH_VERSION_TEXT", "2.13.0+rocm7.1")
     monkeypatch.setattr(_compat, "flash_built", lambda: True)

@@ -249,6 +249,13 @@ def test_memory_estimate_is_unchanged(webui_factory):
     (["--flash", "--sage"], ("sage", "flash-attn"), (), "Forge Neo --flash: UNet/DiT attention prefers flash-attn"),
     (["--sage", "--disable-sage"], None, ("sage",), "Forge Neo --disable-sage: sage is left out"),
     (["--attention-pytorch"], None, ("xformers",), "Forge Neo --attention-pytorch: xformers is left out"),
+    # Neo runs only the SageAttention 2 kernel --sage2-function names: it takes sage's place.
+    (["--sage", "--sage2-function", "fp16_cuda"], ("sage-cuda",), (),
+     "Forge Neo --sage2-function fp16_cuda: UNet/DiT attention prefers sage-cuda"),
+    (["--flash", "--sage2-function", "fp8_cuda"], ("sage-fp8", "flash-attn"), (),
+     "Forge Neo --sage2-function fp8_cuda: UNet/DiT attention prefers sage-fp8"),
+    (["--sage2-function", "fp16_triton", "--disable-sage"], None, ("sage",), "Forge Neo --disable-sage: sage is left out"),
+    (["--sage2-function", "auto"], None, (), None),
 ])
 def test_neos_own_flags_are_a_preference(webui_factory, capsys, argv, preference, avoid, note):
     start(webui_factory, argv)
@@ -256,7 +263,27 @@ def test_neos_own_flags_are_a_preference(webui_factory, capsys, argv, preference
     assert config.preference["unet"] == preference and config.preference["dit"] == preference
     assert config.preference["vae"] is None
     assert config.avoid == avoid
-    assert any(line.startswith(f"{host.PREFIX} {note}") for line in capsys.readouterr().out.splitlines())
+    lines = capsys.readouterr().out.splitlines()
+    if note is None:
+        assert not any("Forge Neo --" in line for line in lines)
+    else:
+        assert any(line.startswith(f"{host.PREFIX} {note}") for line in lines)
+
+
+def test_neos_later_sage_function_flag_and_its_values_are_read_by_value():
+    from types import SimpleNamespace
+    from webui_attn import flags
+    import enum
+
+    class Later(enum.Enum):  # a later Neo names the flag --sage-function and adds fp8_cuda++ and sageattn3
+        pp = "fp8_cuda++"
+        three = "sageattn3"
+
+    for value, backend in (("fp8_cuda++", "sage-fp8pp"), ("sageattn3", "sage3")):
+        member = Later(value)
+        given = flags.host_flags_given("neo", [SimpleNamespace(sage_function=member, sage=True)])
+        assert flags.host_layer(given) == {"preference": {"unet": [backend], "dit": [backend]}}, value
+    assert all(b in lib_attn.BACKEND_IDS for b in flags.NEO_SAGE_FUNCTIONS.values())
 
 
 def test_our_flag_wins_over_neos(webui_factory):

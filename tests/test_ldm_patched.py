@@ -165,21 +165,23 @@ def test_undo_is_exact(webui_factory, mode):
     assert "optimized_attention" not in model.AttnBlock.__dict__
 
 
-def test_flash_flag_without_the_package_starts_and_falls_back(webui_factory, capsys):
-    """reForge exits at startup when --use-flash-attention's package is missing; with this extension the
-    flag is claimed first: the webui starts, and flash-attn's calls fall back with the reason."""
-    flash = {b.id: b for b in lib_attn.backends()}["flash-attn"]
-    if flash.available:
-        pytest.skip("flash-attn is installed here: the host would use it itself")
-    webui, attention, chosen, _ = start(webui_factory, "reforge", ["--use-flash-attention"])
+@pytest.mark.parametrize("flag, backend, module", [("--use-flash-attention", "flash-attn", "flash_attn"),
+                                                     ("--use-sage-attention3", "sage3", "sageattn")])
+def test_a_kernel_flag_without_the_package_starts_and_falls_back(webui_factory, capsys, flag, backend, module):
+    """reForge exits at startup when a --use-* flag's package is missing; with this extension the flag
+    is claimed first: the webui starts, and the kernel's calls fall back with the reason."""
+    info = {b.id: b for b in lib_attn.backends()}[backend]
+    if info.available:
+        pytest.skip(f"{backend} is installed here: the host would use it itself")
+    webui, attention, chosen, _ = start(webui_factory, "reforge", [flag])
     out = capsys.readouterr().out
-    assert f"{host.PREFIX} --use-flash-attention: flash_attn is not installed" in out
-    assert f"{host.PREFIX} reForge --use-flash-attention: UNet/DiT attention prefers flash-attn" in out
-    assert lib_attn.config().preference["unet"] == ("flash-attn",)
+    assert f"{host.PREFIX} {flag}: {module} is not installed" in out
+    assert f"{host.PREFIX} reForge {flag}: UNet/DiT attention prefers {backend}" in out
+    assert lib_attn.config().preference["unet"] == (backend,)
     q = torch.randn(1, 16, 64)
     with lib_attn.recording() as rec:
         attention.optimized_attention(q, q, q, 4)
-    assert rec.fallbacks == {("unet", "flash-attn", f"not available: {flash.reason}"): 1}
+    assert rec.fallbacks == {("unet", backend, f"not available: {info.reason}"): 1}
 
 
 def test_without_the_extension_the_flag_stops_the_host(webui_factory, monkeypatch):

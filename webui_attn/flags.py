@@ -157,17 +157,35 @@ def say_startup(cmd_opts) -> None:
 class HostFlag:
     """One of a host's own attention flags: ``prefer`` is the engine backend it makes the host use,
     ``avoid`` the one it keeps the host off; ``note`` says what the engine makes of a flag it has
-    no kernel for."""
+    no kernel for. A flag with a ``value`` is given when its dest holds that value (Neo's enums);
+    its kernel then takes the place of ``instead_of``, as the host runs only the kernel it names."""
 
     spelling: str
     dest: str
     prefer: str | None = None
     avoid: str | None = None
     note: str | None = None
+    value: str | None = None
+    instead_of: str | None = None
+
+    def given_in(self, namespace) -> bool:
+        found = getattr(namespace, self.dest, None)
+        if self.value is None:
+            return found is True
+        return found is not None and str(getattr(found, "value", found)) == self.value
 
 
-_SAGE3 = ("SageAttention 3 (the sageattn package, Blackwell only) is not among this extension's kernels; the "
-          "engine's chain stays, and sage (SageAttention 1/2) runs only where a chain names it")
+#: Forge Neo's choice of SageAttention 2 kernel (``--sage2-function``, later ``--sage-function``, an
+#: enum whose values name the package's functions) -> the engine backend that pins the same kernel.
+NEO_SAGE_FUNCTIONS = {"fp16_triton": "sage-triton", "fp16_cuda": "sage-cuda", "fp8_cuda": "sage-fp8",
+                      "fp8_cuda++": "sage-fp8pp", "sageattn3": "sage3"}
+
+
+def _neo_sage_functions() -> tuple:
+    return tuple(HostFlag(f"{spelling} {value}", dest, prefer=backend, value=value, instead_of="sage")
+                 for spelling, dest in (("--sage2-function", "sage2_function"), ("--sage-function", "sage_function"))
+                 for value, backend in NEO_SAGE_FUNCTIONS.items())
+
 
 #: Host key (``hosts.Host.key``) -> its attention flags, in the order the host itself prefers kernels.
 #: Forge Neo and Forge Classic use SageAttention, flash-attn and xformers whenever they are installed
@@ -179,7 +197,7 @@ HOST_FLAGS = {
         HostFlag("--disable-xformers", "disable_xformers", avoid="xformers"),
         HostFlag("--attention-pytorch", "attention_pytorch", avoid="xformers"),
     ),
-    "neo": (
+    "neo": _neo_sage_functions() + (
         HostFlag("--sage", "sage", prefer="sage"),
         HostFlag("--flash", "flash", prefer="flash-attn"),
         HostFlag("--xformers", "xformers", prefer="xformers"),
@@ -189,7 +207,7 @@ HOST_FLAGS = {
         HostFlag("--attention-pytorch", "attention_pytorch", avoid="xformers"),
     ),
     "reforge": (
-        HostFlag("--use-sage-attention3", "use_sage_attention3", note=_SAGE3),
+        HostFlag("--use-sage-attention3", "use_sage_attention3", prefer="sage3"),
         HostFlag("--use-sage-attention", "use_sage_attention", prefer="sage"),
         HostFlag("--use-flash-attention", "use_flash_attention", prefer="flash-attn"),
         HostFlag("--disable-xformers", "disable_xformers", avoid="xformers"),
@@ -226,14 +244,16 @@ def host_namespaces(host_key: str) -> list:
 
 def host_flags_given(host_key: str, namespaces) -> list[HostFlag]:
     """The host's own attention flags given on its command line, in the host's order."""
-    return [f for f in HOST_FLAGS.get(host_key, ()) if any(getattr(ns, f.dest, False) is True for ns in namespaces)]
+    return [f for f in HOST_FLAGS.get(host_key, ()) if any(f.given_in(ns) for ns in namespaces)]
 
 
 def host_layer(given) -> dict | None:
     """The ``host`` layer for the host flags given: their kernels first for the UNet/DiT (a kernel the
     host was told to keep off is not preferred), the kept-off ones out of the default chains."""
     avoid = list(dict.fromkeys(f.avoid for f in given if f.avoid))
-    prefer = [b for b in dict.fromkeys(f.prefer for f in given if f.prefer) if b not in avoid]
+    replaced = {f.instead_of for f in given if f.instead_of}
+    prefer = [b for b in dict.fromkeys(f.prefer for f in given if f.prefer and f.instead_of not in avoid)
+              if b not in avoid and b not in replaced]
     layer = {}
     if prefer:
         layer["preference"] = {role: prefer for role in DENOISER_ROLES}

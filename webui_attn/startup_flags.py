@@ -11,9 +11,9 @@ import importlib.util
 import os
 
 ENV_CLAIMED = "ATTN_CLAIMED_FLAGS"
-#: The host's flag dest -> (its spelling, the engine backend it asks for or None, the module it needs).
+#: The host's flag dest -> (its spelling, the engine backend it asks for, the module it needs).
 FLAGS = {
-    "use_sage_attention3": ("--use-sage-attention3", None, "sageattn"),
+    "use_sage_attention3": ("--use-sage-attention3", "sage3", "sageattn"),
     "use_sage_attention": ("--use-sage-attention", "sage", "sageattention"),
     "use_flash_attention": ("--use-flash-attention", "flash-attn", "flash_attn"),
 }
@@ -40,8 +40,7 @@ def claim(args, environ=os.environ) -> list:
         if missing(module):
             setattr(args, dest, False)
             then = (f"this extension's engine puts {backend} first and each call it cannot take falls back to the "
-                    f"next kernel, with the reason in the report") if backend else \
-                   "this extension's engine keeps its own chain (it has no kernel of that package)"
+                    f"next kernel, with the reason in the report")
             messages.append(f"{spelling}: {module} is not installed, which would stop the program at startup; it "
                             f"starts with its usual attention instead, and {then}")
     if claimed:
@@ -50,7 +49,7 @@ def claim(args, environ=os.environ) -> list:
 
 
 def given(args, environ=os.environ) -> list:
-    """(spelling, backend or None) of each such flag given, claimed or not."""
+    """(spelling, backend) of each such flag given, claimed or not."""
     claimed = [d for d in environ.get(ENV_CLAIMED, "").split(",") if d]
     return [(spelling, backend) for dest, (spelling, backend, _) in FLAGS.items()
             if dest in claimed or getattr(args, dest, False) is True]

@@ -10,13 +10,15 @@ from collections.abc import Sequence
 from .base import Backend, Status
 from .flash import FlashAttn
 from .math import Math
-from .sage import Sage
+from .sage import Sage, SageCuda, SageFp8, SageFp8pp, SageTriton
+from .sage3 import Sage3
 from .sdpa import Sdpa, SdpaCudnn, SdpaEfficient, SdpaFlash, SdpaMath
 from .xformers import Xformers
 
 REGISTRY: dict[str, Backend] = {
     b.id: b
-    for b in (FlashAttn(), SdpaCudnn(), SdpaFlash(), SdpaEfficient(), Xformers(), Sage(), Sdpa(), SdpaMath(), Math())
+    for b in (FlashAttn(), SdpaCudnn(), SdpaFlash(), SdpaEfficient(), Xformers(), Sage(), SageTriton(), SageCuda(),
+              SageFp8(), SageFp8pp(), Sage3(), Sdpa(), SdpaMath(), Math())
 }
 BUILTIN_IDS = tuple(REGISTRY)
 
