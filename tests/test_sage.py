@@ -8,6 +8,7 @@ from the ``k`` they get, in place) and compute exact attention.
 from __future__ import annotations
 
 import math
+import sys
 import textwrap
 
 import pytest
@@ -204,14 +205,27 @@ def write_sage(root, *, dispatch=DISPATCH_LATER, triton=TRITON_AFTER, mask=True,
     (package / "triton" / "attn_qk_int8_per_block.py").write_text(triton)
 
 
+@pytest.fixture
+def fresh_imports(monkeypatch):
+    """Packages written by a test are imported from its tmp_path and gone from sys.modules after it."""
+    names = ("sageattention", "sageattn")
+
+    def ours(name):
+        return any(name == n or name.startswith(n + ".") for n in names)
+
+    for name in [m for m in sys.modules if ours(m)]:
+        monkeypatch.delitem(sys.modules, name)
+    yield
+    for name in [m for m in sys.modules if ours(m)]:
+        del sys.modules[name]
+
+
 def read_written(monkeypatch, root):
     monkeypatch.syspath_prepend(str(root))
-    for name in [m for m in list(__import__("sys").modules) if m == "sageattention" or m.startswith("sageattention.")]:
-        monkeypatch.delitem(__import__("sys").modules, name)
     return sage_facts.load()
 
 
-def test_facts_of_a_release_after_2_2_0(tmp_path, monkeypatch):
+def test_facts_of_a_release_after_2_2_0(tmp_path, monkeypatch, fresh_imports):
     write_sage(tmp_path, version="2.2.0")
     facts = read_written(monkeypatch, tmp_path)
     assert facts.version == "2.2.0" and facts.major == 2
@@ -220,7 +234,7 @@ def test_facts_of_a_release_after_2_2_0(tmp_path, monkeypatch):
     assert facts.compiled == {"cuda", "fp8", "fp8-sm90"}
 
 
-def test_facts_of_2_0_1(tmp_path, monkeypatch):
+def test_facts_of_2_0_1(tmp_path, monkeypatch, fresh_imports):
     write_sage(tmp_path, dispatch=DISPATCH_2_0, triton=TRITON_BEFORE, mask=False, fp8_default="fp32+fp32",
                sm90_kernel=False, version="2.0.1")
     facts = read_written(monkeypatch, tmp_path)
@@ -229,19 +243,19 @@ def test_facts_of_2_0_1(tmp_path, monkeypatch):
     assert facts.padding_fault("triton", 77) and facts.padding_fault("cuda", 77) is None
 
 
-def test_a_2_2_0_whose_triton_kernel_predates_the_fix_is_read_as_faulty(tmp_path, monkeypatch):
+def test_a_2_2_0_whose_triton_kernel_predates_the_fix_is_read_as_faulty(tmp_path, monkeypatch, fresh_imports):
     write_sage(tmp_path, triton=TRITON_BEFORE, version="2.2.0")
     facts = read_written(monkeypatch, tmp_path)
     assert not facts.triton_pads_right and not facts.triton_masks
 
 
-def test_a_build_without_its_sm89_kernels_says_so(tmp_path, monkeypatch):
+def test_a_build_without_its_sm89_kernels_says_so(tmp_path, monkeypatch, fresh_imports):
     write_sage(tmp_path, sm89=False, version="2.2.0")
     facts = read_written(monkeypatch, tmp_path)
     assert facts.compiled == {"cuda", "fp8-sm90"}
 
 
-def test_sage_1_without_metadata_is_told_by_its_exports(tmp_path, monkeypatch):
+def test_sage_1_without_metadata_is_told_by_its_exports(tmp_path, monkeypatch, fresh_imports):
     (tmp_path / "sageattention").mkdir()
     (tmp_path / "sageattention" / "__init__.py").write_text("def sageattn(q, k, v, **kwargs):\n    pass\n")
     facts = read_written(monkeypatch, tmp_path)
@@ -363,7 +377,7 @@ def test_sage3_keeps_the_callers_keys_and_honours_the_scale(monkeypatch):
         assert scale is None or rel_err(out, reference(q, kept, v)) > 0.01
 
 
-def test_sage3_is_found_under_both_packagings(tmp_path, monkeypatch):
+def test_sage3_is_found_under_both_packagings(tmp_path, monkeypatch, fresh_imports):
     (tmp_path / "sageattn").mkdir()
     (tmp_path / "sageattn" / "__init__.py").write_text(textwrap.dedent('''
         __version__ = "0.1"
@@ -371,6 +385,7 @@ def test_sage3_is_found_under_both_packagings(tmp_path, monkeypatch):
             pass
     '''))
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(REGISTRY["sage3"], "fn", None)
     found = REGISTRY["sage3"]._probe()
     assert found.available and found.version == "0.1" and REGISTRY["sage3"].fn.__name__ == "sageattn_blackwell"
 
