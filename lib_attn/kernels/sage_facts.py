@@ -40,6 +40,8 @@ COMPILED_FLAG = {"cuda": "SM80_ENABLED", "fp8": "SM89_ENABLED", "fp8-sm90": "SM9
 #: ``sageattn``'s dispatch per release, where its source cannot be read.
 DISPATCH_2_0 = {80: "cuda", 86: "triton", 89: "fp8", 90: "cuda"}
 DISPATCH_2_1 = {80: "cuda", 86: "triton", 89: "fp8", 90: "fp8-sm90", 120: "fp8"}
+#: Names only SageAttention 2 exports (its pinned kernels, or the CUDA quantisation a hub build exports).
+SAGE2_ONLY = tuple(FUNCTIONS.values()) + ("per_warp_int8", "per_channel_fp8")
 #: SageAttention 1.x asserts one of these head sizes; 2.x pads up to 64 or 128 and takes at most 128.
 SAGE1_HEAD_DIMS = (64, 96, 128)
 #: The key block of the Triton kernel: with the padding fault, kv_len must be a multiple of it.
@@ -121,8 +123,8 @@ _MASKED_TAIL = re.compile(r"tl\.where\(\s*k_mask")
 def read(module) -> SageFacts:
     """The facts of an imported ``sageattention``."""
     version = _version_of(module, "sageattention")
-    # Without metadata (a source checkout), 2.x is told by the kernels it exports and 1.x has none.
-    major = release(version)[0] or (2 if hasattr(module, FUNCTIONS["triton"]) else 1)
+    # Without metadata (a source checkout, a hub build), 2.x is told by what it exports beyond 1.x's API.
+    major = release(version)[0] or (2 if any(hasattr(module, n) for n in SAGE2_ONLY) else 1)
     sageattn = module.sageattn
     if major <= 1:
         # 1.x: sageattn is the Triton kernel, with the padding fault in every release.
