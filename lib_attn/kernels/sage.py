@@ -117,16 +117,21 @@ class Sage(Backend):
             return ""
         return KIND_NAMES.get(self.kind(spec), "")
 
-    def runner(self, spec: CallSpec):
-        if self.facts.major <= 1:
-            return partial(_run_sage1, self.facts.sageattn)
-        return self.run
+    def sage2_function(self):
+        """The 2.x function ``run`` calls."""
+        return self.facts.sageattn
 
     def run(self, q, k, v, mask, scale):
         if self.facts.major <= 1:
             return _run_sage1(self.facts.sageattn, q, k, v, mask, scale)
         q, k, v = last_dim_contiguous(q, k, v)
-        return _on_device(self.facts.sageattn, q, k, v, tensor_layout="HND", is_causal=False, sm_scale=scale)
+        extra = {}
+        if mask is not None:
+            # Only a kernel that applies masks gets one: as bool, or in q's dtype, broadcast to (b, h, q, kv).
+            m = as_4d(mask)
+            extra["attn_mask"] = m if m.dtype == torch.bool else m.to(q.dtype)
+        return _on_device(self.sage2_function(), q, k, v, tensor_layout="HND", is_causal=False, sm_scale=scale,
+                          **extra)
 
 
 class SageKernel(Sage):
@@ -198,25 +203,13 @@ class SageTriton(SageKernel):
             out.append(f"GPU sm{spec.device.sm}: sageattn does not use its Triton kernel there (named, it runs)")
         return out
 
-    def kwargs(self, spec: CallSpec) -> dict:
-        return {}
+    def sage2_function(self):
+        return self.facts.functions["triton"]
 
     def runner(self, spec: CallSpec):
-        if self.facts.major <= 1:
-            return partial(_run_sage1, self.facts.sageattn)
         return self.run
 
-    def run(self, q, k, v, mask, scale):
-        if self.facts.major <= 1:
-            return _run_sage1(self.facts.sageattn, q, k, v, mask, scale)
-        q, k, v = last_dim_contiguous(q, k, v)
-        extra = {}
-        if mask is not None:
-            # The kernel takes a bool mask or one in q's dtype, broadcast to (b, h, q, kv).
-            m = as_4d(mask)
-            extra["attn_mask"] = m if m.dtype == torch.bool else m.to(q.dtype)
-        return _on_device(self.facts.functions["triton"], q, k, v, tensor_layout="HND", is_causal=False,
-                          sm_scale=scale, **extra)
+    run = Sage.run
 
 
 class SageCuda(SageKernel):
