@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from .base import Backend, Status
 from .flash import FlashAttn
+from .flash4 import FlashAttn4
 from .math import Math
 from .sage import Sage
 from .sdpa import Sdpa, SdpaCudnn, SdpaEfficient, SdpaFlash, SdpaMath
@@ -16,7 +17,7 @@ from .xformers import Xformers
 
 REGISTRY: dict[str, Backend] = {
     b.id: b
-    for b in (FlashAttn(), SdpaCudnn(), SdpaFlash(), SdpaEfficient(), Xformers(), Sage(), Sdpa(), SdpaMath(), Math())
+    for b in (FlashAttn(), FlashAttn4(), SdpaCudnn(), SdpaFlash(), SdpaEfficient(), Xformers(), Sage(), Sdpa(), SdpaMath(), Math())
 }
 BUILTIN_IDS = tuple(REGISTRY)
 
