@@ -6,7 +6,6 @@ The tensors live on the CPU; the backend decides as it would on a GPU of the giv
 """
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import replace
 
@@ -14,14 +13,16 @@ import torch
 
 from .sources import ROOT
 
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "tests"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 from lib_attn import kernels  # noqa: E402
 from lib_attn.device import DeviceInfo  # noqa: E402
 from lib_attn.dispatch import decide  # noqa: E402
 from lib_attn.kernels.base import Status  # noqa: E402
 from lib_attn.spec import spec_of  # noqa: E402
+from engine_helpers import reference  # noqa: E402 - the engine tests' float64 attention
 
 #: Relative error (max |out - ref| / max |ref|) allowed per dtype against a float64 reference. fp16
 #: and bf16 keep 11 and 8 significand bits; the inputs are rounded to the dtype before the
@@ -59,19 +60,6 @@ def key_padding(b: int, kv: int, keep: list[int]) -> torch.Tensor:
     for i, n in enumerate(keep):
         mask[i, ..., :n] = True
     return mask
-
-
-def reference(q, k, v, mask=None, scale=None, layout="bhsd") -> torch.Tensor:
-    """Attention in float64 (bhsd or bshd in and out)."""
-    if layout == "bshd":
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    q, k, v = (t.double() for t in (q, k, v))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = (q @ k.transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v
-    return out.transpose(1, 2) if layout == "bshd" else out
 
 
 def sdpa_fp32(q, k, v, mask=None, scale=None, layout="bhsd") -> torch.Tensor:
