@@ -253,3 +253,13 @@ def test_fa4_id_is_taken_where_ids_are_and_a_bad_id_names_it():
     assert "'flash-attn-5'" in str(err.value) and "flash-attn-4" in str(err.value)
     bad = flags.problems(SimpleNamespace(attn_backend="flash-attn-5"))
     assert bad and "flash-attn-5" in bad[0] and "flash-attn-4" in bad[0]
+
+
+def test_a_new_probe_looks_at_the_hub_cache_again(kernels_installed, offline, monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
+    assert not registry.status("flash-attn").available
+    hub_build(kernels_installed, "flash-attn2",
+              body="def flash_attn_func(*a, **k):\n    pass\ndef flash_attn_varlen_func(*a, **k):\n    pass\n")
+    registry.reset_probes()  # what a run-time install is followed by
+    assert registry.REGISTRY["flash-attn"]._probe().version.startswith("hub kernels-community/flash-attn2")

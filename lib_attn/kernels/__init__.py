@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from . import hub
 from .base import Backend, Status
 from .flash import FlashAttn
 from .flash4 import FlashAttn4
@@ -98,3 +99,4 @@ def unregister(backend_id: str) -> None:
 def reset_probes() -> None:
     """Forget every probe (tests, and after installing a package at run time)."""
     _status.clear()
+    hub.forget()
