@@ -11,14 +11,19 @@ webui-user.bat / webui-user.sh):
   ATTN_INSTALL=flash-attn,xformers,sage   install these, as prebuilt wheels only: flash-attn from
                                            the newest release with a wheel for this torch, xformers
                                            paired with this torch, SageAttention 1.0.6 from PyPI
+  ATTN_INSTALL=flash-attn-4                FlashAttention-4 from PyPI (Hopper and Blackwell, Linux)
+  ATTN_INSTALL=hub-flash-attn2             the `kernels` package and the Hugging Face kernel hub's
+  ATTN_INSTALL=hub-flash-attn3             FA2 / FA3 build for this torch and CUDA (builds exist where
+                                           flash-attn has no wheel: torch 2.9+, CUDA 13, Windows)
   ATTN_WHEEL_FLASH_ATTN=<file or URL>      use this wheel instead of the default source
   ATTN_WHEEL_XFORMERS=<file or URL>
-  ATTN_WHEEL_SAGE=<file or URL>            (SageAttention 2 comes only this way)
+  ATTN_WHEEL_SAGE=<file or URL>            (SageAttention 2.2 comes only this way)
   ATTN_INSTALL_DRY_RUN=1                   print the pip command, run nothing
 
 Every install runs pip with `--only-binary=:all:` (never a source build) and a constraint file
 holding torch, torchvision and torchaudio at their installed versions, so pip either finds a
-wheel that fits the installed torch or changes nothing. The result is re-probed and reported.
+wheel that fits the installed torch or changes nothing. The result is re-probed and reported, and
+a self-test call runs through the engine on the GPU (when there is one) with the backend installed.
 This file never exits with an error status for a backend that could not be installed.
 """
 
@@ -127,6 +132,31 @@ def flash_attn_coverage():
 # PyPI: it comes from a wheel the user names in ATTN_WHEEL_SAGE.
 SAGE_PYPI = "sageattention==1.0.6"
 TRITON_DISTS = ("triton", "triton-windows", "pytorch-triton")
+# SageAttention 1.0.6 (and 2.0.x's Triton path) leave the padded keys of the last 64-key block in the
+# softmax, so the engine refuses its calls whose kv_len is not a multiple of 64; 2.2.0 fixed it.
+SAGE_1_WARNING = ("the engine refuses SageAttention 1.0.6 for calls whose kv_len is not a multiple of 64 "
+                  "(SD cross-attention's 77 keys among them): it miscomputes them (fixed in 2.2.0), so those "
+                  "calls run on another backend; for SageAttention 2.2 set ATTN_WHEEL_SAGE to its wheel")
+
+# FlashAttention-4 on PyPI (`flash-attn-4`, pre-releases only so far): Python and CuTe DSL kernels
+# compiled at run time, for Hopper and Blackwell; its `cu13` extra pulls the CUDA 13 build of the
+# CuTe DSL. The DSL has Linux wheels only.
+FA4_REQUIREMENT = "flash-attn-4{extra}>=4.0.0b1"
+
+# The Hugging Face kernel hub: the `kernels` package downloads a repository's build for the running
+# torch, CUDA and platform into the Hugging Face cache, where the engine finds it (never downloading
+# anything itself). Builds exist for torch releases flash-attn has no wheel for.
+HUB_REPOS = {"hub-flash-attn2": "kernels-community/flash-attn2", "hub-flash-attn3": "kernels-community/flash-attn3"}
+HUB_FETCH = """
+import sys
+from kernels import install_kernel
+repo = sys.argv[1]
+try:
+    path = install_kernel(repo, version=1)
+except (TypeError, ValueError):  # releases before kernel versions take a revision
+    path = install_kernel(repo, revision="main")
+print(path)
+"""
 
 
 class Backend:
@@ -150,7 +180,18 @@ BACKENDS = (
     Backend("sage", "sageattention", "sageattention", "sageattention",
             ("sage", "sageattention", "sage-attention"), "ATTN_WHEEL_SAGE",
             "an NVIDIA GPU and Triton: SageAttention 1 fp16 from sm70, SageAttention 2 from sm80"),
+    Backend("flash-attn-4", "flash-attn-4", "flash-attn-4", "flash_attn.cute",
+            ("flash-attn-4", "flash_attn_4", "fa4"), "ATTN_WHEEL_FLASH_ATTN_4",
+            "NVIDIA Hopper (sm90) or Blackwell (sm100/sm120), fp16/bf16, Linux"),
+    Backend("hub-flash-attn2", "kernel hub flash-attn2", "kernels", "kernels",
+            ("hub-flash-attn2", "hub", "hub-fa2"), "",
+            "the kernels package and a hub build for this torch and CUDA; NVIDIA Ampere (sm80) or newer"),
+    Backend("hub-flash-attn3", "kernel hub flash-attn3", "kernels", "kernels",
+            ("hub-flash-attn3", "hub-fa3"), "",
+            "the kernels package and a hub build for this torch and CUDA; NVIDIA Hopper (sm90)"),
 )
+#: The engine backend each installable one is used through.
+ENGINE_ID = {"hub-flash-attn2": "flash-attn", "hub-flash-attn3": "flash-attn"}
 
 
 def say(backend, text):
@@ -230,6 +271,10 @@ def triton_installed():
     return any(dist_version(name) for name in TRITON_DISTS)
 
 
+def linux():
+    return platform.system() == "Linux"
+
+
 def linux_x86_64():
     return platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64")
 
@@ -239,7 +284,8 @@ def flash_attn_choice(torch, abi=None):
     if not linux_x86_64():
         return None, (f"flash-attn publishes no prebuilt wheels for {platform.system()} {platform.machine()}; "
                       "set ATTN_WHEEL_FLASH_ATTN to a wheel built for "
-                      f"{torch.describe()} (PyTorch's own SDPA and cuDNN kernels are used meanwhile)")
+                      f"{torch.describe()}, or ATTN_INSTALL=hub-flash-attn2 for the kernel hub's build "
+                      "(PyTorch's own SDPA and cuDNN kernels are used meanwhile)")
     if torch.hip:
         return None, "flash-attn's ROCm build is source-only"
     torch_mm = "%d.%d" % torch.major_minor()
@@ -249,7 +295,9 @@ def flash_attn_choice(torch, abi=None):
         return None, (f"no flash-attn release has a prebuilt wheel for torch {torch_mm} with CUDA "
                       f"{torch.cuda.split('.')[0]} and Python {python} (release wheels: {flash_attn_coverage()}). "
                       "Set ATTN_WHEEL_FLASH_ATTN to a wheel built for "
-                      f"{torch.describe()}; PyTorch's own SDPA kernels are used meanwhile")
+                      f"{torch.describe()}, or ATTN_INSTALL=hub-flash-attn2 for the kernel hub's build "
+                      "(hub-flash-attn3 on Hopper; flash-attn-4 on Hopper and Blackwell); "
+                      "PyTorch's own SDPA kernels are used meanwhile")
     return release, None
 
 
@@ -312,8 +360,17 @@ def status(backend, torch):
             sage1 = ("To install SageAttention 1.0.6 (Triton kernels, from PyPI), set ATTN_INSTALL=sage and restart"
                      if triton_installed() else
                      "SageAttention 1.0.6 from PyPI (ATTN_INSTALL=sage) needs Triton, which is not installed")
-            return (f"{head}. {sage1}; for SageAttention 2 set ATTN_WHEEL_SAGE as well, to a wheel built "
-                    f"for {torch.describe()}")
+            return (f"{head}. {sage1}; for SageAttention 2.2 set ATTN_WHEEL_SAGE as well, to a wheel built "
+                    f"for {torch.describe()} (note: {SAGE_1_WARNING.split(', so')[0]})")
+        if backend.id == "flash-attn-4":
+            if not linux():
+                return f"{head}; its CuTe DSL has Linux wheels only, and this is {platform.system()}"
+            return (f"{head}. To install FlashAttention-4 from PyPI for {torch.describe()}, "
+                    f"set ATTN_INSTALL={backend.id} and restart")
+        if backend.id in HUB_REPOS:
+            return (f"{head}. To fetch the kernel hub's {HUB_REPOS[backend.id]} build for {torch.describe()} "
+                    f"(the kernels package and one build; nothing is downloaded otherwise), "
+                    f"set ATTN_INSTALL={backend.id} and restart")
         return (f"{head}. To install a prebuilt wheel for "
                 f"{torch.describe()}, set ATTN_INSTALL={backend.id} and restart")
     if backend.dist == "xformers":
@@ -324,6 +381,11 @@ def status(backend, torch):
                     "(torch stays as it is)")
     if backend.dist == "sageattention" and not triton_installed():
         return f"{installed} is installed, but Triton is not: sage kernels cannot run without it"
+    if backend.dist == "sageattention" and installed.startswith("1."):
+        return f"{installed} is installed; {SAGE_1_WARNING}"
+    if backend.id in HUB_REPOS:
+        return (f"kernels {installed} is installed: the engine takes {HUB_REPOS[backend.id]} from the local cache "
+                f"when it holds a build for this torch (see the doctor command); ATTN_INSTALL={backend.id} fetches it")
     if not gpu:
         return f"{installed} is installed, but this is {torch.describe()}: it cannot run here"
     return f"{installed} is installed (the engine checks at startup that it loads; see the doctor command)"
@@ -393,7 +455,7 @@ def cxx11_abi(torch, python):
 def install_plan(backend, torch, python):
     """(requirement, extra pip options, what it is) to ask pip for, or (None, reason, None) when
     there is nothing to ask for."""
-    override = os.environ.get(backend.wheel_env, "").strip()
+    override = os.environ.get(backend.wheel_env, "").strip() if backend.wheel_env else ""
     if override:
         return override, "", f"the wheel named in {backend.wheel_env}"
     if backend.dist == "xformers":
@@ -425,7 +487,18 @@ def install_plan(backend, torch, python):
             return None, ("SageAttention 1.0.6 from PyPI runs on Triton, which is not installed (install "
                           "triton-windows first on Windows); for SageAttention 2 set ATTN_WHEEL_SAGE to a wheel "
                           f"built for {torch.describe()}"), None
-        return SAGE_PYPI, "", "SageAttention 1.0.6 (Triton kernels; SageAttention 2 needs ATTN_WHEEL_SAGE)"
+        return SAGE_PYPI, "", f"SageAttention 1.0.6 (Triton kernels; note: {SAGE_1_WARNING})"
+    if backend.id == "flash-attn-4":
+        if torch.hip:
+            return None, "FlashAttention-4 is for NVIDIA GPUs (CuTe DSL)", None
+        if not linux():
+            return None, f"FlashAttention-4's CuTe DSL has Linux wheels only, and this is {platform.system()}", None
+        extra = "[cu13]" if int(torch.cuda.split(".")[0]) >= 13 else ""
+        return FA4_REQUIREMENT.format(extra=extra), "", "FlashAttention-4 from PyPI"
+    if backend.id in HUB_REPOS:
+        if torch.hip:
+            return None, "this installer only fetches the hub's CUDA builds", None
+        return "kernels", "", "the kernels package (for the kernel hub)"
     return None, "unknown backend", None
 
 
@@ -494,6 +567,9 @@ def install(backend, torch, host, dry_run):
         say(backend, f"install requested, but this is {torch.describe()}: it cannot run here; nothing done")
         return
     before = dist_version(backend.dist)
+    if before and backend.id in HUB_REPOS:
+        fetch_from_hub(backend, torch, host, dry_run)
+        return
     if before:
         # Left alone unless built for another torch (known for xformers from its metadata); to
         # change to another wheel, uninstall the installed one first.
@@ -512,7 +588,7 @@ def install(backend, torch, host, dry_run):
         "-c", _quote(constraints), extra, _quote(requirement)) if part)
     try:
         if dry_run:
-            say(backend, f"dry run: pip {command} (holding {held})")
+            say(backend, f"dry run: pip {command} (holding {held}); it would install {what}")
             return
         say(backend, f"installing {what} for {torch.describe()}, holding {held}")
         try:
@@ -540,12 +616,91 @@ def install(backend, torch, host, dry_run):
     if error is None:
         kept = f"torch stays {torch.version}" if after_torch == torch.version else f"torch is now {after_torch}"
         say(backend, f"{after} installed and imports; {kept}")
+        if backend.id in HUB_REPOS:
+            fetch_from_hub(backend, torch, host, dry_run)
+        else:
+            self_test(backend, host.python)
         return
     if before is None and after is not None:
         host.pip_uninstall(backend.dist)
         say(backend, f"the installed wheel {after} does not load ({error}); removed it again")
     else:
         say(backend, f"installed, but it does not load ({error})")
+
+
+def fetch_from_hub(backend, torch, host, dry_run):
+    """Download the hub build of ``backend`` for this torch into the cache, then run the self-test."""
+    repo = HUB_REPOS[backend.id]
+    if dry_run:
+        say(backend, f"dry run: kernels' install_kernel({repo!r}) in {host.python}")
+        return
+    say(backend, f"fetching {repo}'s build for {torch.describe()} from the Hugging Face kernel hub")
+    try:
+        result = subprocess.run([host.python, "-c", HUB_FETCH, repo], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, timeout=1800)
+    except (subprocess.SubprocessError, OSError) as exc:
+        say(backend, f"the download did not run ({exc}); nothing was changed")
+        return
+    if result.returncode != 0:
+        kind, hosts, cause = _pip_failure(result.stderr.decode(errors="replace"))
+        if kind == "network":
+            say(backend, f"network failure: could not reach {hosts or 'huggingface.co'} ({cause}); this machine "
+                         "looks offline. Nothing was changed; PyTorch's own kernels are used meanwhile")
+        else:
+            lines = [line for line in result.stderr.decode(errors="replace").splitlines() if line.strip()]
+            say(backend, f"the hub has no usable build of {repo} for {torch.describe()} "
+                         f"({lines[-1].strip() if lines else 'no output'}); nothing was changed")
+        return
+    say(backend, f"{repo} is in the local cache ({result.stdout.decode(errors='replace').strip()})")
+    self_test(backend, host.python)
+
+
+# One call through the engine with the backend named, on the GPU, compared with fp32 SDPA. kv=128 and
+# head_dim 64 suit every installable kernel (SageAttention 1's head sizes, FA3 2.6's, kv a multiple of 64).
+SELF_TEST = """
+import sys
+root, backend = sys.argv[1], sys.argv[2]
+import torch
+if not torch.cuda.is_available():
+    print("skipped: no CUDA device")
+    sys.exit(0)
+sys.path.insert(0, root)
+import lib_attn
+q = torch.randn(1, 8, 256, 64, device="cuda", dtype=torch.float16)
+k = torch.randn(1, 8, 128, 64, device="cuda", dtype=torch.float16)
+v = torch.randn(1, 8, 128, 64, device="cuda", dtype=torch.float16)
+decision = lib_attn.explain(q, k, v, backend=backend)
+if decision.backend != backend:
+    why = "; ".join(", ".join(r) for bid, r in decision.rejected if bid == backend)
+    print(f"the engine does not take it for a test call on {torch.cuda.get_device_name()}: {why}")
+    sys.exit(3)
+out = lib_attn.attention(q, k, v, backend=backend)
+ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+err = float((out.float() - ref).abs().max() / ref.abs().max())
+name = " ".join(p for p in (decision.backend, decision.variant) if p)
+print(f"{name} ran a test call on {torch.cuda.get_device_name()}: relative error {err:.1e} against fp32 SDPA")
+sys.exit(0 if err < 0.05 else 4)
+"""
+
+
+def self_test(backend, python):
+    """Run one call through the engine with the installed backend; say what happened."""
+    engine_id = ENGINE_ID.get(backend.id, backend.id)
+    root = os.path.dirname(os.path.abspath(__file__))
+    try:
+        result = subprocess.run([python, "-c", SELF_TEST, root, engine_id], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, timeout=600)
+    except (subprocess.SubprocessError, OSError) as exc:
+        say(backend, f"self-test did not run: {exc}")
+        return
+    lines = [line.strip() for line in result.stdout.decode(errors="replace").splitlines() if line.strip()]
+    errors = [line.strip() for line in result.stderr.decode(errors="replace").splitlines() if line.strip()]
+    text = lines[-1] if lines else (errors[-1] if errors else f"exit status {result.returncode}")
+    if result.returncode == 0 and text.startswith("skipped"):
+        say(backend, f"self-test {text}")
+        return
+    verdict = "passed" if result.returncode == 0 else "FAILED"
+    say(backend, f"self-test {verdict}: {text}")
 
 
 def main():

@@ -27,7 +27,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INSTALL_PY = os.path.join(ROOT, "install.py")
 WEBUI_ROOT = os.path.join(ROOT, "tests", "doubles", "a1111")
-LABELS = ("flash-attn", "xformers", "sageattention")
+LABELS = ("flash-attn", "xformers", "sageattention", "flash-attn-4", "kernel hub flash-attn2", "kernel hub flash-attn3")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,7 +85,8 @@ class Env:
         cuda_text = repr(cuda)
         self.add_files("torch", version, {
             "torch/__init__.py": (f"__version__ = {version!r}\n"
-                                  f"class _C:\n    _GLIBCXX_USE_CXX11_ABI = {cxx11_abi!r}\n"),
+                                  f"class _C:\n    _GLIBCXX_USE_CXX11_ABI = {cxx11_abi!r}\n"
+                                  "class cuda:\n    is_available = staticmethod(lambda: False)\n"),
             "torch/version.py": (f"__version__ = {version!r}\n"
                                  f"cuda: Optional[str] = {cuda_text}\n"
                                  "hip: Optional[str] = None\n"),
@@ -192,8 +193,10 @@ def run_install(python, tmp_path, wheels_dir=None, **env_vars):
     return result.returncode, result.stdout.decode() + result.stderr.decode(), commands
 
 
-def line_for(output, label):
-    lines = [line for line in output.splitlines() if line.startswith(f"[flash-attention] {label}:")]
+def line_for(output, label, self_test=False):
+    """The last line about ``label``: its self-test line, or (by default) the last one before it."""
+    lines = [line for line in output.splitlines() if line.startswith(f"[flash-attention] {label}:")
+             and line.startswith(f"[flash-attention] {label}: self-test") == self_test]
     assert lines, output
     return lines[-1]
 
@@ -214,7 +217,7 @@ def test_default_run_installs_nothing_and_reports_each_backend(env, wheels, tmp_
     for label in LABELS:
         line = line_for(out, label)
         assert "not installed" in line and "ATTN_INSTALL=" in line and "CUDA 12.1" in line, line
-    assert len([line for line in out.splitlines() if line.startswith("[flash-attention]")]) == 3, out
+    assert len([line for line in out.splitlines() if line.startswith("[flash-attention]")]) == len(LABELS), out
     assert env.dists() == dists
     assert env.snapshot("torch") == torch_files
 
@@ -682,3 +685,104 @@ def test_pip_failure_without_its_output_points_at_the_console():
     # Under WEBUI_LAUNCH_LIVE_OUTPUT=1 the webui shows pip's output live and raises without it.
     error = RuntimeError("Couldn't install x.\nCommand: pip install x\nError code: 1")
     assert _load_installer()._pip_failure(error) == ("other", "", "pip failed; its output is above")
+
+
+# ---------------------------------------------------------------------------------------------
+# 2026 stacks: torch 2.9+, CUDA 13, FlashAttention-4, the kernel hub, the self-test
+# ---------------------------------------------------------------------------------------------
+
+def test_self_test_runs_after_an_install_and_says_why_it_could_not_here(env, wheels, tmp_path):
+    env.add_torch("2.1.0+cu121", "12.1")
+    make_wheel(wheels, "xformers", "0.0.98", {"xformers/__init__.py": "__version__ = '0.0.98'\n"}, ["torch>=2.1"])
+
+    code, out, commands = run_install(env.python, tmp_path, wheels, ATTN_INSTALL="xformers")
+
+    assert code == 0, out
+    assert "0.0.98 installed and imports" in line_for(out, "xformers"), out
+    assert line_for(out, "xformers", self_test=True) == "[flash-attention] xformers: self-test skipped: no CUDA device"
+
+
+def test_sage_1_install_and_status_warn_of_its_refused_calls(env, wheels, tmp_path):
+    env.add_torch("2.9.1+cu128", "12.8")
+    env.add_files("triton", "3.5.0", {"triton/__init__.py": ""})
+    make_wheel(wheels, "sageattention", "1.0.6", {"sageattention/__init__.py": "def sageattn(*a, **k): pass\n"})
+
+    code, out, commands = run_install(env.python, tmp_path, wheels, ATTN_INSTALL="sage", ATTN_INSTALL_DRY_RUN="1")
+    assert "kv_len is not a multiple of 64" in line_for(out, "sageattention") and "fixed in 2.2.0" in out, out
+
+    code, out, commands = run_install(env.python, tmp_path, wheels, ATTN_INSTALL="sage")
+    assert env.dist_version("sageattention") == "1.0.6"
+    code, out, commands = run_install(env.python, tmp_path, wheels)
+    status = line_for(out, "sageattention")
+    assert status.startswith("[flash-attention] sageattention: 1.0.6 is installed; the engine refuses"), status
+    assert "ATTN_WHEEL_SAGE" in status
+
+
+@pytest.mark.parametrize("torch_version,cuda,requirement", [
+    ("2.9.1+cu128", "12.8", "flash-attn-4>=4.0.0b1"),
+    ("2.11.0+cu130", "13.0", "flash-attn-4[cu13]>=4.0.0b1"),
+])
+def test_flash_attn_4_is_asked_of_pypi_with_the_cuda_13_extra_where_needed(env, tmp_path, torch_version, cuda,
+                                                                            requirement):
+    env.add_torch(torch_version, cuda)
+
+    code, out, commands = run_install(env.python, tmp_path, None, ATTN_INSTALL="fa4", ATTN_INSTALL_DRY_RUN="1")
+
+    assert code == 0, out
+    line = line_for(out, "flash-attn-4")
+    assert f'"{requirement}"' in line and "--only-binary=:all:" in line, line
+
+
+def test_torch_2_10_with_cuda_13_is_offered_what_exists(env, tmp_path):
+    env.add_torch("2.10.0+cu130", "13.0")
+
+    code, out, commands = run_install(env.python, tmp_path, None)
+
+    assert code == 0, out
+    flash = line_for(out, "flash-attn")
+    assert "no flash-attn release has a prebuilt wheel for torch 2.10 with CUDA 13" in flash, flash
+    assert "ATTN_INSTALL=hub-flash-attn2" in flash and "flash-attn-4" in flash, flash
+    assert "ATTN_INSTALL=flash-attn-4" in line_for(out, "flash-attn-4")
+    assert "ATTN_INSTALL=hub-flash-attn2" in line_for(out, "kernel hub flash-attn2")
+    code, out, commands = run_install(env.python, tmp_path, None, ATTN_INSTALL="xformers", ATTN_INSTALL_DRY_RUN="1")
+    xformers = line_for(out, "xformers")
+    assert '"xformers>=0.0.35"' in xformers and "download.pytorch.org/whl/cu130" in xformers, xformers
+
+
+def kernels_wheel(wheels, install_kernel_body):
+    """A stand-in `kernels` with the entry point the installer calls (kernels' install_kernel)."""
+    return make_wheel(wheels, "kernels", "0.19.1", {"kernels/__init__.py": (
+        "def install_kernel(repo_id, *, revision=None, version=None, **kwargs):\n" + install_kernel_body)})
+
+
+def test_hub_build_is_fetched_only_when_asked_and_then_self_tested(env, wheels, tmp_path):
+    env.add_torch("2.10.0+cu130", "13.0")
+    kernels_wheel(wheels, "    assert version == 1, version\n    return '/cache/' + repo_id\n")
+
+    code, out, commands = run_install(env.python, tmp_path, wheels)
+    assert commands == [] and env.dist_version("kernels") is None
+
+    code, out, commands = run_install(env.python, tmp_path, wheels, ATTN_INSTALL="hub-flash-attn3")
+
+    assert code == 0, out
+    assert len(commands) == 1 and '"kernels"' in commands[0], commands
+    lines = [line for line in out.splitlines() if line.startswith("[flash-attention] kernel hub flash-attn3:")]
+    assert any("kernels-community/flash-attn3 is in the local cache (/cache/kernels-community/flash-attn3)" in line
+               for line in lines), out
+    assert lines[-1] == "[flash-attention] kernel hub flash-attn3: self-test skipped: no CUDA device", out
+
+
+def test_hub_fetch_on_an_offline_machine_says_so_and_changes_nothing(env, wheels, tmp_path):
+    env.add_torch("2.10.0+cu130", "13.0")
+    env.add_files("kernels", "0.19.1", {"kernels/__init__.py": (
+        "def install_kernel(repo_id, **kwargs):\n"
+        "    raise OSError(\"HTTPSConnectionPool(host='huggingface.co', port=443): Max retries exceeded "
+        "(Caused by NameResolutionError: Temporary failure in name resolution)\")\n")})
+
+    code, out, commands = run_install(env.python, tmp_path, wheels, ATTN_INSTALL="hub")
+
+    assert code == 0, out
+    assert commands == []  # kernels is there already: no pip run
+    line = line_for(out, "kernel hub flash-attn2")
+    assert "network failure: could not reach huggingface.co" in line and "offline" in line, line
+    assert "Nothing was changed" in line

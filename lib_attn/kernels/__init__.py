@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from . import hub
 from .base import Backend, Status
 from .flash import FlashAttn
+from .flash4 import FlashAttn4
 from .math import Math
 from .sage import Sage, SageCuda, SageFp8, SageFp8pp, SageTriton
 from .sage3 import Sage3
@@ -17,8 +19,8 @@ from .xformers import Xformers
 
 REGISTRY: dict[str, Backend] = {
     b.id: b
-    for b in (FlashAttn(), SdpaCudnn(), SdpaFlash(), SdpaEfficient(), Xformers(), Sage(), SageTriton(), SageCuda(),
-              SageFp8(), SageFp8pp(), Sage3(), Sdpa(), SdpaMath(), Math())
+    for b in (FlashAttn(), FlashAttn4(), SdpaCudnn(), SdpaFlash(), SdpaEfficient(), Xformers(), Sage(), SageTriton(),
+              SageCuda(), SageFp8(), SageFp8pp(), Sage3(), Sdpa(), SdpaMath(), Math())
 }
 BUILTIN_IDS = tuple(REGISTRY)
 
@@ -99,3 +101,4 @@ def unregister(backend_id: str) -> None:
 def reset_probes() -> None:
     """Forget every probe (tests, and after installing a package at run time)."""
     _status.clear()
+    hub.forget()
