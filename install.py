@@ -13,8 +13,8 @@ webui-user.bat / webui-user.sh):
                                            paired with this torch, SageAttention 1.0.6 from PyPI
   ATTN_INSTALL=flash-attn-4                FlashAttention-4 from PyPI (Hopper and Blackwell, Linux)
   ATTN_INSTALL=hub-flash-attn2             the `kernels` package and the Hugging Face kernel hub's
-  ATTN_INSTALL=hub-flash-attn3             FA2 / FA3 build for this torch and CUDA (builds exist where
-                                           flash-attn has no wheel: torch 2.9+, CUDA 13, Windows)
+  ATTN_INSTALL=hub-flash-attn3             FA2 / FA3 / SageAttention build for this torch and CUDA
+  ATTN_INSTALL=hub-sage                    (builds exist where no wheel does: torch 2.9+, CUDA 13, Windows)
   ATTN_WHEEL_FLASH_ATTN=<file or URL>      use this wheel instead of the default source
   ATTN_WHEEL_XFORMERS=<file or URL>
   ATTN_WHEEL_SAGE=<file or URL>            (SageAttention 2.2 comes only this way)
@@ -146,7 +146,8 @@ FA4_REQUIREMENT = "flash-attn-4{extra}>=4.0.0b1"
 # The Hugging Face kernel hub: the `kernels` package downloads a repository's build for the running
 # torch, CUDA and platform into the Hugging Face cache, where the engine finds it (never downloading
 # anything itself). Builds exist for torch releases flash-attn has no wheel for.
-HUB_REPOS = {"hub-flash-attn2": "kernels-community/flash-attn2", "hub-flash-attn3": "kernels-community/flash-attn3"}
+HUB_REPOS = {"hub-flash-attn2": "kernels-community/flash-attn2", "hub-flash-attn3": "kernels-community/flash-attn3",
+             "hub-sage": "kernels-community/sage-attention"}
 HUB_FETCH = """
 import sys
 from kernels import install_kernel
@@ -189,9 +190,13 @@ BACKENDS = (
     Backend("hub-flash-attn3", "kernel hub flash-attn3", "kernels", "kernels",
             ("hub-flash-attn3", "hub-fa3"), "",
             "the kernels package and a hub build for this torch and CUDA; NVIDIA Hopper (sm90)"),
+    Backend("hub-sage", "kernel hub sage-attention", "kernels", "kernels",
+            ("hub-sage",), "",
+            "the kernels package and a hub build for this torch and CUDA; NVIDIA Ampere (sm80) or newer "
+            "(its SageAttention 3 on sm120)"),
 )
 #: The engine backend each installable one is used through.
-ENGINE_ID = {"hub-flash-attn2": "flash-attn", "hub-flash-attn3": "flash-attn"}
+ENGINE_ID = {"hub-flash-attn2": "flash-attn", "hub-flash-attn3": "flash-attn", "hub-sage": "sage"}
 
 
 def say(backend, text):

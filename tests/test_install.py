@@ -27,7 +27,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INSTALL_PY = os.path.join(ROOT, "install.py")
 WEBUI_ROOT = os.path.join(ROOT, "tests", "doubles", "a1111")
-LABELS = ("flash-attn", "xformers", "sageattention", "flash-attn-4", "kernel hub flash-attn2", "kernel hub flash-attn3")
+LABELS = ("flash-attn", "xformers", "sageattention", "flash-attn-4", "kernel hub flash-attn2", "kernel hub flash-attn3",
+          "kernel hub sage-attention")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -399,3 +399,54 @@ def test_every_sage_backend_is_approximate_and_out_of_the_default_chains():
         for role in lib_attn.ROLES:
             assert not set(sage_ids) & set(default_chain(role, device, fa3=False, cudnn=91600))
     assert math.isfinite(sage_facts.KEY_BLOCK)
+
+
+# --- the kernel hub's build ---------------------------------------------------------------------
+
+from test_kernel_sources import hub_build, kernels_installed, offline  # noqa: E402,F401 - fixtures
+from lib_attn.kernels import hub  # noqa: E402
+
+
+def test_sage_and_sage3_from_the_kernel_hubs_cached_build(kernels_installed, offline, monkeypatch):
+    """Without the sageattention package, the hub's build serves ``sage`` and ``sage3``; it exports no
+    pinned kernel, and with no release number and no readable Triton kernel its fix is not assumed."""
+    body = DISPATCH_LATER + textwrap.dedent('''
+        def sageattn_qk_int8_pv_fp16_cuda(*a, **k): pass
+        def sageattn_qk_int8_pv_fp16_triton(*a, **k): pass
+        def sageattn_qk_int8_pv_fp8_cuda(*a, **k): pass
+        def sageattn_qk_int8_pv_fp8_cuda_sm90(*a, **k): pass
+        def per_warp_int8(*a, **k): pass
+        def per_channel_fp8(*a, **k): pass
+        def sageattn3_blackwell(q, k, v, attn_mask=None, is_causal=False, per_block_mean=True, **kwargs): pass
+    ''').replace("def sageattn_qk", "def _sageattn_qk")  # the hub exports sageattn, not the pinned kernels
+    hub_build(kernels_installed, "sage", body=body)
+    monkeypatch.setitem(sys.modules, "sageattention", None)
+    monkeypatch.setitem(sys.modules, "sageattn3", None)
+    monkeypatch.setitem(sys.modules, "sageattn", None)
+    hub.forget()
+    for bid in ("sage", "sage-cuda", "sage3"):
+        monkeypatch.setattr(REGISTRY[bid], "facts" if bid != "sage3" else "fn", None)
+    found = REGISTRY["sage"]._probe()
+    facts = REGISTRY["sage"].facts
+    assert found.available and found.version.startswith("hub kernels-community/sage-attention")
+    assert facts.major == 2 and facts.dispatch[89] == "fp8" and facts.functions == {}
+    assert reasons("sage", spec(device=ADA)) == []
+    assert reasons("sage", spec(device=AMPERE_86)) == [
+        "kv_len 77 not a multiple of 64: " + facts.name + "'s Triton kernel is not shown to mask the keys past kv_len "
+        "(the fix of 2.2.0)"]
+    pinned = REGISTRY["sage-cuda"].facts_status(facts)
+    assert not pinned.available and "has no sageattn_qk_int8_pv_fp16_cuda" in pinned.reason
+    three = REGISTRY["sage3"]._probe()
+    assert three.available and three.version == found.version
+    hub.forget()
+
+
+def test_without_package_or_hub_build_the_reason_names_both(monkeypatch, offline):
+    monkeypatch.setitem(sys.modules, "sageattention", None)
+    monkeypatch.setattr(hub.importlib.util, "find_spec", lambda name, *a: None)
+    hub.forget()
+    monkeypatch.setattr(REGISTRY["sage"], "facts", None)
+    found = REGISTRY["sage"].probe()
+    assert not found.available and "sageattention" in found.reason
+    assert found.reason.endswith("; hub: the kernels package is not installed (pip install kernels)")
+    hub.forget()

@@ -5,6 +5,7 @@ Facts from thu-ml/SageAttention's ``sageattention3_blackwell`` (package ``sageat
 
 * its CUDA kernel checks for sm120 or sm121 and takes head sizes 64, 128 and 256; for 256 and above
   the Python layer prints a line and runs PyTorch's SDPA instead, so 64 and 128 are the sizes it runs;
+* the kernel hub's SageAttention build (``kernels-community/sage-attention``) exports the same function;
 * fp16 or bf16, layout (b, h, seq, d), no mask (``attn_mask`` is accepted and not used), and no scale
   argument: the softmax scale is always 1/sqrt(d), so a call with another scale has its queries scaled;
 * it subtracts the key mean from the ``k`` it is given, in place: it gets a centred copy of its own;
@@ -24,6 +25,7 @@ import math
 import torch
 
 from ..spec import NO_MASK, CallSpec
+from . import hub
 from .base import Backend, Status, failure_text, last_dim_contiguous
 from .flash import _version_of
 
@@ -32,6 +34,7 @@ HEAD_DIMS = (64, 128)
 MIN_SEQ = 1024
 #: (module, function, distribution) in the order they are looked for.
 PACKAGINGS = (("sageattn3", "sageattn3_blackwell", "sageattn3"), ("sageattn", "sageattn_blackwell", "sageattn"))
+HUB_FUNCTION = "sageattn3_blackwell"
 
 
 class Sage3(Backend):
@@ -56,7 +59,13 @@ class Sage3(Backend):
                 continue
             self.fn = fn
             return Status(True, version=_version_of(module, dist))
-        return Status(False, errors[0])
+        # The kernel hub's SageAttention build carries SageAttention 3's function too.
+        module, why = hub.load("sage")
+        fn = getattr(module, HUB_FUNCTION, None)
+        if fn is None:
+            return Status(False, f"{errors[0]}; hub: {why or f'its sage build has no {HUB_FUNCTION}'}")
+        self.fn = fn
+        return Status(True, version=f"hub {module.hub_source}")
 
     def extra_reasons(self, spec: CallSpec, asked: bool) -> list[str]:
         out = []

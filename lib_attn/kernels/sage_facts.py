@@ -15,6 +15,9 @@ from the installed package's own Python where it can be read, and from the relea
   2.2.0: + sm121), with the release's table as the fallback.
 * **Which compiled kernels loaded.** 2.1+ sets ``SM80_ENABLED``/``SM89_ENABLED``/``SM90_ENABLED``; 2.0.x
   imports one compiled module and has all of them or fails to import.
+* **Where it comes from.** The ``sageattention`` package, else the kernel hub's cached build of it
+  (``kernels-community/sage-attention``, which exports ``sageattn`` and SageAttention 3's function but
+  not the pinned 2.x kernels), shown as ``hub <source>``.
 * **The caller's tensors.** 1.x subtracts the key mean from the caller's ``k`` in place (``k -= km``);
   2.x does not. The backends never hand 1.x the caller's ``k``.
 """
@@ -26,6 +29,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from . import hub
 from .flash import _version_of
 
 #: Kernel kinds -> the 2.x function that runs them.
@@ -82,6 +86,9 @@ class SageFacts:
         if kind != "triton" or self.triton_pads_right or kv_len % KEY_BLOCK == 0:
             return None
         which = self.name if self.major <= 1 else f"{self.name}'s Triton kernel"
+        if release(self.version) == (0, 0, 0):  # a build with no release number: the fix was not found in it
+            return (f"kv_len {kv_len} not a multiple of {KEY_BLOCK}: {which} is not shown to mask the keys past "
+                    f"kv_len (the fix of {FIXED_IN})")
         return f"kv_len {kv_len} not a multiple of {KEY_BLOCK}: {which} miscomputes it (fixed in {FIXED_IN})"
 
 
@@ -120,22 +127,22 @@ def read_dispatch(source: str) -> dict:
 _MASKED_TAIL = re.compile(r"tl\.where\(\s*k_mask")
 
 
-def read(module) -> SageFacts:
-    """The facts of an imported ``sageattention``."""
-    version = _version_of(module, "sageattention")
+def read(module, version: str | None = None) -> SageFacts:
+    """The facts of an imported ``sageattention`` (or a build of it); ``version`` when its metadata has none."""
+    version = version or _version_of(module, "sageattention")
     # Without metadata (a source checkout, a hub build), 2.x is told by what it exports beyond 1.x's API.
     major = release(version)[0] or (2 if any(hasattr(module, n) for n in SAGE2_ONLY) else 1)
     sageattn = module.sageattn
     if major <= 1:
         # 1.x: sageattn is the Triton kernel, with the padding fault in every release.
         return SageFacts(version, major, sageattn, {"triton": sageattn})
-    core = importlib.import_module(module.__name__ + ".core") if hasattr(module, "__path__") else module
+    core = _core(module)
     functions = {kind: getattr(module, name) for kind, name in FUNCTIONS.items() if callable(getattr(module, name, None))}
     dispatch = read_dispatch(_source(sageattn)) or (DISPATCH_2_0 if release(version) < (2, 1, 0) else DISPATCH_2_1)
     # 2.0.x has no flags: it imported, so its compiled kernels loaded.
-    compiled = frozenset(kind for kind, flag in COMPILED_FLAG.items()
-                         if kind in functions and getattr(core, flag, True))
+    compiled = frozenset(kind for kind, flag in COMPILED_FLAG.items() if getattr(core, flag, True))
     kernel = _file_text(module, os.path.join("triton", "attn_qk_int8_per_block.py"))
+    # Without the kernel's source, a release number decides; a build without one (the hub's) is not trusted.
     pads_right = bool(_MASKED_TAIL.search(kernel)) if kernel else release(version) >= release(FIXED_IN)
     triton = functions.get("triton")
     masks = triton is not None and "attn_mask" in _parameters(triton) and pads_right
@@ -143,6 +150,14 @@ def read(module) -> SageFacts:
     fp8_text = _source(fp8) if fp8 is not None else ""
     fp16_accum = fp8 is not None and (("fp32+fp16" in fp8_text) if fp8_text else release(version) >= (2, 2, 0))
     return SageFacts(version, major, sageattn, functions, dispatch, compiled, pads_right, masks, fp16_accum)
+
+
+def _core(module):
+    """The module holding the compiled-kernel flags: the package's ``core`` (2.x), else the module itself."""
+    try:
+        return importlib.import_module(module.__name__ + ".core")
+    except ImportError:
+        return module
 
 
 def _parameters(fn) -> tuple:
@@ -153,5 +168,12 @@ def _parameters(fn) -> tuple:
 
 
 def load() -> SageFacts:
-    """Import ``sageattention`` and read its facts (ImportError and friends propagate to the probe)."""
-    return read(importlib.import_module("sageattention"))
+    """Import ``sageattention`` and read its facts; without it, the kernel hub's cached build (``hub``).
+    An ImportError naming both sources propagates to the probe."""
+    try:
+        return read(importlib.import_module("sageattention"))
+    except ImportError as exc:
+        module, why = hub.load("sage")
+        if module is None:
+            raise type(exc)(f"{exc}; hub: {why}") from exc
+        return read(module, version=f"hub {module.hub_source}")

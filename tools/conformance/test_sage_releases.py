@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from sources import fetch
+from .sources import fetch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
