@@ -2,8 +2,9 @@
 
 ``fetch("flash-attn", "2.8.3")`` runs ``python -m pip download --no-deps`` into ``.conformance-cache/``
 at the repository root, unpacks the file once, and returns the folder that holds the package's
-Python (the sdist's top folder, or the unpacked wheel). A failure raises ``FetchError`` with pip's
-own last lines. flash-attn's and xformers' setup.py import torch even to say what they are, so
+Python (the sdist's top folder, or the unpacked wheel); of an sdist only the Python and text files
+are unpacked (the CUDA sources and third-party trees are most of its size and never run here). A
+failure raises ``FetchError`` with pip's own last lines. flash-attn's and xformers' setup.py import torch even to say what they are, so
 sdists are downloaded without build isolation (the running Python has torch) and with flash-attn's
 ``FLASH_ATTENTION_SKIP_CUDA_BUILD`` set, which keeps its setup.py from looking for CUDA.
 """
@@ -19,6 +20,8 @@ import zipfile
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CACHE = ROOT / ".conformance-cache"
 KINDS = ("sdist", "wheel")
+#: What is unpacked of an sdist.
+SDIST_KEEP = (".py", ".pyi", ".txt", ".json", ".cfg", ".toml", "PKG-INFO")
 
 
 class FetchError(RuntimeError):
@@ -45,7 +48,8 @@ def _unpack(archive: pathlib.Path, into: pathlib.Path) -> None:
     tmp.mkdir(parents=True)
     if archive.name.endswith(".tar.gz"):
         with tarfile.open(archive) as tar:
-            members = [m for m in tar.getmembers() if not (m.issym() or m.islnk()) and ".." not in m.name.split("/")]
+            members = [m for m in tar.getmembers() if m.isfile() and ".." not in m.name.split("/")
+                       and not m.name.startswith("/") and m.name.endswith(SDIST_KEEP)]
             tar.extractall(tmp, members=members)
     else:
         with zipfile.ZipFile(archive) as zf:

@@ -19,7 +19,7 @@ import pytest
 from . import isolate
 from .sources import fetch
 
-RELEASES = ["0.0.23.post1", "0.0.28.post3", "0.0.35"]
+RELEASES = ["0.0.23.post1", "0.0.28.post3", "0.0.30", "0.0.33.post2", "0.0.35"]
 HERE = "tools.conformance.test_xformers"
 
 #: xformers 0.0.23.post1, csrc/attention/attention.cpp.
