@@ -298,6 +298,7 @@ def _decision(backend, rejected, cast, preferred, spec, run_spec, source: str = 
     if preferred is not None and preferred != backend.id:
         reasons = next((r for bid, r in rejected if bid == preferred), [])
         fallback_key = (spec.role, preferred, "; ".join(reasons))
+        stats.note_path(fallback_key, tuple((bid, "; ".join(r)) for bid, r in rejected if bid != preferred), backend.id)
     stats.note_kernel(backend.id, " ".join(p for p in (backend.id, status(backend.id).version, f"({variant})" if variant else "") if p))
     if source != "order":
         stats.note_tuned(spec.role, backend.id)

@@ -17,6 +17,8 @@ from collections import Counter
 _kernels: dict[str, set] = {}
 #: (role, backend id) pairs that tuning chose for at least one call signature.
 _tuned: set = set()
+#: What a fallback went through: {fallback key: {(((id, reason), ...) passed over after the first, id that ran)}}.
+_paths: dict = {}
 
 
 class Cell:
@@ -104,6 +106,11 @@ class Recording:
         return {b: " / ".join(sorted(_kernels.get(b, {b}))) for b in sorted(used)}
 
     @property
+    def paths(self) -> dict:
+        """For each fallback counted: the other backends passed over (id, reason) and the one that ran."""
+        return {key: frozenset(_paths.get(key, ())) for key in self.fallbacks}
+
+    @property
     def tuned(self) -> set:
         """(role, backend id) pairs that ran where tuning chose them (for at least one call kind)."""
         return {pair for pair in self.calls if pair in _tuned}
@@ -122,6 +129,10 @@ _last: Recording | None = None
 
 def note_kernel(backend: str, description: str) -> None:
     _kernels.setdefault(backend, set()).add(description)
+
+
+def note_path(fallback_key: tuple, others: tuple, ran: str) -> None:
+    _paths.setdefault(fallback_key, set()).add((tuple(others), ran))
 
 
 def note_tuned(role: str, backend: str) -> None:
