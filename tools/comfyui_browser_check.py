@@ -4,7 +4,8 @@ Needs a running ComfyUI with this repository in ``custom_nodes/`` and a checkpoi
 workflow, Chromium and chromedriver (Debian: ``apt-get install chromium chromium-driver``) and
 ``pip install selenium`` in the Python that runs this. It opens ``docs/comfyui-workflow.json`` with
 the page's Open dialog, makes the graph small enough for a CPU (64x64, 2 steps, fixed seed), runs it,
-runs it again, reloads the page, then types an unknown id into a chain; it prints what it saw as
+runs it again, reloads the page, adds a second report node on the (cached) decoded images and runs
+it, then types an unknown id into a chain; it prints what it saw as
 JSON and saves a screenshot after each step.
 
     python tools/comfyui_browser_check.py --url http://127.0.0.1:8188 --output-dir COMFY/output --shots DIR
@@ -155,6 +156,32 @@ def main(argv=None):
         focus(driver, "FlashAttentionReport")
         driver.save_screenshot(os.path.join(args.shots, "3-after-reload.png"))
 
+        # A second report node on the decoded images: it runs, its upstream comes from the cache.
+        driver.execute_script(f"""
+            const app = {APP};
+            const decode = app.graph._nodes.find((n) => n.type === "VAEDecode");
+            const first = app.graph._nodes.find((n) => n.type === "FlashAttentionReport");
+            const added = window.LiteGraph.createNode("FlashAttentionReport");
+            added.pos = [first.pos[0], first.pos[1] + 260];
+            app.graph.add(added);
+            decode.connect(0, added, 0);
+        """)
+        known |= {first, second}
+        before = images(args.output_dir)
+        third = queue(driver, args.url, known)
+        known.add(third)
+        time.sleep(2)
+        entry = history(args.url)[third]
+        added = driver.execute_script(f"""
+            const nodes = {APP}.graph._nodes.filter((n) => n.type === "FlashAttentionReport");
+            return {{id: nodes[1].id, shown: nodes[1].widgets.find((w) => w.name === "readout").value}};""")
+        seen["cached_upstream"] = dict(added, new_images=len(images(args.output_dir)) - len(before),
+                                       cached=next((m[1]["nodes"] for m in entry["status"]["messages"]
+                                                    if m[0] == "execution_cached"), None))
+        driver.execute_script(f"{APP}.canvas.ds.offset[1] -= 200; {APP}.canvas.setDirty(true, true);")
+        time.sleep(1)
+        driver.save_screenshot(os.path.join(args.shots, "4-second-report-on-cached-images.png"))
+
         focus(driver, "FlashAttentionBackend")
         seen["labels"] = driver.execute_script(f"""
             const node = {APP}.graph._nodes.find((n) => n.type === 'FlashAttentionBackend');
@@ -163,7 +190,7 @@ def main(argv=None):
             return {{value: w.value, options: w.options.values.map((v) => w.options.getOptionLabel?.(v) ?? v)}};
         """)
         time.sleep(1)
-        driver.save_screenshot(os.path.join(args.shots, "4-backend-labels.png"))
+        driver.save_screenshot(os.path.join(args.shots, "5-backend-labels.png"))
 
         driver.execute_script(f"""
             const node = {APP}.graph._nodes.find((n) => n.type === 'FlashAttentionBackend');
@@ -177,7 +204,7 @@ def main(argv=None):
         """)
         driver.execute_script(f"{APP}.queuePrompt(0, 1)")
         time.sleep(4)
-        driver.save_screenshot(os.path.join(args.shots, "5-bad-id.png"))
+        driver.save_screenshot(os.path.join(args.shots, "6-bad-id.png"))
     finally:
         driver.quit()
     print(json.dumps(seen, indent=1, ensure_ascii=False))
