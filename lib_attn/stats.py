@@ -17,8 +17,6 @@ from collections import Counter
 _kernels: dict[str, set] = {}
 #: (role, backend id) pairs that tuning chose for at least one call signature.
 _tuned: set = set()
-#: What a fallback went through: {fallback key: {(((id, reason), ...) passed over after the first, id that ran)}}.
-_paths: dict = {}
 
 
 class Cell:
@@ -32,6 +30,8 @@ class Cell:
 
 _calls: dict = {}      # (role, backend) -> Cell
 _fallbacks: dict = {}  # (role, backend passed over, reason) -> Cell
+#: What each fallback went through: (fallback key, ((id, reason), ...) also passed over, id that ran) -> Cell.
+_paths: dict = {}
 _lock = threading.Lock()
 
 
@@ -51,6 +51,11 @@ def call_cell(key) -> Cell:
 def fallback_cell(key) -> Cell:
     """The cell counting fallbacks of ``key`` = (role, backend passed over, reason)."""
     return _cell(_fallbacks, key)
+
+
+def path_cell(key) -> Cell:
+    """The cell counting fallbacks that went ``key`` = (fallback key, others passed over, backend that ran)."""
+    return _cell(_paths, key)
 
 
 def count_call(key) -> None:
@@ -77,6 +82,7 @@ class Recording:
 
     def __init__(self):
         self._calls, self._fallbacks = _snapshot(_calls), _snapshot(_fallbacks)
+        self._paths = _snapshot(_paths)
         self._final: tuple | None = None
         self.started = time.perf_counter()
         self.finished: float | None = None
@@ -84,7 +90,8 @@ class Recording:
     def finish(self) -> None:
         """Stop counting: the counts stay as they are now."""
         if self._final is None:
-            self._final = (_since(_calls, self._calls), _since(_fallbacks, self._fallbacks))
+            self._final = (_since(_calls, self._calls), _since(_fallbacks, self._fallbacks),
+                           _since(_paths, self._paths))
             self.finished = time.perf_counter()
 
     @property
@@ -107,8 +114,12 @@ class Recording:
 
     @property
     def paths(self) -> dict:
-        """For each fallback counted: the other backends passed over (id, reason) and the one that ran."""
-        return {key: frozenset(_paths.get(key, ())) for key in self.fallbacks}
+        """{fallback key: {(((id, reason), ...) also passed over, id that ran)}} for the fallbacks counted."""
+        counted = self._final[2] if self._final is not None else _since(_paths, self._paths)
+        out: dict = {}
+        for fallback_key, others, ran in counted:
+            out.setdefault(fallback_key, set()).add((others, ran))
+        return {key: frozenset(paths) for key, paths in out.items()}
 
     @property
     def tuned(self) -> set:
@@ -129,10 +140,6 @@ _last: Recording | None = None
 
 def note_kernel(backend: str, description: str) -> None:
     _kernels.setdefault(backend, set()).add(description)
-
-
-def note_path(fallback_key: tuple, others: tuple, ran: str) -> None:
-    _paths.setdefault(fallback_key, set()).add((tuple(others), ran))
 
 
 def note_tuned(role: str, backend: str) -> None:
