@@ -146,7 +146,10 @@ def test_bad_values_are_refused_again_when_the_node_runs(comfy_factory, inputs, 
 def test_choices_list_only_valid_values(comfy_factory):
     _, nodes = loaded(comfy_factory)
     required = nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"].INPUT_TYPES()["required"]
-    assert required["backend"][0] == ["auto", *lib_attn.BACKEND_IDS]
+    assert required["backend"][0] == ["auto", *lib_attn.BACKEND_IDS]                  # the stored values: ids
+    tooltip = required["backend"][1]["tooltip"]
+    for info in lib_attn.backends():                                                   # the reasons, on hover
+        assert (f"{info.id} ({info.reason})" in tooltip) == (not info.available)
     assert required["fp32"][0] == ["auto", "cast", "keep"] and required["tune"][0] == ["auto", "on", "off"]
 
 
