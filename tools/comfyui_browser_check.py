@@ -5,8 +5,9 @@ workflow, Chromium and chromedriver (Debian: ``apt-get install chromium chromium
 ``pip install selenium`` in the Python that runs this. It opens ``docs/comfyui-workflow.json`` with
 the page's Open dialog, makes the graph small enough for a CPU (64x64, 2 steps, fixed seed), runs it,
 runs it again, reloads the page, adds a second report node on the (cached) decoded images and runs
-it, then types an unknown id into a chain; it prints what it saw as
-JSON and saves a screenshot after each step.
+it, then types an unknown id into a chain; it saves a screenshot after each step. Last, through the
+API, it has ComfyUI's cache drop the report node's entry and runs the graph again, so that the report
+node runs on cached images. It prints what it saw as JSON.
 
     python tools/comfyui_browser_check.py --url http://127.0.0.1:8188 --output-dir COMFY/output --shots DIR
 """
@@ -86,6 +87,37 @@ def queue(driver, url, before):
             const ids = Object.keys(h).filter((id) => !{json.dumps(list(before))}.includes(id));
             return ids.length && h[ids[ids.length - 1]].status?.completed ? ids[ids.length - 1] : null;
         }});""", 900, "the run to finish")
+
+
+def post_and_wait(url, prompt):
+    request = urllib.request.Request(f"{url}/prompt", data=json.dumps({"prompt": prompt}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request) as response:
+        prompt_id = json.load(response)["prompt_id"]
+    while True:
+        with urllib.request.urlopen(f"{url}/history/{prompt_id}") as response:
+            entry = json.load(response).get(prompt_id)
+        if entry and entry["status"].get("completed") is not None:
+            return entry
+        time.sleep(0.5)
+
+
+def evicted(url, workflow_path, seed=7):
+    """Through the API: the graph, then another graph without the report node (ComfyUI's cache then
+    drops the report node's entry and keeps the rest), then the graph again: the report node runs on
+    images from the cache."""
+    with open(workflow_path) as f:
+        graph = json.load(f)
+    graph["6"]["inputs"].update(width=64, height=64)
+    graph["7"]["inputs"].update(steps=2, seed=seed)
+    first = post_and_wait(url, graph)
+    other = {k: v for k, v in graph.items() if v["class_type"] not in ("FlashAttentionReport", "SaveImage")}
+    other["99"] = {"class_type": "PreviewImage", "inputs": {"images": ["8", 0]}}
+    post_and_wait(url, other)
+    again = post_and_wait(url, graph)
+    report = next(k for k, v in graph.items() if v["class_type"] == "FlashAttentionReport")
+    return {"first": first["outputs"][report]["text"], "again": again["outputs"][report]["text"],
+            "cached": next((m[1]["nodes"] for m in again["status"]["messages"] if m[0] == "execution_cached"), None)}
 
 
 def images(folder):
@@ -207,6 +239,7 @@ def main(argv=None):
         driver.save_screenshot(os.path.join(args.shots, "6-bad-id.png"))
     finally:
         driver.quit()
+    seen["evicted"] = evicted(args.url, args.workflow)
     print(json.dumps(seen, indent=1, ensure_ascii=False))
 
 
