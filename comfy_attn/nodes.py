@@ -1,14 +1,17 @@
 """The custom nodes: Attention backend (MODEL -> MODEL), VAE attention backend (VAE -> VAE) and
 Attention report (shows what the run's attention did).
 
-Choices list only valid values; a backend chain typed by hand is checked before the graph runs
-(``VALIDATE_INPUTS``) and again when the node runs, with a message naming the bad id and the valid ones.
+Choices list only valid values, which ComfyUI checks itself ("Value not in list", on the input that
+holds the value); a backend chain typed by hand is checked before the graph runs (``VALIDATE_INPUTS``,
+which takes only ``chain``: ComfyUI reports a failed check once for every input it names) and again
+when the node runs, with a message naming the bad id and the valid ones.
 """
 from __future__ import annotations
 
 import lib_attn
 from lib_attn.config import FP32_POLICIES, TUNE_MODES
 from webui_attn.flags import parse_ids
+from webui_attn.settings import unavailable_text
 
 from . import readout, route, run
 
@@ -44,18 +47,23 @@ def config_for(roles, backend: str, chain: str, strict: bool, fp32: str, tune: s
     return config
 
 
-def _validate(backend, chain, fp32=AUTO, tune=AUTO):
+def _validate_chain(chain):
     try:
-        config_for(("unet",), backend, chain, False, fp32, tune)
+        parse_chain(AUTO, chain)
     except ValueError as exc:
         return str(exc)
     return True
 
 
+def backend_tooltip() -> str:
+    """What Auto and an id mean, and which backends cannot run here (the page marks them in the list)."""
+    return ("Auto: the fastest backend that takes each call; a backend id: that one first, falling back per "
+            "call. " + unavailable_text())
+
+
 def _common_inputs() -> dict:
     return {
-        "backend": (backend_choices(), {"default": AUTO, "tooltip": "Auto: the fastest backend that takes each "
-                                        "call; a backend id: that one first, falling back per call"}),
+        "backend": (backend_choices(), {"default": AUTO, "tooltip": backend_tooltip()}),
         "chain": ("STRING", {"default": "", "tooltip": "Optional: a chain of backend ids tried in order per call, "
                              "e.g. flash-attn,sdpa-cudnn (overrides backend)"}),
         "strict": ("BOOLEAN", {"default": False, "tooltip": "Stop the run instead of falling back when the first "
@@ -81,8 +89,8 @@ class AttentionBackend:
     DESCRIPTION = "Runs the model's attention on the fastest kernel that takes each call, falling back per call."
 
     @classmethod
-    def VALIDATE_INPUTS(cls, backend, chain, fp32, tune):
-        return _validate(backend, chain, fp32, tune)
+    def VALIDATE_INPUTS(cls, chain):
+        return _validate_chain(chain)
 
     def apply(self, model, backend, chain, strict, fp32, tune):
         config = config_for(("unet", "dit"), backend, chain, strict, fp32, tune)
@@ -103,8 +111,8 @@ class VAEAttentionBackend:
                    "SageAttention cannot take it).")
 
     @classmethod
-    def VALIDATE_INPUTS(cls, backend, chain, fp32):
-        return _validate(backend, chain, fp32)
+    def VALIDATE_INPUTS(cls, chain):
+        return _validate_chain(chain)
 
     def apply(self, vae, backend, chain, strict, fp32):
         return (route.route_vae(vae, config_for(("vae",), backend, chain, strict, fp32)),)
@@ -124,7 +132,7 @@ class AttentionReport:
     DESCRIPTION = "The attention readout of this run; passes the images on."
 
     def show(self, images):
-        report = run.current_report() or lib_attn.Report(
+        report = run.report_for(images) or lib_attn.Report(
             ran_on="ComfyUI's own attention", notes=("no call of this run went through this extension",))
         run.send(report)
         return {"ui": {"text": readout.lines(report)}, "result": (images,)}

@@ -20,6 +20,22 @@ def vram_text(vram) -> str:
             f"device {_gib(vram.system_peak)} of {_gib(vram.total)}")
 
 
+def _plain(reason) -> str:
+    return " ".join(str(reason).split())
+
+
+def fallback_line(report: Report, key: tuple, n: int) -> str:
+    """``fallback UNet flash-attn ×64: <why>; then sdpa-cudnn: <why>; ran sdpa``: every backend passed
+    over, in the order tried, and what took the calls."""
+    role, backend, reason = key
+    others, ran = report.path(key)
+    parts = [f"fallback {ROLE_NAMES.get(role, role)} {backend} ×{n:,}: {_plain(reason)}"]
+    parts += [f"then {other}: {_plain(why)}" for other, why in others]
+    if ran:
+        parts.append(f"ran {', '.join(ran)}")
+    return "; ".join(parts)
+
+
 def lines(report: Report) -> list[str]:
     """One line per role that ran (most calls first), one per fallback, then time, memory and notes."""
     out = []
@@ -29,8 +45,8 @@ def lines(report: Report) -> list[str]:
         out.append(f"{ROLE_NAMES.get(role, role)}: {ran}")
     if not out:
         out.append(f"{report.ran_on}, not through this extension" if report.ran_on else "no attention calls")
-    for (role, backend, reason), n in report.fallback_items():
-        out.append(f"fallback {ROLE_NAMES.get(role, role)} {backend} ×{n:,}: {' '.join(str(reason).split())}")
+    for key, n in report.fallback_items():
+        out.append(fallback_line(report, key, n))
     facts = []
     if report.seconds is not None:
         facts.append(f"time {report.seconds:.1f} s")

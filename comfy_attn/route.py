@@ -158,8 +158,10 @@ def _in_vae_segment(method, config: dict):
     def routed(*args, **kwargs):
         token = _vae_config.set(dict(config))
         try:
-            with run.segment(config):
-                return method(*args, **kwargs)
+            with run.segment(config) as current:
+                images = method(*args, **kwargs)
+                run.remember(images, current)
+                return images
         finally:
             _vae_config.reset(token)
     routed.__name__ = getattr(method, "__name__", "routed")

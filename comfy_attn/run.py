@@ -5,6 +5,11 @@ when it began, which counts every engine call from then on, whichever node (samp
 the global route made it. The last run's report is the
 status route's ``last_report``; it is sent to the UI as the server message ``flash-attention.report``
 when a routed sampling or VAE pass ends, and by the Attention report node.
+
+ComfyUI serves a node whose inputs did not change from its cache, without running it: a report node
+that runs on images made by an earlier prompt (its upstream came from the cache) shows what ran when
+they were made. So each run remembers, weakly, the images its routed VAE passes returned and the
+images its report node was given.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import dataclasses
 import sys
 import threading
 import time
+import weakref
 
 import lib_attn
 from lib_attn.report import Report, VramProbe
@@ -39,6 +45,9 @@ class Run:
 
 _run: Run | None = None
 _context = None
+#: (weak reference to images a run made or reported on, that run), newest last; a few runs' worth.
+_made: list = []
+KEEP = 16
 
 
 def prompt_id():
@@ -64,6 +73,8 @@ def begin() -> Run:
     if current is None or current.prompt_id != pid:
         with _lock:
             if _run is None or _run.prompt_id != pid:
+                if _run is not None:
+                    _run.recording.finish()  # its counts stay those of its own prompt
                 _run = Run(pid)
             current = _run
     current.touched = time.perf_counter()
@@ -99,8 +110,48 @@ def last_report() -> Report | None:
 
 def current_report() -> Report | None:
     """The report of the run ComfyUI is executing, None when no routed call was made in it."""
+    run = _current()
+    return None if run is None else run.report()
+
+
+def _current() -> Run | None:
     run = _run
-    return run.report() if run is not None and run.prompt_id == prompt_id() else None
+    return run if run is not None and run.prompt_id == prompt_id() else None
+
+
+def remember(images, run: Run) -> None:
+    """``images`` were made (or reported on) by ``run``."""
+    try:
+        ref = weakref.ref(images)
+    except TypeError:  # not a tensor: nothing a later prompt could be handed again
+        return
+    with _lock:
+        _made[:] = [(r, m) for r, m in _made if r() is not None and r() is not images][-(KEEP - 1):]
+        _made.append((ref, run))
+
+
+def made_by(images) -> Run | None:
+    """The run that made or reported on ``images``, while they live."""
+    for ref, run in reversed(list(_made)):
+        if ref() is images:
+            return run
+    return None
+
+
+def report_for(images) -> Report | None:
+    """The report an Attention report node shows for ``images``: this prompt's run when it made a routed
+    call, else the run that made the images (ComfyUI served them from its cache), else None."""
+    run = _current()
+    if run is not None:
+        remember(images, run)
+        return run.report()
+    earlier = made_by(images)
+    if earlier is None:
+        return None
+    report = earlier.report()
+    cached = (f"these images come from ComfyUI's cache: this is what ran when they were made "
+              f"(prompt {earlier.prompt_id})")
+    return dataclasses.replace(report, notes=(*report.notes, cached))
 
 
 def send(report: Report) -> None:
@@ -116,3 +167,4 @@ def reset() -> None:
     with _lock:
         _run = None
         _context = None
+        _made.clear()

@@ -181,13 +181,18 @@ class Decision:
     source: str = "order"
     timings: dict = field(default_factory=dict)
     final: bool = field(default=True, repr=False)  # False: decided where tuning was blocked, not cached
-    #: The counters of ``count_key`` and ``fallback_key``: the hot path counts with one increment.
+    #: The counters of ``count_key`` and ``fallback_key`` (and of the fallback's whole path: every
+    #: backend passed over and the one that ran): the hot path counts with one increment each.
     call_cell: object = field(default=None, init=False, repr=False, compare=False)
     fallback_cell: object = field(default=None, init=False, repr=False, compare=False)
+    path_cell: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self.call_cell = stats.call_cell(self.count_key) if self.count_key else None
         self.fallback_cell = None if self.fallback_key is None else stats.fallback_cell(self.fallback_key)
+        if self.fallback_key is not None:
+            others = tuple((bid, "; ".join(r)) for bid, r in self.rejected if bid != self.preferred)
+            self.path_cell = stats.path_cell((self.fallback_key, others, self.backend))
 
     @property
     def fallback(self) -> bool:
@@ -444,6 +449,7 @@ def _on_fallback(dec: Decision) -> None:
             f"strict mode: {preferred} cannot take this {role} call ({dec.spec.describe()}): {reasons}; "
             f"it would run on {dec.backend}")
     dec.fallback_cell.n += 1
+    dec.path_cell.n += 1
     _report_once(dec.fallback_key, dec.backend)
 
 
@@ -473,6 +479,7 @@ def _recover(key, dec: Decision, exc: Exception, q, k, v, mask, scale):
         if _config.current().strict:
             raise AttentionFallbackError(f"strict mode: {dec.backend} ran out of memory on a vae call") from exc
         stats.count_fallback(fallback_key)
+        stats.path_cell((fallback_key, (), "math")).n += 1
         _report_once(fallback_key, "math")
         out = _wrap(REGISTRY["math"].run, dec.spec.layout != "bhsd", None)(q, k, v, mask, scale)
         stats.count_call((dec.spec.role, "math"))
@@ -494,6 +501,7 @@ def _recover(key, dec: Decision, exc: Exception, q, k, v, mask, scale):
     _cache[key] = new
     if new.fallback_cell is not None:
         new.fallback_cell.n += 1
+        new.path_cell.n += 1
         _report_once(new.fallback_key, new.backend)
     try:
         out = new.run(q, k, v, mask, scale)

@@ -35,6 +35,13 @@ class Vram:
     source: str = "host"
     peaks_bounded: bool = False
 
+    def path(self, fallback_key: tuple) -> tuple[list, list]:
+        """(the other backends passed over as (id, reason), in chain order; the ids that ran) for one
+        fallback; both empty when not known."""
+        paths = sorted(self.paths.get(fallback_key, ()))
+        others = list(dict.fromkeys(pair for passed, _ in paths for pair in passed))
+        return others, list(dict.fromkeys(ran for _, ran in paths))
+
     def to_dict(self) -> dict:
         return {
             "source": self.source,
@@ -129,7 +136,8 @@ class Report:
     ``notes``: what the user should know about this generation (an override or setting that was ignored,
     and why); ``ran_on``: what ran attention when it did not go through the engine (e.g. "A1111's
     InvokeAI optimizer"); ``hint``: how to route attention through the engine then;
-    ``tuned``: the (role, backend id) pairs that tuning chose rather than the fixed order.
+    ``tuned``: the (role, backend id) pairs that tuning chose rather than the fixed order;
+    ``paths``: {fallback key: {(((id, reason), ...) also passed over, id that ran)}}.
     """
 
     calls: dict = field(default_factory=dict)
@@ -141,6 +149,7 @@ class Report:
     ran_on: str | None = None
     hint: str | None = None
     tuned: frozenset = frozenset()
+    paths: dict = field(default_factory=dict, compare=False)  # in-process detail: not in the JSON
 
     @classmethod
     def from_recording(cls, rec, seconds: float | None = None, vram: Vram | None = None) -> "Report":
@@ -148,7 +157,7 @@ class Report:
         if seconds is None:
             seconds = getattr(rec, "seconds", None)
         return cls(dict(rec.calls), dict(rec.fallbacks), dict(rec.kernels), seconds, vram,
-                   tuned=frozenset(getattr(rec, "tuned", ())))
+                   tuned=frozenset(getattr(rec, "tuned", ())), paths=dict(getattr(rec, "paths", {})))
 
     def roles(self) -> list[str]:
         present = {role for role, _ in self.calls}
@@ -182,6 +191,13 @@ class Report:
         """((role, backend, reason), n) pairs: by role, then most frequent first."""
         items = list(self.fallbacks.items())
         return sorted(items, key=lambda item: (role_rank(item[0][0]), -item[1], item[0][1], item[0][2]))
+
+    def path(self, fallback_key: tuple) -> tuple[list, list]:
+        """(the other backends passed over as (id, reason), in chain order; the ids that ran) for one
+        fallback; both empty when not known."""
+        paths = sorted(self.paths.get(fallback_key, ()))
+        others = list(dict.fromkeys(pair for passed, _ in paths for pair in passed))
+        return others, list(dict.fromkeys(ran for _, ran in paths))
 
     def to_dict(self) -> dict:
         """The report as JSON-ready data (``from_dict`` reads it back)."""

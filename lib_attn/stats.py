@@ -30,6 +30,8 @@ class Cell:
 
 _calls: dict = {}      # (role, backend) -> Cell
 _fallbacks: dict = {}  # (role, backend passed over, reason) -> Cell
+#: What each fallback went through: (fallback key, ((id, reason), ...) also passed over, id that ran) -> Cell.
+_paths: dict = {}
 _lock = threading.Lock()
 
 
@@ -49,6 +51,11 @@ def call_cell(key) -> Cell:
 def fallback_cell(key) -> Cell:
     """The cell counting fallbacks of ``key`` = (role, backend passed over, reason)."""
     return _cell(_fallbacks, key)
+
+
+def path_cell(key) -> Cell:
+    """The cell counting fallbacks that went ``key`` = (fallback key, others passed over, backend that ran)."""
+    return _cell(_paths, key)
 
 
 def count_call(key) -> None:
@@ -75,6 +82,7 @@ class Recording:
 
     def __init__(self):
         self._calls, self._fallbacks = _snapshot(_calls), _snapshot(_fallbacks)
+        self._paths = _snapshot(_paths)
         self._final: tuple | None = None
         self.started = time.perf_counter()
         self.finished: float | None = None
@@ -82,7 +90,8 @@ class Recording:
     def finish(self) -> None:
         """Stop counting: the counts stay as they are now."""
         if self._final is None:
-            self._final = (_since(_calls, self._calls), _since(_fallbacks, self._fallbacks))
+            self._final = (_since(_calls, self._calls), _since(_fallbacks, self._fallbacks),
+                           _since(_paths, self._paths))
             self.finished = time.perf_counter()
 
     @property
@@ -102,6 +111,15 @@ class Recording:
         """What each backend that ran was, with its version and variant."""
         used = {backend for _, backend in self.calls}
         return {b: " / ".join(sorted(_kernels.get(b, {b}))) for b in sorted(used)}
+
+    @property
+    def paths(self) -> dict:
+        """{fallback key: {(((id, reason), ...) also passed over, id that ran)}} for the fallbacks counted."""
+        counted = self._final[2] if self._final is not None else _since(_paths, self._paths)
+        out: dict = {}
+        for fallback_key, others, ran in counted:
+            out.setdefault(fallback_key, set()).add((others, ran))
+        return {key: frozenset(paths) for key, paths in out.items()}
 
     @property
     def tuned(self) -> set:

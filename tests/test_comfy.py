@@ -110,18 +110,35 @@ def test_loads_in_a_fresh_comfyui_where_nothing_of_it_is_on_sys_path(tmp_path):
 
 # --- the Attention backend node -----------------------------------------------------------------------
 
+@pytest.mark.parametrize("node_name", ["FlashAttentionBackend", "FlashAttentionVAEBackend"])
+@pytest.mark.parametrize("inputs,where,words", [
+    (dict(backend="nope"), "backend", ["'nope'", "'flash-attn'", "'sdpa'"]),
+    (dict(chain="sdpa, flahs-attn"), "chain", ["'flahs-attn'", "valid ids", "flash-attn"]),
+    (dict(fp32="sideways"), "fp32", ["'sideways'", "'cast'", "'keep'"]),
+])
+def test_one_message_per_bad_value_on_its_input(comfy_factory, node_name, inputs, where, words):
+    _, nodes = loaded(comfy_factory)
+    import execution
+    cls = nodes.NODE_CLASS_MAPPINGS[node_name]
+    values = dict(model=None, vae=None, tune="auto", **{**BACKEND, **inputs})
+    values = {k: v for k, v in values.items() if k in cls.INPUT_TYPES()["required"]}
+    ok, errors = execution.validate(cls, values)
+    assert not ok and len(errors) == 1, errors
+    assert errors[0]["extra_info"]["input_name"] == where
+    assert all(w in errors[0]["details"] for w in words), errors[0]["details"]
+
+
 @pytest.mark.parametrize("inputs,words", [
     (dict(backend="nope"), ["'nope'", "valid ids", "flash-attn"]),
     (dict(chain="sdpa, flahs-attn"), ["'flahs-attn'", "valid ids"]),
     (dict(fp32="sideways"), ["'sideways'", "cast", "keep"]),
 ])
-def test_bad_values_are_refused_before_the_graph_runs(comfy_factory, inputs, words):
+def test_bad_values_are_refused_again_when_the_node_runs(comfy_factory, inputs, words):
+    """The API can skip the page; the node says the same when it runs."""
     _, nodes = loaded(comfy_factory)
     import execution
-    values = dict(model=None, tune="auto", **{**BACKEND, **inputs})
-    ok, errors = execution.validate(nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"], values)
-    assert not ok and all(w in errors[0]["details"] for w in words)
-    with pytest.raises(ValueError) as raised:                                 # and again when it runs
+    values = dict(tune="auto", **{**BACKEND, **inputs})
+    with pytest.raises(ValueError) as raised:
         execution.execute(nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"], dict(values, model=unet_patcher()))
     assert all(w in str(raised.value) for w in words)
 
@@ -129,7 +146,10 @@ def test_bad_values_are_refused_before_the_graph_runs(comfy_factory, inputs, wor
 def test_choices_list_only_valid_values(comfy_factory):
     _, nodes = loaded(comfy_factory)
     required = nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"].INPUT_TYPES()["required"]
-    assert required["backend"][0] == ["auto", *lib_attn.BACKEND_IDS]
+    assert required["backend"][0] == ["auto", *lib_attn.BACKEND_IDS]                  # the stored values: ids
+    tooltip = required["backend"][1]["tooltip"]
+    for info in lib_attn.backends():                                                   # the reasons, on hover
+        assert (f"{info.id} ({info.reason})" in tooltip) == (not info.available)
     assert required["fp32"][0] == ["auto", "cast", "keep"] and required["tune"][0] == ["auto", "on", "off"]
 
 
@@ -257,8 +277,26 @@ def test_report_of_a_run_and_of_a_run_without_routed_calls(comfy_factory):
     assert event == "flash-attention.report" and data["text"] == text
     assert {(c["role"], c["backend"], c["count"]) for c in data["calls"]} == {("unet", "sdpa", 4), ("vae", "sdpa", 1)}
     assert [e for e, _, _ in comfy.server.sent].count("flash-attention.report") == 3   # sampling, decode, node
-    later = node(nodes, "FlashAttentionReport", prompt_id="p2", images=images)
+    other = VAE().decode(latent)                                            # ComfyUI's own VAE, no node
+    later = node(nodes, "FlashAttentionReport", prompt_id="p2", images=other)
     assert later["ui"]["text"][0] == "ComfyUI's own attention, not through this extension"
+
+
+def test_report_on_images_from_the_cache_says_what_ran_when_they_were_made(comfy_factory):
+    """A later prompt whose sampler and decode ComfyUI serves from its cache hands the report node the
+    very images the earlier prompt made."""
+    comfy, nodes = loaded(comfy_factory)
+    from comfy.sd import VAE
+    from comfy_execution.utils import CurrentNodeContext
+    (model,) = node(nodes, "FlashAttentionBackend", prompt_id="p1", model=unet_patcher(), tune="auto", **BACKEND)
+    (vae,) = node(nodes, "FlashAttentionVAEBackend", prompt_id="p1", vae=VAE(), **BACKEND)
+    with CurrentNodeContext("p1", "8"):
+        images = vae.decode(sample(model, prompt_id="p1"))               # no report node in prompt p1
+    sample(model, prompt_id="p2")                                            # p2 runs other work
+    again = node(nodes, "FlashAttentionReport", prompt_id="p3", images=images)["ui"]["text"]
+    assert again[0] == "UNet: sdpa torch " + torch.__version__ + " ×4"       # p1's calls, not p2's
+    assert again[1].startswith("VAE: sdpa") and again[1].endswith("×1")
+    assert "these images come from ComfyUI's cache" in again[-1] and "(prompt p1)" in again[-1]
 
 
 # --- the global route and ComfyUI's own flags -------------------------------------------------------------
@@ -343,3 +381,17 @@ def test_status_route_on_comfyuis_server(comfy_factory, tmp_path, monkeypatch):
     assert body["last_report"]["text"][0].startswith("UNet: sdpa")
     assert body["tuning"]["file"] == "tuning.json" and "private-folder" not in json.dumps(body)
     assert body["routing"]["routed"] is False and "Attention backend" in body["routing"]["hint"]
+
+
+def test_fallback_line_names_every_backend_passed_over_and_what_ran(comfy_factory):
+    _, nodes = loaded(comfy_factory)
+    infos = {b.id: b for b in lib_attn.backends()}
+    if infos["flash-attn"].available or infos["sdpa-cudnn"].available:
+        pytest.skip("flash-attn or cuDNN attention runs here")
+    (model,) = node(nodes, "FlashAttentionBackend", prompt_id="c1", model=unet_patcher(), tune="auto",
+                    **dict(BACKEND, chain="flash-attn, sdpa-cudnn"))
+    sample(model, prompt_id="c1")
+    text = node(nodes, "FlashAttentionReport", prompt_id="c1", images=torch.zeros(1, 8, 8, 3))["ui"]["text"]
+    (line,) = [t for t in text if t.startswith("fallback ")]
+    assert line.startswith(f"fallback UNet flash-attn ×4: not available: {infos['flash-attn'].reason}; ")
+    assert f"; then sdpa-cudnn: not available: {infos['sdpa-cudnn'].reason}" in line and line.endswith("; ran sdpa")

@@ -177,6 +177,24 @@ def test_configured_backend_that_cannot_take_a_call_falls_back_and_is_counted(ca
     assert len([r for r in caplog.records if "sdpa-efficient" in r.getMessage()]) == 1  # reported once
 
 
+def test_a_fallback_knows_every_backend_passed_over_and_what_ran():
+    """A chain of two CUDA-only backends on a CPU: both are passed over, in order, and sdpa (which the
+    chain did not name) runs."""
+    q, k, v = qkv()
+    lib_attn.configure(preference=["sdpa-efficient", "flash-attn"])     # an earlier chain, same first choice
+    lib_attn.attention(q, k, v)
+    lib_attn.configure(preference=["sdpa-efficient", "sdpa-cudnn"])
+    with lib_attn.recording() as rec:
+        lib_attn.attention(q, k, v)
+    ((key, count),) = rec.fallbacks.items()
+    assert key[:2] == ("unet", "sdpa-efficient") and count == 1
+    report = lib_attn.Report.from_recording(rec)
+    others, ran = report.path(key)
+    assert [bid for bid, _ in others][:1] == ["sdpa-cudnn"] and others[0][1].startswith("not available: ")
+    assert {"sdpa-efficient", "flash-attn"}.isdisjoint(bid for bid, _ in others)   # only what this recording met
+    assert ran == ["sdpa"] and rec.calls == {("unet", "sdpa"): 1}
+
+
 def kernel_fails(monkeypatch, kernel):
     """Make the ``sdpa`` backend's kernel call ``kernel`` (which raises) for every new decision."""
     monkeypatch.setattr(REGISTRY["sdpa"], "runner", lambda spec: kernel)

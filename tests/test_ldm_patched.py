@@ -2,6 +2,8 @@
 functions' form, every by-name copy of the chosen function routed (loaded before the extension, or
 after), outputs equal to the host's own SDPA function in fp32, the VAE blocks reached and restored,
 text encoders left alone, the host's flags honoured, and undo exact."""
+import sys
+
 import pytest
 import torch
 
@@ -46,6 +48,39 @@ def test_classic_is_recognised(webui_factory, capsys):
     out = capsys.readouterr().out
     assert f"{host.PREFIX} Forge Classic: attention routed through lib_attn" in out
     assert "not recognised" not in out
+
+
+def test_reload_ui_says_the_routing_again(webui_factory, capsys):
+    webui, _, _, _ = start(webui_factory, "classic")
+    line = f"{host.PREFIX} Forge Classic: attention routed through lib_attn"
+    assert capsys.readouterr().out.count(line) == 1
+    from modules import script_callbacks
+    script_callbacks.script_unloaded_callback()                      # "Reload UI": the routing undone…
+    webui.load_scripts()                                              # …and made again
+    assert capsys.readouterr().out.count(line) == 1
+
+
+def test_classic_names_itself_for_blocked_xformers_and_says_when_it_is_not_installed(webui_factory, monkeypatch,
+                                                                                    tmp_path):
+    import importlib.machinery
+
+    from webui_attn.state import XFORMERS_MISSING, availability
+    start(webui_factory, "classic")
+    halted = "ModuleNotFoundError: import of xformers halted; None in sys.modules"
+    infos = [lib_attn.BackendInfo(b.id, b.label, b.id != "xformers" and b.available,
+                                  halted if b.id == "xformers" else b.reason, "") for b in lib_attn.backends()]
+    monkeypatch.setattr(lib_attn, "backends", lambda: list(infos))  # what the engine says under that hook
+    monkeypatch.setitem(sys.modules, "xformers", None)           # the webui's import hook without --xformers
+    xformers = lambda: {r["id"]: r for r in availability()["backends"]}["xformers"]["reason"]  # noqa: E731
+    if importlib.machinery.PathFinder.find_spec("xformers") is None:
+        assert xformers() == XFORMERS_MISSING
+    (tmp_path / "xformers").mkdir()
+    (tmp_path / "xformers" / "__init__.py").write_text("")
+    with monkeypatch.context() as installed:                      # undone before the webui double is
+        installed.syspath_prepend(str(tmp_path))
+        reason = xformers()
+    assert reason == f"Forge Classic blocks importing xformers unless it is started with --xformers ({halted})"
+    assert "A1111" not in reason
 
 
 @pytest.mark.parametrize("mode", LINES)

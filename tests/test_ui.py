@@ -1,5 +1,6 @@
 """The UI builds inside a real gradio Blocks (A1111's gradio 3.41.2) and shows the engine's data."""
 import html
+import importlib.machinery
 import sys
 
 import pytest
@@ -11,7 +12,7 @@ from lib_attn.report import MIB, Report, Vram  # noqa: E402
 from tests.ui_helpers import event_handler  # noqa: E402
 from webui_attn import choices, ui  # noqa: E402
 from lib_attn.device import cpu_model  # noqa: E402
-from webui_attn.state import XFORMERS_BLOCKED, availability  # noqa: E402
+from webui_attn.state import XFORMERS_MISSING, availability, xformers_blocked  # noqa: E402
 
 
 def _report():
@@ -102,16 +103,23 @@ def test_cpu_model_reads_the_processor_name():
         assert name == listed[0]
 
 
-def test_xformers_blocked_by_a1111_is_named(monkeypatch):
-    """A1111's import hook puts None in sys.modules["xformers"] unless started with --xformers."""
+def test_xformers_blocked_by_the_webui_is_named_only_where_it_is_installed(monkeypatch, tmp_path):
+    """A1111's import hook (and its descendants') puts None in sys.modules["xformers"] unless started with
+    --xformers; where xformers is not installed at all, that is what the user needs to hear."""
     halted = "ModuleNotFoundError: import of xformers halted; None in sys.modules"
     infos = [lib_attn.BackendInfo(b.id, b.label, False, halted if b.id == "xformers" else "other", "")
              for b in lib_attn.backends()]
     monkeypatch.setattr(lib_attn, "backends", lambda: list(infos))
     monkeypatch.setitem(sys.modules, "xformers", None)
+    if importlib.machinery.PathFinder.find_spec("xformers") is None:
+        rows = {row["id"]: row for row in availability()["backends"]}
+        assert rows["xformers"]["reason"] == XFORMERS_MISSING == "xformers is not installed"
+    (tmp_path / "xformers").mkdir()
+    (tmp_path / "xformers" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))                      # installed, and blocked
     rows = {row["id"]: row for row in availability()["backends"]}
-    assert rows["xformers"]["reason"] == f"{XFORMERS_BLOCKED} ({halted})"
-    assert "unless it is started with --xformers" in XFORMERS_BLOCKED
+    assert rows["xformers"]["reason"] == f"{xformers_blocked('the webui')} ({halted})"
+    assert "unless it is started with --xformers" in rows["xformers"]["reason"]
     assert rows["sdpa"]["reason"] == "other"
     monkeypatch.delitem(sys.modules, "xformers")      # not blocked (another cause): the engine's text alone
     assert {r["id"]: r for r in availability()["backends"]}["xformers"]["reason"] == halted

