@@ -302,3 +302,23 @@ def test_sage_flag_without_the_package_falls_back_per_call_with_the_reason(webui
     assert rec.calls == {("unet", "sdpa"): 1}
     if not sage.available:
         assert rec.fallbacks == {("unet", "sage", f"not available: {sage.reason}"): 1}
+
+
+def test_the_order_in_force_shows_the_hosts_flag(webui_factory):
+    """Settings and the status route show the chain the host's flag put in force beside Auto's."""
+    from webui_attn import state, ui
+    start(webui_factory, ["--sage2-function", "fp16_cuda"])
+    data = state.availability()
+    assert data["chains"]["unet"][0] == "sage-cuda" and "sage-cuda" not in data["default_chains"]["unet"]
+    assert data["chains"]["vae"] == data["default_chains"]["vae"]
+    html = ui.availability_html(data)
+    assert "Default order on this device (Auto)" in html
+    assert "Order in force" in html and "sage-cuda → " in html
+
+
+def test_without_a_kernel_flag_only_the_default_order_is_shown(webui_factory):
+    from webui_attn import state, ui
+    start(webui_factory, [])
+    data = state.availability()
+    assert data["chains"] == data["default_chains"]
+    assert "Order in force" not in ui.availability_html(data)

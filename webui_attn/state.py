@@ -15,6 +15,7 @@ import lib_attn
 from lib_attn import _compat
 from lib_attn.config import FP32_POLICIES, TUNE_MODES
 from lib_attn.device import cpu_model
+from lib_attn.dispatch import chain_for
 from lib_attn.report import Report
 
 from . import host, hosts, layers
@@ -172,7 +173,7 @@ def _reason(backend_id: str, reason: str | None) -> str | None:
 
 def availability(device=None) -> dict:
     """Torch version, the device, each backend (available, version, or why not), the default chains of the
-    roles the hosts route, and the stored settings being ignored.
+    roles the hosts route and the chains in force, and the stored settings being ignored.
 
     ``device`` (a ``DeviceInfo``) describes another device than this machine's (tests, docs)."""
     device = device or lib_attn.device_info()
@@ -196,6 +197,9 @@ def availability(device=None) -> dict:
         ],
         "default_chains": {role: list(lib_attn.default_chain(role, device)) for role in lib_attn.ROLES
                            if role in ROUTED_ROLES},
+        # What the flags, the host's own flags and the settings make of it (before a per-generation override).
+        "chains": {role: list(chain_for(role, device, None, lib_attn.config())[0]) for role in lib_attn.ROLES
+                   if role in ROUTED_ROLES},
         "ignored_settings": problems(read()),
     }
 

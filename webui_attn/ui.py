@@ -90,8 +90,15 @@ def availability_html(data: dict | None = None) -> str:
     ignored = "".join(f"<li>{_e(m)}</li>" for m in data.get("ignored_settings") or ())
     if ignored:
         ignored = f"<p>Ignored:</p><ul class='flash-attn-ignored'>{ignored}</ul>"
-    chains = "".join(f"<li>{_e(ROLE_LABELS.get(role, role))}: {' → '.join(_e(i) for i in chain)}</li>"
-                     for role, chain in data["default_chains"].items())
+    def chain_list(chains: dict) -> str:
+        return "".join(f"<li>{_e(ROLE_LABELS.get(role, role))}: {' → '.join(_e(i) for i in chain)}</li>"
+                       for role, chain in chains.items())
+
+    chains = chain_list(data["default_chains"])
+    in_force = data.get("chains")
+    if in_force and in_force != data["default_chains"]:
+        chains += ("</ul><p>Order in force (flags, the host's own flags and settings):</p>"
+                   f"<ul class='flash-attn-chains'>{chain_list(in_force)}")
     return ("<div class='flash-attn-availability'>"
             f"<p>Device: {device} · torch {_e(data['torch'])}</p>"
             "<table><thead><tr><th>Backend</th><th></th><th>What</th><th>Version, or why not</th></tr></thead>"
