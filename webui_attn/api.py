@@ -1,7 +1,7 @@
 """A read-only JSON route: what can run here and what ran in the last generation.
 
-``GET /flash-attention/v1/status`` returns ``{"availability": …, "routing": …, "tuning": …,
-"last_report": … or null}``; the availability part is the data of the Settings table, ``routing``
+``GET /flash-attention/v1/status`` returns ``{"availability": …, "routing": …, "tuning": …, "guard": …,
+"last_report": … or null}``; ``guard`` is the guard's mode and the output check failures remembered here; the availability part is the data of the Settings table, ``routing``
 whether attention goes through the extension now (and if not, what runs it), the tuning part the stored
 rankings of this machine (the tuning file by name, never its path), the report that of the readout.
 
@@ -32,6 +32,7 @@ def status(route=_WEBUI, report=_WEBUI, to_json=readout.to_json) -> dict:
     return {"availability": state.availability(),
             "routing": {"routed": route.routed, "ran_on": route.ran_on, "hint": route.hint},
             "tuning": tuning(),
+            "guard": state.guard(),
             "last_report": None if report is None else to_json(report)}
 
 
