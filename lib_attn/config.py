@@ -75,19 +75,12 @@ def current() -> Config:
     return _config
 
 
-def _tune_mode(value) -> str:
+def _mode(value, modes: tuple, name: str) -> str:
+    """A switch's mode from ``value`` (True and False stand for on and off); ValueError names the valid ones."""
     if value is True or value is False:
         return "on" if value else "off"
-    if value not in TUNE_MODES:
-        raise ValueError(f"tune {value!r} is not one of {', '.join(TUNE_MODES)}")
-    return value
-
-
-def _guard_mode(value) -> str:
-    if value is True or value is False:
-        return "on" if value else "off"
-    if value not in GUARD_MODES:
-        raise ValueError(f"guard {value!r} is not one of {', '.join(GUARD_MODES)}")
+    if value not in modes:
+        raise ValueError(f"{name} {value!r} is not one of {', '.join(modes)}")
     return value
 
 
@@ -113,8 +106,8 @@ def configure(preference=None, fp32=None, strict=None, tune=None, avoid=None, gu
         raise ValueError(f"fp32 policy {fp32!r} is not one of {', '.join(FP32_POLICIES)}")
     if strict is not None and not isinstance(strict, bool):
         raise ValueError(f"strict must be a bool, got {type(strict).__name__}")
-    mode = _config.tune if tune is None else _tune_mode(tune)
-    guard_mode = _config.guard if guard is None else _guard_mode(guard)
+    mode = _config.tune if tune is None else _mode(tune, TUNE_MODES, "tune")
+    guard_mode = _config.guard if guard is None else _mode(guard, GUARD_MODES, "guard")
     _set(Config(pref, _config.fp32 if fp32 is None else fp32, _config.strict if strict is None else strict, mode,
                 left_out, guard_mode))
     return _config

@@ -1,8 +1,8 @@
 """The dispatcher: a pure chain over the backends, decided once per call signature.
 
 The decision path flows one way: ``spec`` (what a call is) -> ``kernels`` (each backend's reasons)
--> ``tune`` (ranking by measurement) -> ``graph_op`` (the operator a traced call becomes) -> this
-module, which uses them all and is used by none of them. ``attention`` is the engine's entry.
+-> ``tune`` (ranking by measurement) -> ``guard`` (checking outputs) -> ``graph_op`` (the operator a
+traced call becomes) -> this module, which uses them all and is used by none of them. ``attention`` is the engine's entry.
 
 ``decide`` walks a role's chain and returns the first backend whose reasons list is empty, keeping
 every rejection. With tuning on, the first call of a signature asks ``tune`` to rank every backend of
@@ -461,10 +461,15 @@ def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", bac
 
 
 def _call(key, dec: Decision, q, k, v, mask, scale):
-    """``attention``'s work after the decision: the guard when it is due, the kernel, the count."""
+    """``attention``'s work after the decision (which it inlines): the guard when it is due, else the kernel."""
     dec.countdown -= 1
     if dec.countdown < 0:
         return _guarded(key, dec, q, k, v, mask, scale)
+    return _run(key, dec, q, k, v, mask, scale)
+
+
+def _run(key, dec: Decision, q, k, v, mask, scale):
+    """The kernel and the count; a failure goes to ``_recover``."""
     try:
         out = dec.run(q, k, v, mask, scale)
     except Exception as exc:  # noqa: BLE001 - as in attention
@@ -481,12 +486,7 @@ def _guarded(key, dec: Decision, q, k, v, mask, scale):
     backend = REGISTRY[dec.backend]
     if _tune.blocked(device):  # tracing, capture, backward: nothing may be read; the next call is looked at
         dec.countdown = 0
-        try:
-            out = dec.run(q, k, v, mask, scale)
-        except Exception as exc:  # noqa: BLE001 - as in attention
-            return _recover(key, dec, exc, q, k, v, mask, scale)
-        dec.call_cell.n += 1
-        return out
+        return _run(key, dec, q, k, v, mask, scale)
     late = 0
     try:
         if not dec.checked or mode == "full":
