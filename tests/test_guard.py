@@ -165,3 +165,18 @@ def test_a_kernel_that_passes_is_trusted_and_counted_once(caplog):
         out = [lib_attn.attention(q, k, v) for _ in range(3)]
     assert rec.calls == {("unet", "sdpa"): 3} and not rec.guard and not caplog.records
     assert all(torch.equal(o, sdpa(q, k, v)) for o in out)
+
+
+def test_the_webuis_flag_and_setting():
+    from types import SimpleNamespace
+
+    from webui_attn import flags, state
+
+    assert flags.layer_from(SimpleNamespace(attn_guard="full")) == {"guard": "full"}
+    assert flags.problems(SimpleNamespace(attn_guard="always")) == [
+        "--attn-guard 'always': must be one of on, full, off. The flag is ignored."]
+    assert flags.layer_from(SimpleNamespace(attn_guard="always")) is None
+    assert state.layer_from({state.KEY_GUARD: "off"}) == {"guard": "off"}
+    assert state.layer_from({state.KEY_GUARD: "Auto"}) is None
+    (problem,) = state.problems({state.KEY_GUARD: "sometimes"})
+    assert problem == "setting flash_attn_guard='sometimes' ignored, Auto used; valid: Auto, on, full, off"
