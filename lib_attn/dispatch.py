@@ -2,7 +2,8 @@
 
 The decision path flows one way: ``spec`` (what a call is) -> ``kernels`` (each backend's reasons)
 -> ``tune`` (ranking by measurement) -> ``guard`` (checking outputs) -> ``graph_op`` (the operator a
-traced call becomes) -> this module, which uses them all and is used by none of them. ``attention`` is the engine's entry.
+traced call becomes) -> this module, which uses them all and is used by none of them. ``attention``
+is the engine's entry.
 
 ``decide`` walks a role's chain and returns the first backend whose reasons list is empty, keeping
 every rejection. With tuning on, the first call of a signature asks ``tune`` to rank every backend of

@@ -272,7 +272,8 @@ def test_a_faulty_kernel_on_the_node_gives_sdpas_image_and_the_report_says_so(co
     comfy, nodes = loaded(comfy_factory)
     faulty_backends.register()
     try:
-        (good,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto", **dict(BACKEND, backend="sdpa"))
+        (good,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto",
+                       **dict(BACKEND, backend="sdpa"))
         expected = sample(good, prompt_id="g0")
         (model,) = node(nodes, "FlashAttentionBackend", prompt_id="g1", model=unet_patcher(), tune="auto",
                         **dict(BACKEND, backend=bid))

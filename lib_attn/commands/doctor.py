@@ -144,7 +144,8 @@ def render(doc: dict) -> str:
                  f"stored for this machine in {t['file']}")
     g = doc["guard"]
     lines.append(f"  guard     {g['mode']}; {len(g['rejected'])} output check failures remembered for this machine"
-                 + (f" (forget them with: {g['clear']}, which also forgets the stored tuning)" if g["rejected"] else ""))
+                 + (f" (forget them with: {g['clear']}, which also forgets the stored tuning)"
+                    if g["rejected"] else ""))
     lines += [f"    {r['backend']} for {r['signature']}: {r['reason']}" for r in g["rejected"]]
     lines += ["", "backends"]
     w = max(len(b["id"]) for b in doc["backends"])
