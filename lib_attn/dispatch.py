@@ -318,8 +318,9 @@ def _decision(backend, rejected, cast, preferred, spec, run_spec, source: str = 
     spec = replace(spec, tensors=None)
     dec = Decision(backend.id, rejected, variant, cast, preferred, spec, run, (spec.role, backend.id), fallback_key,
                    source)
-    # Tuning checked what it ranked; anything else is checked on its first call.
-    dec.checked = source != "order"
+    # Tuning checked what it ranked; anything else is checked on its first call, once per process
+    # (decisions are dropped at every configuration change, which a webui makes per generation).
+    dec.checked = source != "order" or (backend.id, spec) in _trusted
     dec.countdown = _guard.countdown(_config.current().guard, backend.id, backend.approximate, dec.checked)
     return dec
 
@@ -346,6 +347,7 @@ def _wrap(run, transpose: bool, cast):
 
 _cache: dict = {}
 _failed: dict = {}  # signature key -> {backend id: failure text}
+_trusted: set = set()  # (backend id, CallSpec) whose output passed the guard's first check
 _reported: set = set()
 
 
@@ -506,6 +508,8 @@ def _guarded(key, dec: Decision, q, k, v, mask, scale):
     except Exception as exc:  # noqa: BLE001 - as in attention
         return _recover(key, dec, exc, q, k, v, mask, scale)
     if not reason:
+        if not dec.checked:
+            _trusted.add((dec.backend, dec.spec))
         dec.checked = True
         dec.countdown = _guard.countdown(mode, dec.backend, backend.approximate, True)
         dec.call_cell.n += 1
@@ -529,6 +533,7 @@ def _caught(key, dec: Decision, reason: str, late: int, q, k, v, mask, scale):
     layout, role, backend, fp32 = key[-4:] if key is not None else (spec.layout, spec.role, None, None)
     fp32 = fp32 or cfg.fp32
     _tune.reject(spec, fp32, dec.backend, reason)
+    _trusted.discard((dec.backend, spec))
     for other, cached in list(_cache.items()):  # every cached decision of this kernel for this signature
         if cached.backend == dec.backend and cached.spec == spec:
             _cache.pop(other, None)
@@ -621,5 +626,6 @@ def reset() -> None:
     """Forget decisions, demotions, tuned marks and the once-only log record (tests)."""
     _cache.clear()
     _failed.clear()
+    _trusted.clear()
     _reported.clear()
     stats.forget_tuned()

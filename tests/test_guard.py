@@ -180,3 +180,18 @@ def test_the_webuis_flag_and_setting():
     assert state.layer_from({state.KEY_GUARD: "Auto"}) is None
     (problem,) = state.problems({state.KEY_GUARD: "sometimes"})
     assert problem == "setting flash_attn_guard='sometimes' ignored, Auto used; valid: Auto, on, full, off"
+
+
+def test_a_kernel_is_checked_once_per_process_not_at_every_configuration_change(monkeypatch):
+    checked = []
+    real = guard.checked_call
+    monkeypatch.setattr(guard, "checked_call", lambda *a: checked.append(1) or real(*a))
+    q, k, v = qkv(0)
+    for strict in (False, True, False):  # a webui changes the configuration around every generation
+        lib_attn.configure(preference=["sdpa"], strict=strict)
+        lib_attn.attention(q, k, v)
+    assert len(checked) == 1
+    lib_attn.configure(guard="full")  # full checks every call
+    lib_attn.attention(q, k, v)
+    lib_attn.attention(q, k, v)
+    assert len(checked) == 3
