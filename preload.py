@@ -56,6 +56,13 @@ FLAGS = (
              "$LIB_ATTN_CACHE_DIR/tuning.json (default ~/.cache/lib_attn). 'on' measures on every device, 'off' "
              "keeps the fixed order. Default: on for CUDA GPUs. A single chosen backend is never re-ranked; "
              "one that fails the check falls back like any other.")),
+    ("--attn-guard", dict(
+        choices=("on", "full", "off"), default=None,
+        help="Output guard: 'on' (default) checks each kernel's first call of each call kind against a reference "
+             "and then watches its output for NaN/inf (every call of an approximate kernel such as SageAttention, "
+             "a sample of an exact one); a faulty call is recomputed on the next backend, which that call kind "
+             "falls back to from then on; 'full' checks every call (slower: for chasing a black image); 'off' "
+             "checks nothing.")),
     ("--attn-strict", dict(
         action="store_true",
         help="Raise an error instead of falling back when the chosen backend cannot take a call "

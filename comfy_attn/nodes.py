@@ -9,7 +9,7 @@ when the node runs, with a message naming the bad id and the valid ones.
 from __future__ import annotations
 
 import lib_attn
-from lib_attn.config import FP32_POLICIES, TUNE_MODES
+from lib_attn.config import FP32_POLICIES, GUARD_MODES, TUNE_MODES
 from webui_attn.flags import parse_ids
 from webui_attn.settings import unavailable_text
 
@@ -34,16 +34,22 @@ def parse_chain(backend: str, chain: str) -> list[str] | None:
     return ids or None
 
 
-def config_for(roles, backend: str, chain: str, strict: bool, fp32: str, tune: str = AUTO) -> dict:
-    """``lib_attn.configure`` arguments for the roles a node routes; ValueError for a bad value."""
+def config_for(roles, backend: str, chain: str, strict: bool, fp32: str, tune: str = AUTO,
+               guard: str | None = None) -> dict:
+    """``lib_attn.configure`` arguments for the roles a node routes; ValueError for a bad value.
+    ``guard`` None leaves the guard's mode in force."""
     if fp32 not in (AUTO, *FP32_POLICIES):
         raise ValueError(f"fp32 {fp32!r} is not one of {AUTO}, {', '.join(FP32_POLICIES)}")
     if tune not in TUNE_MODES:
         raise ValueError(f"tune {tune!r} is not one of {', '.join(TUNE_MODES)}")
+    if guard is not None and guard not in GUARD_MODES:
+        raise ValueError(f"guard {guard!r} is not one of {', '.join(GUARD_MODES)}")
     ids = parse_chain(backend, chain)
     config = {"preference": {role: ids for role in roles} if ids else "auto", "strict": bool(strict), "tune": tune}
     if fp32 != AUTO:
         config["fp32"] = fp32
+    if guard is not None:
+        config["guard"] = guard
     return config
 
 
@@ -81,7 +87,12 @@ class AttentionBackend:
         inputs = {"model": ("MODEL",), **_common_inputs(),
                   "tune": (list(TUNE_MODES), {"default": AUTO, "tooltip": "Measure the backends that take each "
                                               "call kind on its first call and run the fastest (auto: on CUDA GPUs)"})}
-        return {"required": inputs}
+        # Optional, so that a graph saved before it existed still runs (with the guard on).
+        guard = {"guard": (list(GUARD_MODES), {"default": GUARD_MODES[0], "tooltip": "on: each kernel's first call "
+                           "of each kind is checked against a reference, then its output is watched for NaN/inf; a "
+                           "faulty call is recomputed on the next backend. full: every call checked (slower, to "
+                           "find what makes a black image). off: nothing checked"})}
+        return {"required": inputs, "optional": guard}
 
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "apply"
@@ -92,8 +103,8 @@ class AttentionBackend:
     def VALIDATE_INPUTS(cls, chain):
         return _validate_chain(chain)
 
-    def apply(self, model, backend, chain, strict, fp32, tune):
-        config = config_for(("unet", "dit"), backend, chain, strict, fp32, tune)
+    def apply(self, model, backend, chain, strict, fp32, tune, guard=GUARD_MODES[0]):
+        config = config_for(("unet", "dit"), backend, chain, strict, fp32, tune, guard)
         return (route.route_model(model, config, None if fp32 == AUTO else fp32),)
 
 

@@ -37,7 +37,8 @@ def fallback_line(report: Report, key: tuple, n: int) -> str:
 
 
 def lines(report: Report) -> list[str]:
-    """One line per role that ran (most calls first), one per fallback, then time, memory and notes."""
+    """One line per role that ran (most calls first), one per fallback, one per thing the guard caught,
+    then time, memory and notes."""
     out = []
     for role in report.roles():
         ran = ", ".join(f"{report.describe(b)}{' [tuned]' if report.is_tuned(role, b) else ''} ×{n:,}"
@@ -47,6 +48,7 @@ def lines(report: Report) -> list[str]:
         out.append(f"{report.ran_on}, not through this extension" if report.ran_on else "no attention calls")
     for key, n in report.fallback_items():
         out.append(fallback_line(report, key, n))
+    out.extend(report.guard_lines())
     facts = []
     if report.seconds is not None:
         facts.append(f"time {report.seconds:.1f} s")

@@ -74,5 +74,5 @@ def unregister_backend(backend_id: str) -> None:
 
 def reset() -> None:
     """Back to a fresh state: default configuration, no cached decision or demotion (tests)."""
-    configure(preference="auto", fp32="cast", strict=False, tune="auto", avoid=())
+    configure(preference="auto", fp32="cast", strict=False, tune="auto", avoid=(), guard="on")
     _dispatch.reset()

@@ -1,4 +1,5 @@
-"""The engine's configuration: preference chains per role, backends to avoid, fp32 policy, strict mode, tuning."""
+"""The engine's configuration: preference chains per role, backends to avoid, fp32 policy, strict mode, tuning,
+the output guard."""
 from __future__ import annotations
 
 import contextlib
@@ -11,6 +12,10 @@ FP32_POLICIES = ("cast", "keep")
 #: ``auto``: measure on CUDA devices, fixed order elsewhere; ``on``: measure on every device;
 #: ``off``: the fixed order everywhere.
 TUNE_MODES = ("auto", "on", "off")
+#: ``on``: each kernel's first call of each signature checked against the bounded reference, then its
+#: output watched for non-finite values (see ``lib_attn.guard``); ``full``: every call checked, at once;
+#: ``off``: no check.
+GUARD_MODES = ("on", "full", "off")
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,7 @@ class Config:
     strict: bool = False
     tune: str = "auto"
     avoid: tuple = ()
+    guard: str = "on"
 
 
 _config = Config()
@@ -69,15 +75,16 @@ def current() -> Config:
     return _config
 
 
-def _tune_mode(value) -> str:
+def _mode(value, modes: tuple, name: str) -> str:
+    """A switch's mode from ``value`` (True and False stand for on and off); ValueError names the valid ones."""
     if value is True or value is False:
         return "on" if value else "off"
-    if value not in TUNE_MODES:
-        raise ValueError(f"tune {value!r} is not one of {', '.join(TUNE_MODES)}")
+    if value not in modes:
+        raise ValueError(f"{name} {value!r} is not one of {', '.join(modes)}")
     return value
 
 
-def configure(preference=None, fp32=None, strict=None, tune=None, avoid=None) -> Config:
+def configure(preference=None, fp32=None, strict=None, tune=None, avoid=None, guard=None) -> Config:
     """Change the configuration; an argument left at None keeps its current value.
 
     ``preference``: ``"auto"``, a list of backend ids for every role, or a dict role -> list
@@ -88,7 +95,10 @@ def configure(preference=None, fp32=None, strict=None, tune=None, avoid=None) ->
     False stand for on and off. Measuring ranks the backends that take a call kind on its first call,
     and is kept on disk (see ``lib_attn.tune``). ``avoid``: backend ids (a list, or ``"a,b"``) that
     the default chains leave out, as a host does for a kernel its user disabled; ``math`` is never
-    left out, and a chain named in ``preference`` keeps what it names.
+    left out, and a chain named in ``preference`` keeps what it names. ``guard``: ``"on"`` (each
+    kernel's first call of each call signature is checked against a reference and its output is then
+    watched for non-finite values), ``"full"`` (every call checked at once) or ``"off"``; True and
+    False stand for on and off (see ``lib_attn.guard``).
     """
     pref = _config.preference if preference is None else normalise_preference(preference)
     left_out = _config.avoid if avoid is None else tuple(i for i in _check_ids(avoid, "avoid") if i != "math")
@@ -96,9 +106,10 @@ def configure(preference=None, fp32=None, strict=None, tune=None, avoid=None) ->
         raise ValueError(f"fp32 policy {fp32!r} is not one of {', '.join(FP32_POLICIES)}")
     if strict is not None and not isinstance(strict, bool):
         raise ValueError(f"strict must be a bool, got {type(strict).__name__}")
-    mode = _config.tune if tune is None else _tune_mode(tune)
+    mode = _config.tune if tune is None else _mode(tune, TUNE_MODES, "tune")
+    guard_mode = _config.guard if guard is None else _mode(guard, GUARD_MODES, "guard")
     _set(Config(pref, _config.fp32 if fp32 is None else fp32, _config.strict if strict is None else strict, mode,
-                left_out))
+                left_out, guard_mode))
     return _config
 
 
@@ -111,10 +122,10 @@ def _set(new: Config) -> None:
 
 
 @contextlib.contextmanager
-def use(preference=None, fp32=None, strict=None, tune=None, avoid=None):
+def use(preference=None, fp32=None, strict=None, tune=None, avoid=None, guard=None):
     """``configure`` for the duration of a ``with`` block; the previous state returns on exit."""
     saved = _config
-    configure(preference, fp32, strict, tune, avoid)
+    configure(preference, fp32, strict, tune, avoid, guard)
     try:
         yield _config
     finally:

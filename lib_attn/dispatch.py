@@ -1,14 +1,18 @@
 """The dispatcher: a pure chain over the backends, decided once per call signature.
 
 The decision path flows one way: ``spec`` (what a call is) -> ``kernels`` (each backend's reasons)
--> ``tune`` (ranking by measurement) -> ``graph_op`` (the operator a traced call becomes) -> this
-module, which uses them all and is used by none of them. ``attention`` is the engine's entry.
+-> ``tune`` (ranking by measurement) -> ``guard`` (checking outputs) -> ``graph_op`` (the operator a
+traced call becomes) -> this module, which uses them all and is used by none of them. ``attention``
+is the engine's entry.
 
 ``decide`` walks a role's chain and returns the first backend whose reasons list is empty, keeping
 every rejection. With tuning on, the first call of a signature asks ``tune`` to rank every backend of
 the chain in force that takes it, and the fastest correct one is decided instead (``Decision.source``
 says which way). ``attention`` caches the decision under the call's metadata, so the hot path does a
-dict lookup, one counter increment and the kernel call: no probing and no reason strings.
+dict lookup, one countdown, one counter increment and the kernel call: no probing and no reason
+strings. The countdown tells when the output guard (``guard``) looks at a call: a decision's first
+call, then a sample of its calls (every call of an approximate kernel); a kernel whose output fails
+loses the signature and the call is recomputed on the next backend.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import torch
 from . import _compat
 from . import config as _config
 from . import graph_op
+from . import guard as _guard
 from . import stats
 from . import tune as _tune
 from .kernels import REGISTRY, Status, status
@@ -167,7 +172,9 @@ class Decision:
     ``"measured"`` (tuning ranked the candidates on this call), ``"stored"`` (the ranking came from
     the tuning file) or ``"order"`` (the chain's fixed order); ``timings``: backend id -> median
     seconds of each candidate tuning ranked, fastest first (empty under ``"order"``). A candidate
-    tuning rejected is in ``rejected`` with its reason (``output check failed: ...`` or its error)."""
+    tuning rejected is in ``rejected`` with its reason (``output check failed: ...`` or its error), and
+    so is one the guard rejected on this signature. ``checked``: the backend's output passed its check
+    on this signature (or needs none); ``countdown``: calls before the guard looks at one."""
 
     backend: str
     rejected: list = field(default_factory=list)
@@ -181,6 +188,9 @@ class Decision:
     source: str = "order"
     timings: dict = field(default_factory=dict)
     final: bool = field(default=True, repr=False)  # False: decided where tuning was blocked, not cached
+    checked: bool = field(default=True, repr=False)
+    countdown: int = field(default=_guard.NEVER, repr=False)
+    late: object = field(default=None, repr=False)  # the guard's device-side count (CUDA, mode on)
     #: The counters of ``count_key`` and ``fallback_key`` (and of the fallback's whole path: every
     #: backend passed over and the one that ran): the hot path counts with one increment each.
     call_cell: object = field(default=None, init=False, repr=False, compare=False)
@@ -263,13 +273,15 @@ def decide(spec: CallSpec, chain, statuses: dict | None = None, fp32: str = "cas
 
 
 def decide_tuned(spec: CallSpec, chain, pool, fp32: str, explicit: bool, failed: dict | None,
-                 inputs: tuple | None) -> Decision | None:
+                 inputs: tuple | None, excluded: dict | None = None) -> Decision | None:
     """Rank the backends of ``pool`` that take ``spec`` (``tune.rank``) and decide the fastest correct
     one; None when none takes it or nothing is stored and ``inputs`` is None. ``chain`` is the full
-    chain in force, ``inputs`` the call's (q, k, v, mask, scale) to measure on."""
+    chain in force, ``inputs`` the call's (q, k, v, mask, scale) to measure on; ``excluded`` as for
+    ``decide``."""
     rejected, takers = [], {}
     for bid in pool:
-        reasons, cast, run_spec = _verdict(spec, bid, status(bid), fp32, explicit and bid == chain[0], failed)
+        reasons, cast, run_spec = _verdict(spec, bid, status(bid), fp32, explicit and bid == chain[0], failed,
+                                           excluded)
         if reasons:
             rejected.append((bid, reasons))
         else:
@@ -283,7 +295,8 @@ def decide_tuned(spec: CallSpec, chain, pool, fp32: str, explicit: bool, failed:
         return None
     if ranking.winner is None:  # every candidate failed its check: the rest of the chain, in order
         try:
-            return decide(spec, chain, fp32=fp32, explicit=explicit, failed=failed, excluded=ranking.rejected)
+            return decide(spec, chain, fp32=fp32, explicit=explicit, failed=failed,
+                          excluded={**(excluded or {}), **ranking.rejected})
         except ValueError:  # nothing left: a check must never stop a generation that ran without it
             return decide(spec, chain, fp32=fp32, explicit=explicit, failed=failed)
     rejected += [(bid, [reason]) for bid, reason in ranking.rejected.items()]
@@ -308,8 +321,13 @@ def _decision(backend, rejected, cast, preferred, spec, run_spec, source: str = 
         stats.note_tuned(spec.role, backend.id)
     # The decision outlives the call: it must not keep the call's tensors alive.
     spec = replace(spec, tensors=None)
-    return Decision(backend.id, rejected, variant, cast, preferred, spec, run, (spec.role, backend.id), fallback_key,
-                    source)
+    dec = Decision(backend.id, rejected, variant, cast, preferred, spec, run, (spec.role, backend.id), fallback_key,
+                   source)
+    # Tuning checked what it ranked; anything else is checked on its first call, once per process
+    # (decisions are dropped at every configuration change, which a webui makes per generation).
+    dec.checked = source != "order" or (backend.id, spec) in _trusted
+    dec.countdown = _guard.countdown(_config.current().guard, backend.id, backend.approximate, dec.checked)
+    return dec
 
 
 def _wrap(run, transpose: bool, cast):
@@ -334,6 +352,7 @@ def _wrap(run, transpose: bool, cast):
 
 _cache: dict = {}
 _failed: dict = {}  # signature key -> {backend id: failure text}
+_trusted: set = set()  # (backend id, CallSpec) whose output passed the guard's first check
 _reported: set = set()
 
 
@@ -371,19 +390,28 @@ def _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key, measure
     spec = spec_of(q, k, v, mask, layout, role)
     chain, explicit = chain_for(role, spec.device, backend, cfg, spec)
     fp32 = fp32 or cfg.fp32
+    excluded = _guarded_out(spec, fp32, cfg)
     pool = tuning_chain(role, spec.device, backend, cfg, spec)
     if pool:
         if _tune.blocked(spec.device.type):
             # Tracing, capture or backward: the fixed order serves this call, and is not cached, so
             # that the signature's first ordinary call still tunes.
-            dec = decide(spec, chain, fp32=fp32, explicit=explicit, failed=_failed.get(key))
+            dec = decide(spec, chain, fp32=fp32, explicit=explicit, failed=_failed.get(key), excluded=excluded)
             dec.final = False
             return dec
         inputs = (q, k, v, mask, scale) if measure and key is not None else None
-        dec = decide_tuned(spec, chain, pool, fp32, explicit, _failed.get(key), inputs)
+        dec = decide_tuned(spec, chain, pool, fp32, explicit, _failed.get(key), inputs, excluded)
         if dec is not None:
             return dec
-    return decide(spec, chain, fp32=fp32, explicit=explicit, failed=_failed.get(key))
+    return decide(spec, chain, fp32=fp32, explicit=explicit, failed=_failed.get(key), excluded=excluded)
+
+
+def _guarded_out(spec: CallSpec, fp32: str, cfg) -> dict | None:
+    """The backends whose output failed its check on this signature on this machine, with the reason
+    (none while the guard is off): they do not get the signature."""
+    if cfg.guard == "off":
+        return None
+    return {bid: reason for bid, reason in _tune.rejections(spec, fp32).items() if bid != "math"} or None
 
 
 def explain(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", backend=None, fp32=None) -> Decision:
@@ -429,12 +457,108 @@ def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", bac
         dec = _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key)
     if dec.fallback_cell is not None:
         _on_fallback(dec)
+    dec.countdown -= 1
+    if dec.countdown < 0:
+        return _guarded(key, dec, q, k, v, mask, scale)
     try:
         out = dec.run(q, k, v, mask, scale)
     except Exception as exc:  # noqa: BLE001 - sorted by _recover: only recoverable kinds fall back
         return _recover(key, dec, exc, q, k, v, mask, scale)
     dec.call_cell.n += 1
     return out
+
+
+def _call(key, dec: Decision, q, k, v, mask, scale):
+    """``attention``'s work after the decision (which it inlines): the guard when it is due, else the kernel."""
+    dec.countdown -= 1
+    if dec.countdown < 0:
+        return _guarded(key, dec, q, k, v, mask, scale)
+    return _run(key, dec, q, k, v, mask, scale)
+
+
+def _run(key, dec: Decision, q, k, v, mask, scale):
+    """The kernel and the count; a failure goes to ``_recover``."""
+    try:
+        out = dec.run(q, k, v, mask, scale)
+    except Exception as exc:  # noqa: BLE001 - as in attention
+        return _recover(key, dec, exc, q, k, v, mask, scale)
+    dec.call_cell.n += 1
+    return out
+
+
+def _guarded(key, dec: Decision, q, k, v, mask, scale):
+    """A call the guard looks at (see ``guard``): checked against the reference when it is the
+    decision's first (or the mode is ``full``), else screened for non-finite values."""
+    mode = _config.current().guard
+    device = dec.spec.device.type
+    backend = REGISTRY[dec.backend]
+    if _tune.blocked(device):  # tracing, capture, backward: nothing may be read; the next call is looked at
+        dec.countdown = 0
+        return _run(key, dec, q, k, v, mask, scale)
+    late = 0
+    try:
+        if not dec.checked or mode == "full":
+            out, reason = _guard.checked_call(dec.run, q, k, v, mask, scale, dec.spec.layout,
+                                              dec.cast or dec.spec.dtype, backend.approximate)
+        else:
+            out = dec.run(q, k, v, mask, scale)
+            reason = _guard.wrong_shape(out, q)
+            if not reason and mode == "on" and device in _guard.DEFERRED:
+                if dec.late is None:
+                    dec.late = _guard.LateCount(q.device)
+                late = dec.late.add(out, q, k, v)
+                reason = f"{_tune.CHECK_FAILED}: {_guard.NON_FINITE}" if late else ""
+            elif not reason and _guard.non_finite_blame(out, q, k, v, mask, scale, dec.spec.layout):
+                reason = f"{_tune.CHECK_FAILED}: {_guard.NON_FINITE}"
+    except Exception as exc:  # noqa: BLE001 - as in attention
+        return _recover(key, dec, exc, q, k, v, mask, scale)
+    if not reason:
+        if not dec.checked:
+            _trusted.add((dec.backend, dec.spec))
+        dec.checked = True
+        dec.countdown = _guard.countdown(mode, dec.backend, backend.approximate, True)
+        dec.call_cell.n += 1
+        return out
+    del out
+    return _caught(key, dec, reason, late, q, k, v, mask, scale)
+
+
+def _caught(key, dec: Decision, reason: str, late: int, q, k, v, mask, scale):
+    """The guard caught ``dec.backend``'s output: the backend loses the signature (here and in the
+    tuning file) and the call is recomputed on the next backend. ``late``: earlier calls found
+    faulty after they had returned (CUDA, mode on), which nothing can recompute."""
+    cfg = _config.current()
+    spec = dec.spec
+    short = _guard.short(reason)
+    # A fault found while watching a trusted kernel, or its rejection before it was trusted.
+    text = short if dec.checked and short == _guard.NON_FINITE else f"rejected for {_guard.spec_text(spec)}: {short}"
+    if cfg.strict:
+        raise AttentionFallbackError(f"strict mode: guard: {dec.backend} {text}; it would be recomputed on the next "
+                                     "backend")
+    layout, role, backend, fp32 = key[-4:] if key is not None else (spec.layout, spec.role, None, None)
+    fp32 = fp32 or cfg.fp32
+    _tune.reject(spec, fp32, dec.backend, reason)
+    _trusted.discard((dec.backend, spec))
+    for other, cached in list(_cache.items()):  # every cached decision of this kernel for this signature
+        if cached.backend == dec.backend and cached.spec == spec:
+            _cache.pop(other, None)
+    chain, explicit = chain_for(role, spec.device, backend, cfg, spec)
+    new = decide(spec_of(q, k, v, mask, layout, role), chain, fp32=fp32, explicit=explicit,
+                 failed=_failed.get(key), excluded=_guarded_out(spec, fp32, cfg))
+    if key is not None:
+        _cache[key] = new
+    log.warning("attention guard: %s %s; recomputed on %s%s", dec.backend, text, new.backend,
+                f" ({late} earlier call(s) found faulty after they had returned)" if late else "")
+    if late:
+        for _ in range(late):
+            stats.count_guard((role, dec.backend, text, new.backend, False))
+    else:
+        stats.count_guard((role, dec.backend, text, new.backend, True))
+    if new.fallback_cell is not None:
+        new.fallback_cell.n += 1
+        new.path_cell.n += 1
+        _report_once(new.fallback_key, new.backend)
+    return _call(key, new, q, k, v, mask, scale)
 
 
 #: What a call traced by torch.compile becomes: the ``lib_attn::attention`` operator, which runs
@@ -497,23 +621,20 @@ def _recover(key, dec: Decision, exc: Exception, q, k, v, mask, scale):
     layout, role, backend, fp32 = key[-4:]
     chain, explicit = chain_for(role, dec.spec.device, backend, cfg, dec.spec)
     # A fresh spec carries this call's tensors, so PyTorch's own checks speak for the next backend.
-    new = decide(spec_of(q, k, v, mask, layout, role), chain, fp32=fp32 or cfg.fp32, explicit=explicit, failed=failed)
+    new = decide(spec_of(q, k, v, mask, layout, role), chain, fp32=fp32 or cfg.fp32, explicit=explicit, failed=failed,
+                 excluded=_guarded_out(dec.spec, fp32 or cfg.fp32, cfg))
     _cache[key] = new
     if new.fallback_cell is not None:
         new.fallback_cell.n += 1
         new.path_cell.n += 1
         _report_once(new.fallback_key, new.backend)
-    try:
-        out = new.run(q, k, v, mask, scale)
-    except Exception as again:  # noqa: BLE001 - the next backend may fail too; same rules
-        return _recover(key, new, again, q, k, v, mask, scale)
-    new.call_cell.n += 1
-    return out
+    return _call(key, new, q, k, v, mask, scale)  # the next backend may fail too: same rules
 
 
 def reset() -> None:
     """Forget decisions, demotions, tuned marks and the once-only log record (tests)."""
     _cache.clear()
     _failed.clear()
+    _trusted.clear()
     _reported.clear()
     stats.forget_tuned()

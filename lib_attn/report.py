@@ -35,13 +35,6 @@ class Vram:
     source: str = "host"
     peaks_bounded: bool = False
 
-    def path(self, fallback_key: tuple) -> tuple[list, list]:
-        """(the other backends passed over as (id, reason), in chain order; the ids that ran) for one
-        fallback; both empty when not known."""
-        paths = sorted(self.paths.get(fallback_key, ()))
-        others = list(dict.fromkeys(pair for passed, _ in paths for pair in passed))
-        return others, list(dict.fromkeys(ran for _, ran in paths))
-
     def to_dict(self) -> dict:
         return {
             "source": self.source,
@@ -137,7 +130,9 @@ class Report:
     and why); ``ran_on``: what ran attention when it did not go through the engine (e.g. "A1111's
     InvokeAI optimizer"); ``hint``: how to route attention through the engine then;
     ``tuned``: the (role, backend id) pairs that tuning chose rather than the fixed order;
-    ``paths``: {fallback key: {(((id, reason), ...) also passed over, id that ran)}}.
+    ``paths``: {fallback key: {(((id, reason), ...) also passed over, id that ran)}};
+    ``guard``: {(role, backend id, what, backend that ran instead, recomputed): n}, what the output
+    guard caught (``guard_lines`` says it in words).
     """
 
     calls: dict = field(default_factory=dict)
@@ -150,6 +145,7 @@ class Report:
     hint: str | None = None
     tuned: frozenset = frozenset()
     paths: dict = field(default_factory=dict, compare=False)  # in-process detail: not in the JSON
+    guard: dict = field(default_factory=dict)
 
     @classmethod
     def from_recording(cls, rec, seconds: float | None = None, vram: Vram | None = None) -> "Report":
@@ -157,7 +153,8 @@ class Report:
         if seconds is None:
             seconds = getattr(rec, "seconds", None)
         return cls(dict(rec.calls), dict(rec.fallbacks), dict(rec.kernels), seconds, vram,
-                   tuned=frozenset(getattr(rec, "tuned", ())), paths=dict(getattr(rec, "paths", {})))
+                   tuned=frozenset(getattr(rec, "tuned", ())), paths=dict(getattr(rec, "paths", {})),
+                   guard=dict(getattr(rec, "guard", {})))
 
     def roles(self) -> list[str]:
         present = {role for role, _ in self.calls}
@@ -199,6 +196,20 @@ class Report:
         others = list(dict.fromkeys(pair for passed, _ in paths for pair in passed))
         return others, list(dict.fromkeys(ran for _, ran in paths))
 
+    def guard_items(self) -> list:
+        """((role, backend, what, ran_on, recomputed), n) pairs: by role, then most frequent first."""
+        return sorted(self.guard.items(), key=lambda item: (role_rank(item[0][0]), -item[1], item[0][1:3]))
+
+    def guard_lines(self) -> list[str]:
+        """What the guard caught, one line each: ``guard: sage ×3 non-finite values → sdpa (recomputed)``,
+        ``guard: sage rejected for unet 2×8×4096×77×40 fp16: rel err 2.8e-01 > 8.0e-02 → sdpa (recomputed)``."""
+        lines = []
+        for (role, backend, what, ran_on, recomputed), n in self.guard_items():
+            count = f" ×{n:,}" if n > 1 or not what.startswith("rejected") else ""
+            done = "recomputed" if recomputed else "found after it returned: not recomputed"
+            lines.append(f"guard: {backend}{count} {what} → {ran_on} ({done})")
+        return lines
+
     def to_dict(self) -> dict:
         """The report as JSON-ready data (``from_dict`` reads it back)."""
         return {
@@ -209,6 +220,8 @@ class Report:
                           for (role, b, reason), n in self.fallback_items()],
             "seconds": None if self.seconds is None else round(self.seconds, 3),
             "vram": None if self.vram is None else self.vram.to_dict(),
+            "guard": [{"role": role, "backend": b, "what": what, "ran_on": ran_on, "recomputed": bool(done),
+                       "count": n} for (role, b, what, ran_on, done), n in self.guard_items()],
             "notes": list(self.notes),
             "ran_on": self.ran_on,
             "hint": self.hint,
@@ -222,8 +235,10 @@ class Report:
         fallbacks = {(f["role"], f["backend"], f["reason"]): int(f["count"]) for f in data.get("fallbacks", ())}
         v = data.get("vram")
         tuned = frozenset((c["role"], c["backend"]) for c in data.get("calls", ()) if c.get("tuned"))
+        guard = {(g["role"], g["backend"], g["what"], g["ran_on"], bool(g["recomputed"])): int(g["count"])
+                 for g in data.get("guard", ())}
         return cls(calls, fallbacks, kernels, data.get("seconds"), Vram.from_dict(v) if v else None,
-                   tuple(data.get("notes") or ()), data.get("ran_on"), data.get("hint"), tuned)
+                   tuple(data.get("notes") or ()), data.get("ran_on"), data.get("hint"), tuned, guard)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), ensure_ascii=False)

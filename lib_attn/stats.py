@@ -1,4 +1,5 @@
-"""Counters of what ran: calls per (role, backend) and fallbacks per (role, backend, reason).
+"""Counters of what ran: calls per (role, backend), fallbacks per (role, backend, reason) and what the
+output guard caught per (role, backend, what, ran on, recomputed).
 
 Each key has one process-wide ``Cell``; a cached decision holds its cells, so the hot path counts a
 call with one attribute increment. A ``Recording`` is the difference of the cells between its start
@@ -32,6 +33,7 @@ _calls: dict = {}      # (role, backend) -> Cell
 _fallbacks: dict = {}  # (role, backend passed over, reason) -> Cell
 #: What each fallback went through: (fallback key, ((id, reason), ...) also passed over, id that ran) -> Cell.
 _paths: dict = {}
+_guard: dict = {}      # (role, backend caught, what, backend that ran instead, recomputed) -> Cell
 _lock = threading.Lock()
 
 
@@ -58,6 +60,11 @@ def path_cell(key) -> Cell:
     return _cell(_paths, key)
 
 
+def count_guard(key) -> None:
+    """Count one call the guard caught: ``key`` = (role, backend, what, ran_on, recomputed)."""
+    _cell(_guard, key).n += 1
+
+
 def count_call(key) -> None:
     call_cell(key).n += 1
 
@@ -78,10 +85,10 @@ def _since(table: dict, base: dict) -> Counter:
 class Recording:
     """Counts for one stretch of work (a generation), from its creation to ``finish()``.
     ``calls``: Counter {(role, backend): n}; ``fallbacks``: Counter {(role, backend passed over,
-    reason): n}; ``seconds``: wall time."""
+    reason): n}; ``guard``: Counter {(role, backend, what, ran_on, recomputed): n}; ``seconds``: wall time."""
 
     def __init__(self):
-        self._calls, self._fallbacks = _snapshot(_calls), _snapshot(_fallbacks)
+        self._calls, self._fallbacks, self._guard = _snapshot(_calls), _snapshot(_fallbacks), _snapshot(_guard)
         self._paths = _snapshot(_paths)
         self._final: tuple | None = None
         self.started = time.perf_counter()
@@ -91,7 +98,7 @@ class Recording:
         """Stop counting: the counts stay as they are now."""
         if self._final is None:
             self._final = (_since(_calls, self._calls), _since(_fallbacks, self._fallbacks),
-                           _since(_paths, self._paths))
+                           _since(_paths, self._paths), _since(_guard, self._guard))
             self.finished = time.perf_counter()
 
     @property
@@ -101,6 +108,10 @@ class Recording:
     @property
     def fallbacks(self) -> Counter:
         return Counter(self._final[1]) if self._final is not None else _since(_fallbacks, self._fallbacks)
+
+    @property
+    def guard(self) -> Counter:
+        return Counter(self._final[3]) if self._final is not None else _since(_guard, self._guard)
 
     @property
     def seconds(self) -> float:
@@ -130,7 +141,7 @@ class Recording:
         return sum(n for (r, _), n in self.calls.items() if role is None or r == role)
 
     def __repr__(self):
-        return f"Recording(calls={dict(self.calls)}, fallbacks={dict(self.fallbacks)})"
+        return f"Recording(calls={dict(self.calls)}, fallbacks={dict(self.fallbacks)}, guard={dict(self.guard)})"
 
 
 #: Everything counted in this process.

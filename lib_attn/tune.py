@@ -393,6 +393,40 @@ def table(device=None) -> dict:
     return {"file": cache_path(), "fingerprint": fp, "entries": entries}
 
 
+#: The start of every reason ``check`` gives: a stored rejection with it is the guard's to apply.
+CHECK_FAILED = "output check failed"
+
+
+def rejections(spec, fp32: str) -> dict:
+    """{backend id: reason} of the backends whose output failed its check on this call signature on
+    this machine (by tuning or by the guard, in this process or an earlier one)."""
+    entry = lookup(spec, fp32)
+    if entry is None:
+        return {}
+    return {bid: str(r) for bid, r in entry["rejected"].items() if str(r).startswith(CHECK_FAILED)}
+
+
+def reject(spec, fp32: str, backend_id: str, reason: str) -> None:
+    """Remember that ``backend_id``'s output failed its check on this signature: in this process,
+    and in the tuning file under this machine's fingerprint, so that the next start skips it too."""
+    fp = fingerprint(spec.device)
+    key, sig = fingerprint_key(fp), signature(spec, fp32)
+    with _lock:
+        entry = _store.entry(key, sig)
+        new = dict(entry) if entry else {"call": call_fields(spec, fp32), "timings": {}, "winner": None}
+        new["rejected"] = dict(entry["rejected"]) if entry else {}
+        new["rejected"][backend_id] = reason
+        new["timings"] = {b: t for b, t in new["timings"].items() if b != backend_id}
+        new["winner"] = min(new["timings"], key=new["timings"].get) if new["timings"] else None
+        _store.put(key, fp, sig, new)
+
+
+def remembered(device=None) -> list:
+    """The stored check failures of this machine: (signature, backend id, reason), sorted."""
+    return sorted((e["signature"], bid, str(r)) for e in table(device)["entries"]
+                  for bid, r in e["rejected"].items() if str(r).startswith(CHECK_FAILED))
+
+
 # --- measuring --------------------------------------------------------------------------------
 
 def _bhsd(t, layout: str):
@@ -420,19 +454,26 @@ def reference(q, k, v, mask, scale, layout: str, rows: torch.Tensor) -> torch.Te
         return REGISTRY["math"].run(q[:, :, rows].to(compute), k.to(compute), v.to(compute), mask, scale)
 
 
+def bound(dtype, device_type: str, approximate: bool) -> float:
+    """The relative error a kernel computing in ``dtype`` may show: ``BOUNDS``' value, autocast's when
+    it is on and looser (the hosts run under it), times ``APPROXIMATE_FACTOR`` for an approximate one."""
+    b = max(BOUNDS.get(dtype, BOUNDS[torch.float16]), BOUNDS.get(_compat.autocast_dtype(device_type), 0.0))
+    return b * (APPROXIMATE_FACTOR if approximate else 1)
+
+
 def check(out, expected_shape, layout: str, rows, ref, bound: float) -> str:
     """"" when ``out`` agrees with ``ref`` on ``rows``, else the reason it fails."""
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(expected_shape):
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        return f"output check failed: shape {shape}, expected {tuple(expected_shape)}"
+        return f"{CHECK_FAILED}: shape {shape}, expected {tuple(expected_shape)}"
     got = _bhsd(out, layout)[:, :, rows.to(out.device)].to(ref.dtype)
     if not bool(torch.isfinite(ref).all()):
         return ""  # non-finite inputs: every kernel returns what they make of them
     if not bool(torch.isfinite(got).all()):
-        return "output check failed: non-finite values"
+        return f"{CHECK_FAILED}: non-finite values"
     err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
     if err > bound:
-        return f"output check failed: rel err {err:.1e} > {bound:.1e}"
+        return f"{CHECK_FAILED}: rel err {err:.1e} > {bound:.1e}"
     return ""
 
 
@@ -490,8 +531,6 @@ def measure(candidates: list, q, k, v, mask, scale, layout: str) -> Ranking:
             del samples[bid]
             rejected[bid] = failure_text(exc)
 
-    # Under the host's autocast a kernel computes in autocast's dtype: its bound applies when looser.
-    autocast = _compat.autocast_dtype(q.device.type)
     with torch.no_grad():
         ref = reference(q, k, v, mask, scale, layout, rows)
         first = {}
@@ -502,9 +541,7 @@ def measure(candidates: list, q, k, v, mask, scale, layout: str) -> Ranking:
                 out = calls[c.id]()
                 timer.sync()
                 first[c.id] = time.perf_counter() - t0
-                bound = max(BOUNDS.get(c.dtype, BOUNDS[torch.float16]), BOUNDS.get(autocast, 0.0))
-                bound *= APPROXIMATE_FACTOR if c.approximate else 1
-                reason = check(out, q.shape, layout, rows, ref, bound)
+                reason = check(out, q.shape, layout, rows, ref, bound(c.dtype, q.device.type, c.approximate))
                 del out
             except Exception as exc:  # noqa: BLE001 - as above
                 if is_sticky(exc):

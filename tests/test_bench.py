@@ -149,6 +149,7 @@ def test_overhead_is_measured_against_direct_sdpa(short_run):
     assert m["direct_us"] > 0 and m["engine_us"] > 0 and m["rounds"] == 5
     assert math.isfinite(m["added_us"]) and m["added_p20_us"] <= m["added_us"] <= m["added_p80_us"]
     assert "added" in short_run["stdout"] and "engine overhead" in short_run["stdout"]
+    assert ov["guard"] == "on" and "(current configuration, guard on)" in short_run["stdout"]  # the default's cost
 
 
 def test_table_progress_and_chart(short_run):

@@ -299,6 +299,52 @@ def test_report_on_images_from_the_cache_says_what_ran_when_they_were_made(comfy
     assert "these images come from ComfyUI's cache" in again[-1] and "(prompt p1)" in again[-1]
 
 
+@pytest.mark.parametrize("bid", ["fk-nan", "fk-nan3", "fk-drift", "fk-shape", "fk-writes"])
+def test_a_faulty_kernel_on_the_node_gives_sdpas_image_and_the_report_says_so(comfy_factory, tmp_path, monkeypatch,
+                                                                              bid):
+    from lib_attn import tune
+    from tests import faulty_backends
+
+    monkeypatch.setenv(tune.ENV_DIR, str(tmp_path))
+    tune.forget_memory()
+    comfy, nodes = loaded(comfy_factory)
+    faulty_backends.register()
+    try:
+        (good,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto",
+                       **dict(BACKEND, backend="sdpa"))
+        expected = sample(good, prompt_id="g0")
+        (model,) = node(nodes, "FlashAttentionBackend", prompt_id="g1", model=unet_patcher(), tune="auto",
+                        **dict(BACKEND, backend=bid))
+        assert torch.equal(sample(model, prompt_id="g1"), expected)
+        text = node(nodes, "FlashAttentionReport", prompt_id="g1", images=expected)["ui"]["text"]
+        said = [line for line in text if line.startswith("guard: ")]  # one per call kind it was caught on
+        assert said and all(s.startswith(f"guard: {bid}") and s.endswith("→ sdpa (recomputed)") for s in said)
+    finally:
+        faulty_backends.unregister()
+        tune.forget_memory()
+
+
+def test_the_guard_input_off_and_a_bad_value(comfy_factory):
+    _, nodes = loaded(comfy_factory)
+    from tests import faulty_backends
+    import execution
+
+    faulty_backends.register()
+    try:
+        (model,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto", guard="off",
+                        **dict(BACKEND, backend="fk-nan"))
+        assert sample(model, prompt_id="o1").isnan().all()
+        cls = nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"]
+        assert cls.INPUT_TYPES()["optional"]["guard"][0] == ["on", "full", "off"]
+        values = dict(model=unet_patcher(), tune="auto", guard="sometimes", **BACKEND)
+        ok, errors = execution.validate(cls, values)
+        assert not ok and "'sometimes' not in ['on', 'full', 'off']" in errors[0]["details"]
+        with pytest.raises(ValueError, match="guard 'sometimes' is not one of on, full, off"):
+            execution.execute(cls, values)
+    finally:
+        faulty_backends.unregister()
+
+
 # --- the global route and ComfyUI's own flags -------------------------------------------------------------
 
 def test_global_route_reaches_every_model_and_vae_and_undoes(comfy_factory, capsys):
@@ -375,7 +421,8 @@ def test_status_route_on_comfyuis_server(comfy_factory, tmp_path, monkeypatch):
 
     status, body = asyncio.run(fetch())
     assert status == 200
-    assert set(body) == {"availability", "routing", "tuning", "last_report"}
+    assert set(body) == {"availability", "routing", "tuning", "guard", "last_report"}
+    assert body["guard"] == {"mode": "on", "rejected": []}
     assert body["last_report"]["calls"] == [{"role": "unet", "backend": "sdpa", "kernel": body["last_report"]["calls"][0]["kernel"],
                                              "count": 4, "tuned": False}]
     assert body["last_report"]["text"][0].startswith("UNet: sdpa")

@@ -198,11 +198,16 @@ def test_bad_override_is_logged_and_noted(webui_factory, capsys, mode, args, see
     (line,) = [line for line in prefixed(capsys.readouterr().out) if "override" in line]
     assert f"override {seen} ignored" in line and ", ".join(lib_attn.BACKEND_IDS) in line
     assert "use setting" in line
-    (note,) = report.notes
+    note, *more = report.notes
     assert note.startswith(f"override {seen} ignored")
-    assert f"Attention note: {note}" in processed.comments
-    assert parse_infotext(processed.info)["Attention note"] == note
-    assert info["extra_generation_params"]["Attention note"] == note
+    if isinstance(args, str):  # its second character is the second argument, the guard: refused too
+        (guard,) = more
+        assert guard.startswith("guard 'a' ignored, the setting used; valid: use setting, on, full, off")
+    else:
+        assert more == []
+    assert all(f"Attention note: {n}" in processed.comments for n in report.notes)
+    assert parse_infotext(processed.info)["Attention note"] == "; ".join(report.notes)
+    assert info["extra_generation_params"]["Attention note"] == "; ".join(report.notes)
 
 
 def test_empty_args_are_the_ui_default(webui_factory, capsys):
@@ -279,7 +284,7 @@ def test_readout_redraws_when_the_generation_ends(webui_factory, mode):
     assert "No generation yet" in fn()
     txt2img(runner, ["sdpa-math"])
     assert fn() == ui.report_html(state.last_report()) and "sdpa-math" in fn()
-    assert script.args_to - script.args_from == 1
+    assert script.args_to - script.args_from == 2  # the backend override and the guard
 
 
 # --- 12: one prefix ------------------------------------------------------------------------------------------
@@ -305,3 +310,79 @@ def test_forge_says_at_startup_what_a_flag_does(webui_factory, capsys):
     assert len(lines) == 1 and f"flash-attn ({info.reason})" in lines[0]
     txt2img(runner)
     assert state.last_report().fallbacks == {("unet", "flash-attn", "not available: " + info.reason): 3}
+
+
+# --- the guard: a faulty kernel named for a generation --------------------------------------------------
+
+def recorded_sample(outputs: list):
+    """``sample`` on fixed inputs, keeping what each attention block returned (the "image")."""
+    def run(p=None):
+        gen = torch.Generator().manual_seed(7)
+        if hosts.detect() == hosts.FORGE:
+            import backend.nn.unet as unet
+            for _ in range(3):
+                q = torch.randn(1, 16, 320, generator=gen)
+                outputs.append(unet.attention_function(q, q, q, 8))
+            return
+        import ldm.modules.attention as ldm_attention
+        torch.manual_seed(7)
+        block = ldm_attention.CrossAttention(320, None, 8, 40)
+        with torch.no_grad():
+            for _ in range(3):
+                outputs.append(block(torch.randn(1, 16, 320, generator=gen)))
+    return run
+
+
+@pytest.mark.parametrize("mode", ["a1111", "forge"])
+def test_a_faulty_kernel_named_for_a_generation_gives_the_good_kernels_image(webui_factory, monkeypatch, tmp_path,
+                                                                             mode):
+    from lib_attn import tune
+    from tests import faulty_backends
+
+    monkeypatch.setenv(tune.ENV_DIR, str(tmp_path))
+    tune.forget_memory()
+    faulty_backends.register()
+    try:
+        runner, _, _ = start(webui_factory, mode, optimization=AUTO_TITLE)
+        from modules.api import api
+        good = []
+        api.txt2img(runner, alwayson_scripts={"Flash Attention": {"args": ["sdpa"]}}, sd_model=recorded_sample(good),
+                    prompt="a cat")
+        for bid in faulty_backends.IDS:
+            image = []
+            processed, info = api.txt2img(runner, alwayson_scripts={"Flash Attention": {"args": [bid]}},
+                                          sd_model=recorded_sample(image), prompt="a cat")
+            assert len(image) == len(good) == 3 and all(torch.equal(a, b) for a, b in zip(image, good)), bid
+            report = state.last_report()
+            # fk-nan3 is right twice, then caught on its third call; the others on their first
+            assert report.calls == ({("unet", bid): 2, ("unet", "sdpa"): 1} if bid == "fk-nan3"
+                                    else {("unet", "sdpa"): 3}), bid
+            (said,) = report.guard_lines()
+            assert said.startswith(f"guard: {bid}") and said.endswith("→ sdpa (recomputed)"), said
+            assert f"Attention guard: {said.removeprefix('guard: ')}" in processed.comments
+            assert parse_infotext(processed.info)["Attention guard"] == said.removeprefix("guard: ")
+            tune.clear()  # the next start would skip it: each kernel is caught on its own first call here
+            lib_attn.reset()
+    finally:
+        faulty_backends.unregister()
+        tune.forget_memory()
+
+
+@pytest.mark.parametrize("mode", ["a1111", "forge"])
+def test_the_guard_over_the_api_and_a_bad_value(webui_factory, mode):
+    from tests import faulty_backends
+
+    faulty_backends.register()
+    try:
+        runner, _, _ = start(webui_factory, mode, optimization=AUTO_TITLE)
+        image = []
+        from modules.api import api
+        api.txt2img(runner, alwayson_scripts={"Flash Attention": {"args": ["fk-nan", "off"]}},
+                    sd_model=recorded_sample(image), prompt="a cat")
+        assert all(o.isnan().all() for o in image) and not state.last_report().guard  # off: as asked
+        assert lib_attn.config().guard == "on"  # for that generation only
+        processed, _ = txt2img(runner, ["use setting", "sometimes"])
+        (note,) = state.last_report().notes
+        assert note.startswith("guard 'sometimes' ignored, the setting used; valid: use setting, on, full, off")
+    finally:
+        faulty_backends.unregister()

@@ -246,7 +246,13 @@ def _json_report():
         kernels={"flash-attn": "flash-attn 2.8.3", "sdpa-efficient": "sdpa-efficient torch 2.3.1"},
         seconds=12.34567,
         vram=Vram(3 * GIB, 4 * GIB, 6 * GIB, 80 * GIB),
+        guard={("unet", "sage", "non-finite values", "flash-attn", True): 3},
     )
+
+
+GUARD_JSON = [{"role": "unet", "backend": "sage", "what": "non-finite values", "ran_on": "flash-attn",
+               "recomputed": True, "count": 3}]
+GUARD_TEXT = "sage ×3 non-finite values → flash-attn (recomputed)"
 
 
 def test_json_of_the_data_exact():
@@ -261,7 +267,7 @@ def test_json_of_the_data_exact():
         "seconds": 12.346,
         "vram": {"source": "host", "peaks_bounded": False, "active_peak_bytes": 3 * GIB,
                  "reserved_peak_bytes": 4 * GIB, "system_peak_bytes": 6 * GIB, "total_bytes": 80 * GIB},
-        "notes": [], "ran_on": None, "hint": None,
+        "guard": GUARD_JSON, "notes": [], "ran_on": None, "hint": None,
     }
 
 
@@ -281,10 +287,12 @@ def test_json_exact():
                  "text": "A: 3.00 GB, R: 4.00 GB, Sys: 6.0/80 GB (7.5%)"},
         "text": ["Attention: flash-attn 2.8.3 ×1,260 · VAE sdpa-efficient torch 2.3.1 ×2 · 12.3 sec. · "
                  "A: 3.00 GB, R: 4.00 GB, Sys: 6.0/80 GB (7.5%)",
-                 "Attention fallbacks: VAE flash-attn ×2: head_dim 512 > 256"],
+                 "Attention fallbacks: VAE flash-attn ×2: head_dim 512 > 256",
+                 f"Attention guard: {GUARD_TEXT}"],
         "infotext": {"Attention": "flash-attn 2.8.3; VAE sdpa-efficient torch 2.3.1",
-                     "Attention fallbacks": "VAE flash-attn ×2: head_dim 512 > 256"},
-        "notes": [], "ran_on": None, "hint": None,
+                     "Attention fallbacks": "VAE flash-attn ×2: head_dim 512 > 256",
+                     "Attention guard": GUARD_TEXT},
+        "guard": GUARD_JSON, "notes": [], "ran_on": None, "hint": None,
     }
 
 
@@ -295,6 +303,7 @@ def test_json_reads_back():
     assert back.to_dict() == report.to_dict()
     assert lines(back) == lines(report)
     assert Report.from_dict(readout.to_json(report)) == report  # the route's JSON reads back too
+    assert Report.from_dict(json.loads(_json_report().to_json())).guard == _json_report().guard
 
 
 def test_dit_and_unet_in_one_generation_stay_apart():

@@ -1,9 +1,10 @@
 """A read-only JSON route: what can run here and what ran in the last generation.
 
-``GET /flash-attention/v1/status`` returns ``{"availability": …, "routing": …, "tuning": …,
+``GET /flash-attention/v1/status`` returns ``{"availability": …, "routing": …, "tuning": …, "guard": …,
 "last_report": … or null}``; the availability part is the data of the Settings table, ``routing``
 whether attention goes through the extension now (and if not, what runs it), the tuning part the stored
-rankings of this machine (the tuning file by name, never its path), the report that of the readout.
+rankings of this machine (the tuning file by name, never its path), ``guard`` the guard's mode and the
+output check failures remembered here, the report that of the readout.
 
 The route describes this machine, so it answers only whom the webui's own API would answer: with
 ``--api-auth`` its credentials, with ``--gradio-auth`` (and no API auth) the UI's; see ``auth``.
@@ -32,6 +33,7 @@ def status(route=_WEBUI, report=_WEBUI, to_json=readout.to_json) -> dict:
     return {"availability": state.availability(),
             "routing": {"routed": route.routed, "ran_on": route.ran_on, "hint": route.hint},
             "tuning": tuning(),
+            "guard": state.guard(),
             "last_report": None if report is None else to_json(report)}
 
 

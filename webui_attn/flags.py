@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 
 import lib_attn
-from lib_attn.config import FP32_POLICIES, TUNE_MODES
+from lib_attn.config import FP32_POLICIES, GUARD_MODES, TUNE_MODES
 
 from . import host as host_log
 from . import layers
@@ -85,6 +85,9 @@ def problems(cmd_opts) -> list[str]:
     tune = getattr(cmd_opts, "attn_tune", None)
     if tune is not None and tune not in TUNE_MODES:
         out.append(f"--attn-tune {tune!r}: must be on or off. The flag is ignored.")
+    guard = getattr(cmd_opts, "attn_guard", None)
+    if guard is not None and guard not in GUARD_MODES:
+        out.append(f"--attn-guard {guard!r}: must be one of {', '.join(GUARD_MODES)}. The flag is ignored.")
     return out
 
 
@@ -113,6 +116,9 @@ def layer_from(cmd_opts) -> dict | None:
     tune = getattr(cmd_opts, "attn_tune", None)
     if tune in TUNE_MODES:
         layer["tune"] = tune
+    guard = getattr(cmd_opts, "attn_guard", None)
+    if guard in GUARD_MODES:
+        layer["guard"] = guard
     return layer or None
 
 

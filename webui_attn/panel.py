@@ -12,12 +12,13 @@ import threading
 from dataclasses import dataclass
 
 import lib_attn
+from lib_attn.config import GUARD_MODES
 from lib_attn.report import Report, VramProbe
 
 from . import host, layers, readout, settings, state
 from .choices import USE_SETTING, backend_from_choice
 from .flags import DENOISER_ROLES
-from .readout import INFOTEXT_FALLBACKS_KEY, INFOTEXT_KEY, INFOTEXT_KEYS, INFOTEXT_NOTE_KEY
+from .readout import INFOTEXT_FALLBACKS_KEY, INFOTEXT_GUARD_KEY, INFOTEXT_KEY, INFOTEXT_KEYS, INFOTEXT_NOTE_KEY
 
 TITLE = "Flash Attention"
 
@@ -62,11 +63,28 @@ def read_override(args) -> tuple[str | None, str | None]:
                   f"{', '.join(lib_attn.BACKEND_IDS)} (over the API: \"args\": [\"<id>\"], a list)")
 
 
-def generation_layer(override: str | None) -> dict | None:
-    """The ``generation`` layer that puts ``override`` first for the UNet/DiT; other roles unchanged."""
-    if override is None:
-        return None
-    return {"preference": {role: [override] for role in DENOISER_ROLES}}
+def read_guard(args) -> tuple[str | None, str | None]:
+    """(guard mode or None, problem or None) from the script's second argument: "use setting" or none
+    leaves the setting in force; a mode sets it for this generation; anything else is a problem named
+    with the valid values, and the setting is used."""
+    value = args[1] if len(args) > 1 else None
+    if value is None or value == USE_SETTING:
+        return None, None
+    if value in GUARD_MODES:
+        return value, None
+    return None, (f"guard {value!r} ignored, the setting used; valid: {USE_SETTING}, {', '.join(GUARD_MODES)} "
+                  f"(over the API: \"args\": [\"<id or {USE_SETTING}>\", \"<guard>\"])")
+
+
+def generation_layer(override: str | None, guard: str | None = None) -> dict | None:
+    """The ``generation`` layer that puts ``override`` first for the UNet/DiT (other roles unchanged) and
+    sets the ``guard`` mode for this generation."""
+    layer = {}
+    if override is not None:
+        layer["preference"] = {role: [override] for role in DENOISER_ROLES}
+    if guard is not None:
+        layer["guard"] = guard
+    return layer or None
 
 
 def override_from_params(params: dict) -> str | None:
@@ -94,7 +112,7 @@ def ui(script, is_img2img):
              elem_id=OUTPUT_ELEM.format(tab=tab))
     script.infotext_fields = [(parts["override"], override_from_params)]
     script.paste_field_names = [INFOTEXT_KEY]
-    return [parts["override"]]
+    return [parts["override"], parts["guard"]]
 
 
 def _shared():
@@ -143,14 +161,18 @@ def process(p, *args):
     shared = _shared()
     job = _job(shared)
     override, problem = read_override(args)
+    guard, guard_problem = read_guard(args)
     route = state.routing()
     opts = getattr(shared, "opts", None)
     notes = _notes(override, problem, route, opts)
+    if guard_problem:
+        host.log(guard_problem)
+        notes = (*notes, guard_problem)
     with _lock:
         _close_stale(job)
         state.apply_settings(opts)
         previous = layers.get_layer("generation")
-        layers.set_layer("generation", generation_layer(override))
+        layers.set_layer("generation", generation_layer(override, guard))
         context = lib_attn.recording()
         rec = context.__enter__()
         probe = None
@@ -161,6 +183,7 @@ def process(p, *args):
     if params is not None:
         params[INFOTEXT_KEY] = _infotext_entry(rec, INFOTEXT_KEY)
         params[INFOTEXT_FALLBACKS_KEY] = _infotext_entry(rec, INFOTEXT_FALLBACKS_KEY)
+        params[INFOTEXT_GUARD_KEY] = _infotext_entry(rec, INFOTEXT_GUARD_KEY)
         if notes:
             params[INFOTEXT_NOTE_KEY] = readout.to_infotext(Report(notes=notes))[INFOTEXT_NOTE_KEY]
 

@@ -20,7 +20,8 @@ _PREFIX_ROLE = {"VAE": "vae", "Text": "text", "DiT": "dit"}
 INFOTEXT_KEY = "Attention"
 INFOTEXT_FALLBACKS_KEY = "Attention fallbacks"
 INFOTEXT_NOTE_KEY = "Attention note"
-INFOTEXT_KEYS = (INFOTEXT_KEY, INFOTEXT_FALLBACKS_KEY, INFOTEXT_NOTE_KEY)
+INFOTEXT_GUARD_KEY = "Attention guard"
+INFOTEXT_KEYS = (INFOTEXT_KEY, INFOTEXT_FALLBACKS_KEY, INFOTEXT_GUARD_KEY, INFOTEXT_NOTE_KEY)
 #: After a backend's description where tuning chose it (measured on this machine, or stored).
 TUNED_MARK = " [tuned]"
 
@@ -110,8 +111,14 @@ def fallbacks_text(report: Report) -> str:
                      for (role, backend, reason), n in report.fallback_items())
 
 
+def guard_text(report: Report) -> str:
+    """What the guard caught: ``sage ×3 non-finite values → sdpa (recomputed); …``."""
+    return "; ".join(_clean(line.removeprefix("guard: ")) for line in report.guard_lines())
+
+
 def lines(report: Report) -> list[str]:
-    """The readout: ``Attention: …`` then, when anything fell back, ``Attention fallbacks: …``, then notes."""
+    """The readout: ``Attention: …`` then, when anything fell back, ``Attention fallbacks: …``, when the
+    guard caught anything, ``Attention guard: …``, then notes."""
     head = [calls_text(report)]
     if report.seconds is not None:
         head.append(elapsed_text(report.seconds))
@@ -120,6 +127,8 @@ def lines(report: Report) -> list[str]:
     out = [f"{INFOTEXT_KEY}: " + " · ".join(head)]
     if report.fallbacks:
         out.append(f"{INFOTEXT_FALLBACKS_KEY}: {fallbacks_text(report)}")
+    if report.guard:
+        out.append(f"{INFOTEXT_GUARD_KEY}: {guard_text(report)}")
     out.extend(f"{INFOTEXT_NOTE_KEY}: {note}" for note in (*report.notes, *([report.hint] if report.hint else ())))
     return out
 
@@ -151,6 +160,8 @@ def to_infotext(report: Report) -> dict:
         out[INFOTEXT_KEY] = "; ".join(segments)
     if report.fallbacks:
         out[INFOTEXT_FALLBACKS_KEY] = fallbacks_text(report)
+    if report.guard:
+        out[INFOTEXT_GUARD_KEY] = guard_text(report)
     if report.notes:
         out[INFOTEXT_NOTE_KEY] = "; ".join(_clean(note) for note in report.notes)
     return out

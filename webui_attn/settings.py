@@ -10,8 +10,8 @@ from __future__ import annotations
 import lib_attn
 
 from . import choices, state
-from .state import (AUTO, FP32_CHOICES, KEY_AVAILABILITY, KEY_BACKEND, KEY_FP32, KEY_READOUT, KEY_STRICT, KEY_TUNE,
-                    KEY_VAE_BACKEND, TUNE_CHOICES)
+from .state import (AUTO, FP32_CHOICES, GUARD_CHOICES, KEY_AVAILABILITY, KEY_BACKEND, KEY_FP32, KEY_GUARD,
+                    KEY_READOUT, KEY_STRICT, KEY_TUNE, KEY_VAE_BACKEND, TUNE_CHOICES)
 
 SECTION = ("optimizations", "Optimizations", "sd")
 
@@ -77,6 +77,11 @@ def options(shared) -> dict:
         .info("Auto: the --attn-tune flag, else on for CUDA GPUs. The first call of each kind times every "
               "candidate and checks its output; results are kept across restarts. off: the fixed order. "
               "Clear stored results with: python -m lib_attn tune --clear"),
+        KEY_GUARD: OptionInfo(AUTO, "Guard: check each kernel's output and recompute a faulty call on the next one",
+                              gr.Radio, {"choices": list(GUARD_CHOICES)}, onchange=_on_change)
+        .info("Auto: the --attn-guard flag, else on. on: each kernel's first call of each kind is checked against a "
+              "reference, then its output is watched for NaN/inf; full: every call checked (slower, for chasing a "
+              "black image); off: nothing checked. Forget remembered failures with: python -m lib_attn tune --clear"),
         KEY_READOUT: OptionInfo(True, "Show which attention kernels ran, their fallbacks, time and VRAM under the image",
                                 gr.Checkbox),
     }

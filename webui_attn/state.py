@@ -13,7 +13,7 @@ import threading
 
 import lib_attn
 from lib_attn import _compat
-from lib_attn.config import FP32_POLICIES, TUNE_MODES
+from lib_attn.config import FP32_POLICIES, GUARD_MODES, TUNE_MODES
 from lib_attn.device import cpu_model
 from lib_attn.dispatch import chain_for
 from lib_attn.report import Report
@@ -34,11 +34,13 @@ KEY_STRICT = PREFIX + "strict"
 KEY_READOUT = PREFIX + "readout"
 KEY_AVAILABILITY = PREFIX + "availability"
 KEY_TUNE = PREFIX + "tune"
+KEY_GUARD = PREFIX + "guard"
 
 DEFAULTS = {KEY_BACKEND: AUTO, KEY_VAE_BACKEND: AUTO, KEY_FP32: AUTO, KEY_STRICT: False, KEY_READOUT: True,
-            KEY_TUNE: AUTO}
+            KEY_TUNE: AUTO, KEY_GUARD: AUTO}
 FP32_CHOICES = (AUTO, *FP32_POLICIES)
 TUNE_CHOICES = (AUTO, "on", "off")
+GUARD_CHOICES = (AUTO, *GUARD_MODES)
 
 
 def backend_choices() -> list[str]:
@@ -78,6 +80,9 @@ def problems(values: dict) -> list[str]:
     fp32 = values.get(KEY_FP32)
     if fp32 is not None and fp32 not in FP32_CHOICES:
         out.append(f"setting {KEY_FP32}={fp32!r} ignored, {AUTO} used; valid: {', '.join(FP32_CHOICES)}")
+    guard = values.get(KEY_GUARD)
+    if guard is not None and guard not in GUARD_CHOICES:
+        out.append(f"setting {KEY_GUARD}={guard!r} ignored, {AUTO} used; valid: {', '.join(GUARD_CHOICES)}")
     return out
 
 
@@ -100,6 +105,8 @@ def layer_from(values: dict) -> dict | None:
         layer["strict"] = True
     if values.get(KEY_TUNE) in TUNE_MODES and values.get(KEY_TUNE) != "auto":
         layer["tune"] = values[KEY_TUNE]
+    if values.get(KEY_GUARD) in GUARD_MODES:
+        layer["guard"] = values[KEY_GUARD]
     return layer or None
 
 
@@ -202,6 +209,15 @@ def availability(device=None) -> dict:
                    if role in ROUTED_ROLES},
         "ignored_settings": problems(read()),
     }
+
+
+def guard() -> dict:
+    """The guard's mode and the output check failures this machine remembers (``lib_attn.tune.remembered``)."""
+    from lib_attn import tune
+
+    return {"mode": lib_attn.config().guard,
+            "rejected": [{"signature": sig, "backend": bid, "reason": why}
+                         for sig, bid, why in tune.remembered(lib_attn.device_info())]}
 
 
 def tuning() -> dict:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import html
 
+from lib_attn.config import GUARD_MODES
+
 from . import state
 from .readout import elapsed_text, vram_text
 from .choices import USE_SETTING, override_choices, unavailable_ids
@@ -51,6 +53,9 @@ def report_html(report) -> str:
             f"<code>{_e(backend)}</code> passed over ×{n:,}: {_e(reason)}</li>"
             for (role, backend, reason), n in report.fallback_items())
         parts.append(f"<ul class='flash-attn-fallbacks'>{items}</ul>")
+    guard = report.guard_lines()
+    if guard:
+        parts.append("<ul class='flash-attn-guard'>" + "".join(f"<li>{_e(line)}</li>" for line in guard) + "</ul>")
     notes = [*report.notes, *([report.hint] if report.hint else [])]
     if notes:
         parts.append("<ul class='flash-attn-notes'>" + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>")
@@ -131,7 +136,8 @@ def availability_option(shared):
 def accordion(is_img2img: bool, last_report=None, open: bool = False, refresh: bool = True) -> dict:
     """Build the accordion inside the current ``gr.Blocks``; returns its components by name.
 
-    ``override``: the per-generation backend dropdown (the script's only argument); ``readout``:
+    ``override``: the per-generation backend dropdown (the script's first argument); ``guard``: the
+    per-generation guard mode (its second); ``readout``:
     the HTML of the last generation; ``refresh``: the button that reloads it from ``last_report()``, only
     when asked for (a host without a hook to ``follow``), else None. ``last_report``: where the report
     comes from (``state.last_report`` when None).
@@ -151,6 +157,13 @@ def accordion(is_img2img: bool, last_report=None, open: bool = False, refresh: b
                 info=("Not available here: " + ", ".join(missing) + " (why: Settings → Optimizations)"
                       if missing else "Every backend is available here."),
             )
+            guard = gr.Dropdown(
+                label="Guard for this generation",
+                choices=[USE_SETTING, *GUARD_MODES],
+                value=USE_SETTING,
+                elem_id=f"{ELEM_PREFIX}_{tab}_guard",
+                info="full: check every attention call's output (slower), to find what makes a black image",
+            )
             button = None
             if refresh:
                 button = gr.Button("Show last readout", elem_id=f"{ELEM_PREFIX}_{tab}_refresh",
@@ -158,7 +171,7 @@ def accordion(is_img2img: bool, last_report=None, open: bool = False, refresh: b
         readout = gr.HTML(value=report_html(last_report()), elem_id=f"{ELEM_PREFIX}_{tab}_readout")
     if button is not None:
         button.click(fn=lambda: report_html(last_report()), inputs=[], outputs=[readout], show_progress="hidden")
-    return {"override": override, "readout": readout, "refresh": button}
+    return {"override": override, "guard": guard, "readout": readout, "refresh": button}
 
 
 def follow(trigger, readout, last_report=None) -> None:

@@ -24,10 +24,13 @@ from .environment import environment
 from .formats import shown
 
 
+CLEAR_COMMAND = "python -m lib_attn tune --clear"
+
+
 def _config_dict() -> dict:
     cfg = lib_attn.config()
     pref = {role: (list(p) if p else "auto") for role, p in (cfg.preference or {}).items()}
-    return {"preference": pref, "fp32": cfg.fp32, "strict": bool(cfg.strict), "tune": cfg.tune}
+    return {"preference": pref, "fp32": cfg.fp32, "strict": bool(cfg.strict), "tune": cfg.tune, "guard": cfg.guard}
 
 
 def _tuning_dict(device: torch.device, info=None) -> dict:
@@ -100,6 +103,9 @@ def report(device: Optional[torch.device] = None, dtype: Optional[torch.dtype] =
     doc["schema"] = "lib_attn.doctor/1"
     doc["config"] = _config_dict()
     doc["tuning"] = _tuning_dict(device, info)
+    doc["guard"] = {"mode": lib_attn.config().guard, "clear": CLEAR_COMMAND,
+                    "rejected": [{"signature": sig, "backend": bid, "reason": why}
+                                 for sig, bid, why in tune.remembered(info or lib_attn.device_info(device))]}
     doc["decisions"] = decisions(device, dtype, info=info)
     if info is not None:
         doc["described"] = True
@@ -132,10 +138,15 @@ def render(doc: dict) -> str:
     pref_text = next(iter(prefs.values())) if same and prefs else \
         "; ".join(f"{r}: {p}" for r, p in prefs.items())
     lines.append(f"  config    preference {pref_text}, fp32 {cfg['fp32']}, "
-                 f"strict {'on' if cfg['strict'] else 'off'}, tune {cfg['tune']}")
+                 f"strict {'on' if cfg['strict'] else 'off'}, tune {cfg['tune']}, guard {cfg['guard']}")
     t = doc["tuning"]
     lines.append(f"  tuning    {'measures' if t['active'] else 'off'} on {dev['type']}; {t['stored']} call kinds "
                  f"stored for this machine in {t['file']}")
+    g = doc["guard"]
+    lines.append(f"  guard     {g['mode']}; {len(g['rejected'])} output check failures remembered for this machine"
+                 + (f" (forget them with: {g['clear']}, which also forgets the stored tuning)"
+                    if g["rejected"] else ""))
+    lines += [f"    {r['backend']} for {r['signature']}: {r['reason']}" for r in g["rejected"]]
     lines += ["", "backends"]
     w = max(len(b["id"]) for b in doc["backends"])
     for b in doc["backends"]:

@@ -128,6 +128,7 @@ def engine_overhead(device: torch.device, dtype: torch.dtype, rounds: int = 200)
                       "F.scaled_dot_product_attention / lib_attn.attention on the same inputs; added "
                       "= median of per-round differences",
             "budget_us": 2.0,
+            "guard": lib_attn.config().guard,
             "threads": torch.get_num_threads() if device.type == "cpu" else None,
             "sd15_cross_mid": measure_overhead(device, dtype, OVERHEAD_SHAPE, rounds=rounds, inner=5),
             "tiny": measure_overhead(device, dtype, TINY_SHAPE, rounds=rounds, inner=20),

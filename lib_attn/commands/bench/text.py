@@ -113,7 +113,8 @@ def render(doc: dict) -> str:
     if ov:
         out.append("")
         threads = f", kernels on {ov['threads']} thread" if ov.get("threads") else ""
-        out.append("engine overhead: lib_attn.attention (current configuration) vs direct "
+        guard = f", guard {ov['guard']}" if ov.get("guard") else ""
+        out.append(f"engine overhead: lib_attn.attention (current configuration{guard}) vs direct "
                    f"F.scaled_dot_product_attention, same inputs{threads}")
         for key in ("sd15_cross_mid", "sd15_cross_mid_sdpa", "tiny"):
             if key not in ov:

@@ -1,0 +1,80 @@
+"""Faulty kernels for the guard's tests, registered through ``lib_attn.register_backend``.
+
+Each computes PyTorch's SDPA and then spoils it in one way: ``fk-nan`` returns NaN on every call,
+``fk-nan3`` on every third call (an approximate kernel, as the quantised ones that fail on some
+inputs are), ``fk-drift`` is 10% off, ``fk-shape`` drops the last query row, ``fk-writes`` returns
+the right answer but zeroes its v. ``CALLS`` counts the calls of each.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+
+import lib_attn
+
+CALLS: Counter = Counter()
+
+
+class _Faulty(lib_attn.Backend):
+    devices = ("cpu",)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+
+    def run(self, q, k, v, mask, scale):
+        CALLS[self.id] += 1
+        return self.spoil(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale), q, k, v)
+
+    def spoil(self, out, q, k, v):
+        raise NotImplementedError
+
+
+class NaNAlways(_Faulty):
+    id, label = "fk-nan", "NaN always"
+
+    def spoil(self, out, q, k, v):
+        return torch.full_like(out, float("nan"))
+
+
+class NaNEveryThird(_Faulty):
+    id, label, approximate = "fk-nan3", "NaN on every third call", True
+
+    def spoil(self, out, q, k, v):
+        return out.fill_(float("nan")) if CALLS[self.id] % 3 == 0 else out
+
+
+class Drift(_Faulty):
+    id, label = "fk-drift", "10% drift"
+
+    def spoil(self, out, q, k, v):
+        return out * 1.1
+
+
+class WrongShape(_Faulty):
+    id, label = "fk-shape", "wrong shape"
+
+    def spoil(self, out, q, k, v):
+        return out[:, :, :-1]
+
+
+class WritesInputs(_Faulty):
+    id, label = "fk-writes", "writes into its inputs"
+
+    def spoil(self, out, q, k, v):
+        v.zero_()
+        return out
+
+
+BACKENDS = (NaNAlways, NaNEveryThird, Drift, WrongShape, WritesInputs)
+IDS = tuple(b.id for b in BACKENDS)
+
+
+def register() -> None:
+    for backend in BACKENDS:
+        lib_attn.register_backend(backend())
+    CALLS.clear()
+
+
+def unregister() -> None:
+    for bid in IDS:
+        lib_attn.unregister_backend(bid)

@@ -1,0 +1,197 @@
+"""The output guard: faulty kernels, named alone, never reach the caller; what it caught is reported,
+remembered on disk, and listed by ``doctor``."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lib_attn
+from lib_attn import dispatch, guard, tune
+from lib_attn.report import Report
+from tests import faulty_backends
+from tests.engine_helpers import make_qkv
+
+CALLS = faulty_backends.CALLS
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch, tmp_path):
+    monkeypatch.setenv(tune.ENV_DIR, str(tmp_path / "cache"))
+    tune.forget_memory()
+    lib_attn.reset()
+    faulty_backends.register()
+    yield
+    faulty_backends.unregister()
+    lib_attn.reset()
+    tune.forget_memory()
+
+
+def qkv(seed, dtype=torch.float32):
+    return make_qkv(2, 4, 24, 20, 16, dtype, seed=seed)
+
+
+def sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+@pytest.mark.parametrize("bid, what", [
+    ("fk-nan", "non-finite values"), ("fk-nan3", "non-finite values"), ("fk-drift", "rel err"),
+    ("fk-shape", "shape"), ("fk-writes", "wrote into its inputs")])
+def test_a_faulty_kernel_named_alone_never_reaches_the_caller(bid, what):
+    lib_attn.configure(preference=[bid])
+    with lib_attn.recording() as rec:
+        for seed in range(7):
+            q, k, v = qkv(seed)
+            kept = tuple(t.clone() for t in (q, k, v))
+            out = lib_attn.attention(q, k, v)
+            assert all(torch.equal(a, b) for a, b in zip((q, k, v), kept)), "the caller's inputs changed"
+            assert torch.equal(out, sdpa(*kept))
+    assert CALLS[bid] >= 1  # it did run, and was caught
+    ((role, caught, said, ran_on, recomputed), n), = rec.guard.items()
+    assert (role, caught, ran_on, recomputed, n) == ("unet", bid, "sdpa", True, 1) and what in said
+    (line,) = Report.from_recording(rec).guard_lines()
+    assert line.startswith(f"guard: {bid}") and what in line and line.endswith("→ sdpa (recomputed)")
+
+
+def test_a_rejection_names_the_call_and_the_bound():
+    lib_attn.configure(preference=["fk-drift"])
+    q, k, v = make_qkv(2, 8, 64, 77, 40, torch.bfloat16, seed=3)  # torch 2.1's CPU has no fp16 attention
+    with lib_attn.recording() as rec:
+        lib_attn.attention(q, k, v)
+    (line,) = Report.from_recording(rec).guard_lines()
+    assert line.startswith("guard: fk-drift rejected for unet 2×8×64×77×40 bf16: rel err ")
+    err, bound = (float(x) for x in line.split("rel err ")[1].split(" →")[0].split(" > "))
+    assert 0.05 < err < 0.2 and bound == tune.BOUNDS[torch.bfloat16]
+
+
+def test_a_late_fault_of_a_trusted_approximate_kernel_is_recomputed_and_demotes_it():
+    lib_attn.configure(preference=["fk-nan3"])
+    with lib_attn.recording() as rec:
+        outs = [(lib_attn.attention(*qkv(s)), sdpa(*qkv(s))) for s in range(6)]
+    assert all(torch.equal(a, b) for a, b in outs)
+    assert CALLS["fk-nan3"] == 3  # the third call was caught; from then on sdpa serves the signature
+    assert lib_attn.explain(*qkv(0)).backend == "sdpa"
+    assert rec.guard == {("unet", "fk-nan3", "non-finite values", "sdpa", True): 1}
+
+
+def test_an_exact_kernel_is_screened_on_a_sample_and_full_mode_screens_every_call(monkeypatch):
+    screened = []
+    real = guard.non_finite_blame
+    monkeypatch.setattr(guard, "non_finite_blame", lambda *a: screened.append(1) or real(*a))
+    monkeypatch.setattr(faulty_backends.NaNEveryThird, "approximate", False)
+    lib_attn.configure(preference=["fk-drift", "sdpa"])  # fk-drift is rejected: sdpa, exact, serves
+    q, k, v = qkv(0)
+    for _ in range(2 * guard.SAMPLE_EVERY + 2):
+        lib_attn.attention(q, k, v)
+    assert len(screened) == 2
+    # An exact kernel that fails on every third call: the sample may miss it, full mode does not.
+    lib_attn.configure(preference=["fk-nan3"], guard="full")
+    CALLS.clear()
+    for s in range(9):
+        assert torch.equal(lib_attn.attention(*qkv(s)), sdpa(*qkv(s)))
+    assert CALLS["fk-nan3"] == 3
+
+
+def test_on_cuda_the_screen_is_read_later_and_the_call_in_hand_is_recomputed(monkeypatch):
+    # The device-side count, read when its copy has landed (on the CPU at once: one call later).
+    monkeypatch.setattr(guard, "DEFERRED", ("cpu",))
+    lib_attn.configure(preference=["fk-nan3"])
+    with lib_attn.recording() as rec:
+        outs = [(lib_attn.attention(*qkv(s)), sdpa(*qkv(s))) for s in range(5)]
+    assert outs[2][0].isnan().all()  # the faulty call had returned before its screen was read
+    assert all(torch.equal(a, b) for i, (a, b) in enumerate(outs) if i != 2)
+    assert rec.guard == {("unet", "fk-nan3", "non-finite values", "sdpa", False): 1}
+    (line,) = Report.from_recording(rec).guard_lines()
+    assert line == "guard: fk-nan3 ×1 non-finite values → sdpa (found after it returned: not recomputed)"
+
+
+def test_non_finite_inputs_are_not_the_kernels_fault():
+    lib_attn.configure(preference=["fk-nan3"])
+    q, k, v = qkv(0)
+    lib_attn.attention(q, k, v)
+    q[0, 0, 0, 0] = float("nan")
+    with lib_attn.recording() as rec:
+        for _ in range(4):
+            lib_attn.attention(q, k, v)  # call 3 of fk-nan3 is NaN everywhere, but so are the inputs
+    assert not rec.guard and lib_attn.explain(q, k, v).backend == "fk-nan3"
+
+
+def test_a_rejection_is_remembered_across_starts_and_doctor_lists_it():
+    from lib_attn.commands import doctor
+
+    lib_attn.configure(preference=["fk-drift"])
+    q, k, v = qkv(0)
+    lib_attn.attention(q, k, v)
+    assert CALLS["fk-drift"] == 1
+    tune.forget_memory()  # a new process reads the file
+    dispatch.reset()
+    d = lib_attn.explain(q, k, v)
+    assert d.backend == "sdpa" and d.reasons_for("fk-drift")[0].startswith("output check failed: rel err")
+    lib_attn.attention(q, k, v)
+    assert CALLS["fk-drift"] == 1  # not run again
+    ((sig, bid, reason),) = tune.remembered()
+    assert bid == "fk-drift" and sig == tune.signature(d.spec, "cast") and reason.startswith("output check failed")
+    text = doctor.render(doctor.report(torch.device("cpu")))
+    assert "guard     on; 1 output check failures remembered" in text and "python -m lib_attn tune --clear" in text
+    assert f"    fk-drift for {sig}: output check failed: rel err" in text
+    assert tune.clear() and tune.remembered() == []
+
+
+def test_strict_mode_stops_and_says_why():
+    lib_attn.configure(preference=["fk-nan"], strict=True)
+    with pytest.raises(lib_attn.AttentionFallbackError, match="strict mode: guard: fk-nan rejected for unet "
+                                                              "2×4×24×20×16 fp32: non-finite values"):
+        lib_attn.attention(*qkv(0))
+
+
+def test_off_runs_the_kernel_as_asked():
+    lib_attn.configure(preference=["fk-nan"], guard="off")
+    assert lib_attn.attention(*qkv(0)).isnan().all()
+
+
+def test_a_bad_guard_mode_is_refused_naming_the_valid_ones():
+    with pytest.raises(ValueError, match="guard 'always' is not one of on, full, off"):
+        lib_attn.configure(guard="always")
+    assert lib_attn.config().guard == "on"
+
+
+def test_a_kernel_that_passes_is_trusted_and_counted_once(caplog):
+    lib_attn.configure(preference=["sdpa"])
+    q, k, v = qkv(0)
+    with caplog.at_level(logging.WARNING, logger="lib_attn"), lib_attn.recording() as rec:
+        out = [lib_attn.attention(q, k, v) for _ in range(3)]
+    assert rec.calls == {("unet", "sdpa"): 3} and not rec.guard and not caplog.records
+    assert all(torch.equal(o, sdpa(q, k, v)) for o in out)
+
+
+def test_the_webuis_flag_and_setting():
+    from types import SimpleNamespace
+
+    from webui_attn import flags, state
+
+    assert flags.layer_from(SimpleNamespace(attn_guard="full")) == {"guard": "full"}
+    assert flags.problems(SimpleNamespace(attn_guard="always")) == [
+        "--attn-guard 'always': must be one of on, full, off. The flag is ignored."]
+    assert flags.layer_from(SimpleNamespace(attn_guard="always")) is None
+    assert state.layer_from({state.KEY_GUARD: "off"}) == {"guard": "off"}
+    assert state.layer_from({state.KEY_GUARD: "Auto"}) is None
+    (problem,) = state.problems({state.KEY_GUARD: "sometimes"})
+    assert problem == "setting flash_attn_guard='sometimes' ignored, Auto used; valid: Auto, on, full, off"
+
+
+def test_a_kernel_is_checked_once_per_process_not_at_every_configuration_change(monkeypatch):
+    checked = []
+    real = guard.checked_call
+    monkeypatch.setattr(guard, "checked_call", lambda *a: checked.append(1) or real(*a))
+    q, k, v = qkv(0)
+    for strict in (False, True, False):  # a webui changes the configuration around every generation
+        lib_attn.configure(preference=["sdpa"], strict=strict)
+        lib_attn.attention(q, k, v)
+    assert len(checked) == 1
+    lib_attn.configure(guard="full")  # full checks every call
+    lib_attn.attention(q, k, v)
+    lib_attn.attention(q, k, v)
+    assert len(checked) == 3
