@@ -238,7 +238,7 @@ class Report:
         guard = {(g["role"], g["backend"], g["what"], g["ran_on"], bool(g["recomputed"])): int(g["count"])
                  for g in data.get("guard", ())}
         return cls(calls, fallbacks, kernels, data.get("seconds"), Vram.from_dict(v) if v else None,
-                   tuple(data.get("notes") or ()), data.get("ran_on"), data.get("hint"), tuned, guard)
+                   tuple(data.get("notes") or ()), data.get("ran_on"), data.get("hint"), tuned, guard=guard)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), ensure_ascii=False)
