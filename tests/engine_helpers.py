@@ -1,6 +1,7 @@
 """Shared helpers for the engine's tests: a float64 reference and relative errors."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -106,3 +107,21 @@ def install_sage(monkeypatch, facts):
     """Every SageAttention 1/2 backend sees ``facts`` as the installed package."""
     for bid in SAGE_IDS:
         monkeypatch.setattr(REGISTRY[bid], "facts", facts)
+
+
+@contextlib.contextmanager
+def fresh_engine_with(monkeypatch, tmp_path, backends):
+    """A fresh engine whose tuning file is the test's own, with the test backends of ``backends`` (a module
+    with ``register``/``unregister``) registered while the block runs."""
+    from lib_attn import tune
+
+    monkeypatch.setenv(tune.ENV_DIR, str(tmp_path / "cache"))
+    tune.forget_memory()
+    lib_attn.reset()
+    backends.register()
+    try:
+        yield
+    finally:
+        backends.unregister()
+        lib_attn.reset()
+        tune.forget_memory()

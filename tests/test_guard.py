@@ -12,21 +12,15 @@ import lib_attn
 from lib_attn import dispatch, guard, tune
 from lib_attn.report import Report
 from tests import faulty_backends
-from tests.engine_helpers import make_qkv
+from tests.engine_helpers import fresh_engine_with, make_qkv
 
 CALLS = faulty_backends.CALLS
 
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch, tmp_path):
-    monkeypatch.setenv(tune.ENV_DIR, str(tmp_path / "cache"))
-    tune.forget_memory()
-    lib_attn.reset()
-    faulty_backends.register()
-    yield
-    faulty_backends.unregister()
-    lib_attn.reset()
-    tune.forget_memory()
+    with fresh_engine_with(monkeypatch, tmp_path, faulty_backends):
+        yield
 
 
 def qkv(seed, dtype=torch.float32):

@@ -14,7 +14,7 @@ import lib_attn
 from lib_attn import _compat, tune
 from lib_attn.dispatch import default_chain
 from tests import tune_backends
-from tests.engine_helpers import make_qkv, reference, rel_err
+from tests.engine_helpers import fresh_engine_with, make_qkv, reference, rel_err
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CALLS = tune_backends.CALLS
@@ -22,14 +22,8 @@ CALLS = tune_backends.CALLS
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch, tmp_path):
-    monkeypatch.setenv(tune.ENV_DIR, str(tmp_path / "cache"))
-    tune.forget_memory()
-    lib_attn.reset()
-    tune_backends.register()
-    yield
-    tune_backends.unregister()
-    lib_attn.reset()
-    tune.forget_memory()
+    with fresh_engine_with(monkeypatch, tmp_path, tune_backends):
+        yield
 
 
 def qkv(n=48, seed=1):
