@@ -281,9 +281,9 @@ def test_readout_redraws_when_the_generation_ends(webui_factory, mode):
     assert not any(getattr(c, "elem_id", "") == "flash_attn_txt2img_refresh" for c in demo.blocks.values())
     fn, outputs = event_handler(demo, output.html_log)
     assert outputs == [readout._id]
-    assert "No generation yet" in fn()
+    assert "No generation yet" in fn("")
     txt2img(runner, ["sdpa-math"])
-    assert fn() == ui.report_html(state.last_report()) and "sdpa-math" in fn()
+    assert fn("Time taken: 1 sec.") == ui.report_html(state.last_report()) and "sdpa-math" in fn("")
     assert script.args_to - script.args_from == 2  # the backend override and the guard
 
 

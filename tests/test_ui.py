@@ -1,6 +1,9 @@
 """The UI builds inside a real gradio Blocks (A1111's gradio 3.41.2) and shows the engine's data."""
 import html
 import importlib.machinery
+import json
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -47,6 +50,54 @@ def test_accordion_builds_in_blocks_and_refreshes_the_readout():
     assert "No generation yet" in fn()
     shown["report"] = _report()
     assert fn() == ui.report_html(shown["report"])
+
+
+#: Runs an event's ``js`` the way gradio's page does (an async function over the inputs and the outputs'
+#: values; its result becomes the server call's inputs) for a list of texts, and prints, per call, the
+#: inputs the server would get, or "skipped" when the promise is still unsettled after 100 ms.
+_RUN_EVENT_JS = """
+globalThis.window = globalThis;
+const AsyncFunction = Object.getPrototypeOf(async function () {}).constructor;
+const [sources, calls] = JSON.parse(process.argv[1]);
+const fns = sources.map((js) => new AsyncFunction("__fn_args",
+  `let result = await (${js})(...__fn_args); return !Array.isArray(result) ? [result] : result;`));
+const outcome = (p) => Promise.race([p.then((v) => JSON.stringify(v)),
+  new Promise((r) => setTimeout(() => r("skipped"), 100))]);
+(async () => {
+  const out = [];
+  for (const [i, text] of calls) out.push(await outcome(fns[i]([text, "<div>readout</div>"])));
+  console.log(JSON.stringify(out));
+})();
+"""
+
+
+def _event_js(demo, trigger):
+    for dep in demo.config["dependencies"]:
+        if trigger._id in [t if isinstance(t, int) else t[0] for t in dep["targets"]]:
+            return dep["js"]
+    raise AssertionError("no event on the component")
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's JavaScript")
+def test_follow_asks_the_server_only_when_the_trigger_text_changes():
+    # gradio 4 fires an HTML component's change on every re-render, and every server call re-renders:
+    # the readout must not ask again for a text it already asked for.
+    with gr.Blocks() as demo:
+        logs, readouts = [], []
+        for is_img2img in (False, True):
+            parts = ui.accordion(is_img2img, lambda: None, refresh=False)
+            logs.append(gr.HTML(elem_id="html_log"))
+            readouts.append(parts["readout"])
+            ui.follow(logs[-1], parts["readout"], lambda: _report())
+    fn, outputs = event_handler(demo, logs[0])
+    assert outputs == [readouts[0]._id] and fn("Time taken: 1 sec.") == ui.report_html(_report())
+    calls = [(0, ""), (0, ""), (0, "Time taken: 1 sec."), (0, "Time taken: 1 sec."), (1, "Time taken: 1 sec."),
+             (1, "Time taken: 1 sec."), (0, "Time taken: 2 sec."), (0, "Time taken: 2 sec.")]
+    sources = [_event_js(demo, log) for log in logs]
+    run = subprocess.run(["node", "-e", _RUN_EVENT_JS, json.dumps([sources, calls])],
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(run.stdout) == ['[""]', "skipped", '["Time taken: 1 sec."]', "skipped",
+                                      '["Time taken: 1 sec."]', "skipped", '["Time taken: 2 sec."]', "skipped"]
 
 
 def test_img2img_accordion_has_its_own_ids():

@@ -7,6 +7,7 @@ builders, so the HTML renderers can be used (and tested) without it.
 from __future__ import annotations
 
 import html
+import json
 
 from lib_attn.config import GUARD_MODES
 
@@ -174,8 +175,24 @@ def accordion(is_img2img: bool, last_report=None, open: bool = False, refresh: b
     return {"override": override, "guard": guard, "readout": readout, "refresh": button}
 
 
+#: Browser side of ``follow``: passes the trigger's text on to the server only when it differs from the
+#: last text this page passed on for the same readout; otherwise it returns a promise that never settles,
+#: which is how gradio (3.41 and 4.x alike) skips the server call. gradio 4 fires an HTML component's
+#: ``change`` on every re-render, and each server call re-renders the page, so without this the readout
+#: would ask the server again and again on an idle page.
+FOLLOW_JS = """(text) => {
+  const seen = (window.flashAttnSeen = window.flashAttnSeen || {});
+  if (seen[%s] === text) return new Promise(() => {});
+  seen[%s] = text;
+  return text;
+}"""
+
+
 def follow(trigger, readout, last_report=None) -> None:
-    """Redraw ``readout`` from ``last_report()`` whenever ``trigger`` (a component the webui updates at the
-    end of each generation) changes; call inside the Blocks that holds both."""
+    """Redraw ``readout`` from ``last_report()`` whenever the text of ``trigger`` (a component the webui
+    updates at the end of each generation) changes; call inside the Blocks that holds both."""
     last_report = last_report or state.last_report
-    trigger.change(fn=lambda: report_html(last_report()), inputs=[], outputs=[readout], show_progress="hidden")
+    key = json.dumps(readout.elem_id)
+    js = {"js" if gradio_major() >= 4 else "_js": FOLLOW_JS % (key, key)}
+    trigger.change(fn=lambda _text: report_html(last_report()), inputs=[trigger], outputs=[readout],
+                   show_progress="hidden", **js)
