@@ -502,7 +502,7 @@ def _guarded(key, dec: Decision, q, k, v, mask, scale):
                                               dec.cast or dec.spec.dtype, backend.approximate)
         else:
             out = dec.run(q, k, v, mask, scale)
-            reason = _guard.wrong_shape(out, q)
+            reason = _tune.shape_mismatch(out, q.shape)
             if not reason and mode == "on" and device in _guard.DEFERRED:
                 if dec.late is None:
                     dec.late = _guard.LateCount(q.device)
@@ -550,8 +550,7 @@ def _caught(key, dec: Decision, reason: str, late: int, q, k, v, mask, scale):
     log.warning("attention guard: %s %s; recomputed on %s%s", dec.backend, text, new.backend,
                 f" ({late} earlier call(s) found faulty after they had returned)" if late else "")
     if late:
-        for _ in range(late):
-            stats.count_guard((role, dec.backend, text, new.backend, False))
+        stats.count_guard((role, dec.backend, text, new.backend, False), late)
     else:
         stats.count_guard((role, dec.backend, text, new.backend, True))
     if new.fallback_cell is not None:

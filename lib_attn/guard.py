@@ -100,13 +100,6 @@ def checked_call(run, q, k, v, mask, scale, layout: str, dtype, approximate: boo
         return out, _tune.check(out, q.shape, layout, rows, ref, _tune.bound(dtype, q.device.type, approximate))
 
 
-def wrong_shape(out, q) -> str:
-    if isinstance(out, torch.Tensor) and out.shape == q.shape:
-        return ""
-    shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-    return f"{_tune.CHECK_FAILED}: shape {shape}, expected {tuple(q.shape)}"
-
-
 def non_finite_blame(out, q, k, v, mask, scale, layout: str) -> bool:
     """True when ``out`` has a non-finite value the kernel is to blame for: the inputs are finite and
     so is the reference on the checked rows (a fully masked row is non-finite in every kernel)."""

@@ -60,9 +60,9 @@ def path_cell(key) -> Cell:
     return _cell(_paths, key)
 
 
-def count_guard(key) -> None:
-    """Count one call the guard caught: ``key`` = (role, backend, what, ran_on, recomputed)."""
-    _cell(_guard, key).n += 1
+def count_guard(key, n: int = 1) -> None:
+    """Count ``n`` calls the guard caught: ``key`` = (role, backend, what, ran_on, recomputed)."""
+    _cell(_guard, key).n += n
 
 
 def count_call(key) -> None:

@@ -422,9 +422,10 @@ def reject(spec, fp32: str, backend_id: str, reason: str) -> None:
 
 
 def remembered(device=None) -> list:
-    """The stored check failures of this machine: (signature, backend id, reason), sorted."""
-    return sorted((e["signature"], bid, str(r)) for e in table(device)["entries"]
-                  for bid, r in e["rejected"].items() if str(r).startswith(CHECK_FAILED))
+    """The stored check failures of this machine, sorted: ``{"signature", "backend", "reason"}`` each."""
+    found = sorted((e["signature"], bid, str(r)) for e in table(device)["entries"]
+                   for bid, r in e["rejected"].items() if str(r).startswith(CHECK_FAILED))
+    return [{"signature": sig, "backend": bid, "reason": why} for sig, bid, why in found]
 
 
 # --- measuring --------------------------------------------------------------------------------
@@ -461,11 +462,19 @@ def bound(dtype, device_type: str, approximate: bool) -> float:
     return b * (APPROXIMATE_FACTOR if approximate else 1)
 
 
+def shape_mismatch(out, expected_shape) -> str:
+    """"" when ``out`` is a tensor of ``expected_shape``, else the reason it fails."""
+    if isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(expected_shape):
+        return ""
+    shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    return f"{CHECK_FAILED}: shape {shape}, expected {tuple(expected_shape)}"
+
+
 def check(out, expected_shape, layout: str, rows, ref, bound: float) -> str:
     """"" when ``out`` agrees with ``ref`` on ``rows``, else the reason it fails."""
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(expected_shape):
-        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        return f"{CHECK_FAILED}: shape {shape}, expected {tuple(expected_shape)}"
+    wrong = shape_mismatch(out, expected_shape)
+    if wrong:
+        return wrong
     got = _bhsd(out, layout)[:, :, rows.to(out.device)].to(ref.dtype)
     if not bool(torch.isfinite(ref).all()):
         return ""  # non-finite inputs: every kernel returns what they make of them

@@ -83,16 +83,17 @@ def sage_release(version="2.2.0", **fields):
     kernels: 1.x has only its Triton kernel; a 2.x release has every kernel compiled; from 2.2.0 the
     Triton kernel masks the keys past kv_len and takes masks, and the fp8 kernel has fp16 accumulation."""
     from lib_attn.kernels import sage_facts
+    from lib_attn.kernels.base import release
 
     def kernel(*args, **kwargs):
         raise AssertionError("a stand-in SageAttention kernel ran")
 
-    major = sage_facts.release(version)[0]
+    major = release(version)[0]
     if major <= 1:
         return sage_facts.SageFacts(version, major, kernel, {"triton": kernel})
-    fixed = sage_facts.release(version) >= (2, 2, 0)
+    fixed = release(version) >= (2, 2, 0)
     kinds = dict(sage_facts.FUNCTIONS)
-    if sage_facts.release(version) < (2, 1, 0):
+    if release(version) < (2, 1, 0):
         kinds.pop("fp8-sm90")
     defaults = dict(
         functions={kind: kernel for kind in kinds},

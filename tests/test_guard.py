@@ -126,7 +126,8 @@ def test_a_rejection_is_remembered_across_starts_and_doctor_lists_it():
     assert d.backend == "sdpa" and d.reasons_for("fk-drift")[0].startswith("output check failed: rel err")
     lib_attn.attention(q, k, v)
     assert CALLS["fk-drift"] == 1  # not run again
-    ((sig, bid, reason),) = tune.remembered()
+    (found,) = tune.remembered()
+    sig, bid, reason = found["signature"], found["backend"], found["reason"]
     assert bid == "fk-drift" and sig == tune.signature(d.spec, "cast") and reason.startswith("output check failed")
     text = doctor.render(doctor.report(torch.device("cpu")))
     assert "guard     on; 1 output check failures remembered" in text and "python -m lib_attn tune --clear" in text

@@ -18,6 +18,7 @@ import lib_attn
 from lib_attn.device import DeviceInfo
 from lib_attn.dispatch import decide, default_chain
 from lib_attn.kernels import REGISTRY, Status, sage as sage_module, sage_facts
+from lib_attn.kernels.base import release
 from lib_attn.spec import CallSpec
 
 from engine_helpers import install_sage, make_qkv, reference, rel_err, sage_release
@@ -265,7 +266,7 @@ def test_sage_1_without_metadata_is_told_by_its_exports(tmp_path, monkeypatch, f
 @pytest.mark.parametrize("text, expected", [("1.0.6", (1, 0, 6)), ("2.2.0.post2+cu128torch2.8.0", (2, 2, 0)),
                                             ("2.1", (2, 1, 0)), ("", (0, 0, 0))])
 def test_release_numbers(text, expected):
-    assert sage_facts.release(text) == expected
+    assert release(text) == expected
 
 
 # --- what a call does to the caller --------------------------------------------------------------

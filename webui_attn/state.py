@@ -215,9 +215,7 @@ def guard() -> dict:
     """The guard's mode and the output check failures this machine remembers (``lib_attn.tune.remembered``)."""
     from lib_attn import tune
 
-    return {"mode": lib_attn.config().guard,
-            "rejected": [{"signature": sig, "backend": bid, "reason": why}
-                         for sig, bid, why in tune.remembered(lib_attn.device_info())]}
+    return {"mode": lib_attn.config().guard, "rejected": tune.remembered(lib_attn.device_info())}
 
 
 def tuning() -> dict:

@@ -100,17 +100,19 @@ def availability_html(data: dict | None = None) -> str:
         return "".join(f"<li>{_e(ROLE_LABELS.get(role, role))}: {' → '.join(_e(i) for i in chain)}</li>"
                        for role, chain in chains.items())
 
-    chains = chain_list(data["default_chains"])
     in_force = data.get("chains")
     if in_force and in_force != data["default_chains"]:
-        chains += ("</ul><p>Order in force (flags, the host's own flags and settings):</p>"
-                   f"<ul class='flash-attn-chains'>{chain_list(in_force)}")
+        in_force = ("<p>Order in force (flags, the host's own flags and settings):</p>"
+                    f"<ul class='flash-attn-chains'>{chain_list(in_force)}</ul>")
+    else:
+        in_force = ""
     return ("<div class='flash-attn-availability'>"
             f"<p>Device: {device} · torch {_e(data['torch'])}</p>"
             "<table><thead><tr><th>Backend</th><th></th><th>What</th><th>Version, or why not</th></tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table>"
-            f"<p>Default order on this device (Auto):</p><ul class='flash-attn-chains'>{chains}</ul>"
-            f"{ignored}</div>")
+            f"<p>Default order on this device (Auto):</p>"
+            f"<ul class='flash-attn-chains'>{chain_list(data['default_chains'])}</ul>"
+            f"{in_force}{ignored}</div>")
 
 
 def _host_options():

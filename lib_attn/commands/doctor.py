@@ -104,8 +104,7 @@ def report(device: Optional[torch.device] = None, dtype: Optional[torch.dtype] =
     doc["config"] = _config_dict()
     doc["tuning"] = _tuning_dict(device, info)
     doc["guard"] = {"mode": lib_attn.config().guard, "clear": CLEAR_COMMAND,
-                    "rejected": [{"signature": sig, "backend": bid, "reason": why}
-                                 for sig, bid, why in tune.remembered(info or lib_attn.device_info(device))]}
+                    "rejected": tune.remembered(info or lib_attn.device_info(device))}
     doc["decisions"] = decisions(device, dtype, info=info)
     if info is not None:
         doc["described"] = True

@@ -6,6 +6,7 @@ needs, as "what you have vs what is needed" strings, and an empty list means it 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,13 @@ class Status:
     available: bool
     reason: str = ""
     version: str = ""
+
+
+def release(version: str) -> tuple[int, int, int]:
+    """A package's release from its version text: ``2.2.0.post2+cu128torch2.8`` -> (2, 2, 0); (0, 0, 0)
+    when it has no leading number (a source checkout, a hub build)."""
+    numbers = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", version or "")
+    return tuple(int(n or 0) for n in numbers.groups()) if numbers else (0, 0, 0)
 
 
 def failure_text(exc: BaseException) -> str:

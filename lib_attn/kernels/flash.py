@@ -21,13 +21,12 @@ RDNA GPUs. Any other AMD GPU gets the same trial call when the user asks for fla
 from __future__ import annotations
 
 import importlib
-import re
 
 import torch
 
 from ..spec import KEY_PADDING, NO_MASK, CallSpec
 from . import hub
-from .base import Backend, Status, default_scale, failure_text
+from .base import Backend, Status, default_scale, failure_text, release
 
 
 def _version_of(module, dist: str) -> str:
@@ -65,12 +64,6 @@ def fa3_version(module) -> str:
         except metadata.PackageNotFoundError:
             continue
     return ""
-
-
-def _release(version: str) -> tuple:
-    """(2, 6, 3) from "2.6.3.post1+cu12"; () when it does not start with a number."""
-    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
-    return tuple(int(p) for p in match.groups() if p is not None) if match else ()
 
 
 def _hub_fa3_interface(module):
@@ -145,7 +138,7 @@ class FlashAttn(Backend):
         return module, f"hub {module.hub_source}"
 
     def fa3_is_26(self) -> bool:
-        return not self.fa3_version.startswith("hub") and _release(self.fa3_version)[:2] == (2, 6)
+        return not self.fa3_version.startswith("hub") and release(self.fa3_version)[:2] == (2, 6)
 
     def fa3_head_dims(self) -> tuple | None:
         """The head sizes the installed FA3 has kernels for, or None for any multiple of 8."""

@@ -30,6 +30,7 @@ import re
 from dataclasses import dataclass, field
 
 from . import hub
+from .base import release
 from .flash import _version_of
 
 #: Kernel kinds -> the 2.x function that runs them.
@@ -51,12 +52,6 @@ SAGE1_HEAD_DIMS = (64, 96, 128)
 #: The key block of the Triton kernel: with the padding fault, kv_len must be a multiple of it.
 KEY_BLOCK = 64
 FIXED_IN = "2.2.0"
-
-
-def release(version: str) -> tuple[int, int, int]:
-    """``2.2.0.post2+cu128torch2.8`` -> (2, 2, 0); (0, 0, 0) when it has no leading number."""
-    numbers = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", version or "")
-    return tuple(int(n or 0) for n in numbers.groups()) if numbers else (0, 0, 0)
 
 
 @dataclass(frozen=True)
