@@ -3,6 +3,7 @@
     out = lib_attn.attention(q, k, v)                  # (b, h, seq, d) in, same layout out
     out = lib_attn.attention(q, k, v, layout="bshd")   # (b, seq, h, d), flash-attn's layout
     print(lib_attn.explain(q, k, v))                   # which backend, and why the others not
+    lib_attn.configure(schedule="0-20%: sdpa; 20-80%: sage; 80-100%: sdpa")   # by sampling progress
     with lib_attn.use(preference=["flash-attn"]):      # scoped configuration
         ...
     with lib_attn.recording() as rec:                  # what ran, per (role, backend)
@@ -17,6 +18,7 @@ import dataclasses as _dataclasses
 
 from . import dispatch as _dispatch
 from . import kernels as _kernels
+from . import schedule as _schedule
 from ._version import __version__
 from .config import Config, configure, use
 from .config import current as config
@@ -24,6 +26,7 @@ from .device import DeviceInfo, device_info
 from .dispatch import AttentionFallbackError, Decision, attention, default_chain, explain
 from .kernels import BACKEND_IDS, Backend, Status
 from .report import Report, Vram, VramProbe
+from .schedule import Schedule, ScheduleError
 from .spec import LAYOUTS, ROLES, CallSpec
 from .stats import Recording, last_recording, recording
 
@@ -32,6 +35,7 @@ __all__ = [
     "default_chain", "device_info", "reset", "BACKEND_IDS", "ROLES", "LAYOUTS", "AttentionFallbackError",
     "BackendInfo", "CallSpec", "Config", "Decision", "DeviceInfo", "Recording",
     "Backend", "Status", "register_backend", "unregister_backend", "Report", "Vram", "VramProbe",
+    "Schedule", "ScheduleError",
 ]
 
 
@@ -74,5 +78,6 @@ def unregister_backend(backend_id: str) -> None:
 
 def reset() -> None:
     """Back to a fresh state: default configuration, no cached decision or demotion (tests)."""
-    configure(preference="auto", fp32="cast", strict=False, tune="auto", avoid=(), guard="on")
+    configure(preference="auto", fp32="cast", strict=False, tune="auto", avoid=(), guard="on", schedule="")
+    _schedule.leave()
     _dispatch.reset()

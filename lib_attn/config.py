@@ -1,10 +1,11 @@
 """The engine's configuration: preference chains per role, backends to avoid, fp32 policy, strict mode, tuning,
-the output guard."""
+the output guard, the schedule."""
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
 
+from . import schedule as _schedule
 from .kernels import BACKEND_IDS
 from .spec import ROLES
 
@@ -21,7 +22,8 @@ GUARD_MODES = ("on", "full", "off")
 @dataclass(frozen=True)
 class Config:
     """``preference`` maps each role to a tuple of backend ids, or None for the default chain;
-    ``avoid``: backend ids the default chains leave out (a chain the user names may still hold them)."""
+    ``avoid``: backend ids the default chains leave out (a chain the user names may still hold them);
+    ``schedule``: a ``lib_attn.schedule.Schedule`` whose rules choose the chain for the calls they take, or None."""
 
     preference: dict = field(default_factory=lambda: {role: None for role in ROLES})
     fp32: str = "cast"
@@ -29,6 +31,7 @@ class Config:
     tune: str = "auto"
     avoid: tuple = ()
     guard: str = "on"
+    schedule: _schedule.Schedule | None = None
 
 
 _config = Config()
@@ -84,7 +87,7 @@ def _mode(value, modes: tuple, name: str) -> str:
     return value
 
 
-def configure(preference=None, fp32=None, strict=None, tune=None, avoid=None, guard=None) -> Config:
+def configure(preference=None, fp32=None, strict=None, tune=None, avoid=None, guard=None, schedule=None) -> Config:
     """Change the configuration; an argument left at None keeps its current value.
 
     ``preference``: ``"auto"``, a list of backend ids for every role, or a dict role -> list
@@ -98,7 +101,10 @@ def configure(preference=None, fp32=None, strict=None, tune=None, avoid=None, gu
     left out, and a chain named in ``preference`` keeps what it names. ``guard``: ``"on"`` (each
     kernel's first call of each call signature is checked against a reference and its output is then
     watched for non-finite values), ``"full"`` (every call checked at once) or ``"off"``; True and
-    False stand for on and off (see ``lib_attn.guard``).
+    False stand for on and off (see ``lib_attn.guard``). ``schedule``: rules that choose the chain by
+    sampling progress, block and role, as one line of text (``"0-20%: sdpa; 20-80%: sage; 80-100%: sdpa"``)
+    or a ``Schedule``; ``""`` for none (see ``lib_attn.schedule``). Every argument is checked before
+    anything changes: a ValueError leaves the configuration as it was.
     """
     pref = _config.preference if preference is None else normalise_preference(preference)
     left_out = _config.avoid if avoid is None else tuple(i for i in _check_ids(avoid, "avoid") if i != "math")
@@ -108,8 +114,9 @@ def configure(preference=None, fp32=None, strict=None, tune=None, avoid=None, gu
         raise ValueError(f"strict must be a bool, got {type(strict).__name__}")
     mode = _config.tune if tune is None else _mode(tune, TUNE_MODES, "tune")
     guard_mode = _config.guard if guard is None else _mode(guard, GUARD_MODES, "guard")
+    rules = _config.schedule if schedule is None else _schedule.parse(schedule)
     _set(Config(pref, _config.fp32 if fp32 is None else fp32, _config.strict if strict is None else strict, mode,
-                left_out, guard_mode))
+                left_out, guard_mode, rules))
     return _config
 
 
@@ -117,15 +124,16 @@ def _set(new: Config) -> None:
     global _config
     if new != _config:  # hosts re-apply their settings every generation: keep decisions if nothing changed
         _config = new
+        _schedule.use(new.schedule)
         for listener in _listeners:
             listener()
 
 
 @contextlib.contextmanager
-def use(preference=None, fp32=None, strict=None, tune=None, avoid=None, guard=None):
+def use(preference=None, fp32=None, strict=None, tune=None, avoid=None, guard=None, schedule=None):
     """``configure`` for the duration of a ``with`` block; the previous state returns on exit."""
     saved = _config
-    configure(preference, fp32, strict, tune, avoid, guard)
+    configure(preference, fp32, strict, tune, avoid, guard, schedule)
     try:
         yield _config
     finally:

@@ -25,6 +25,7 @@ from . import _compat
 from . import config as _config
 from . import graph_op
 from . import guard as _guard
+from . import schedule as _schedule
 from . import stats
 from . import tune as _tune
 from .kernels import REGISTRY, Status, status
@@ -321,8 +322,8 @@ def _decision(backend, rejected, cast, preferred, spec, run_spec, source: str = 
         stats.note_tuned(spec.role, backend.id)
     # The decision outlives the call: it must not keep the call's tensors alive.
     spec = replace(spec, tensors=None)
-    dec = Decision(backend.id, rejected, variant, cast, preferred, spec, run, (spec.role, backend.id), fallback_key,
-                   source)
+    dec = Decision(backend.id, rejected, variant, cast, preferred, spec, run, (spec.role, backend.id, spec.rule),
+                   fallback_key, source)
     # Tuning checked what it ranked; anything else is checked on its first call, once per process
     # (decisions are dropped at every configuration change, which a webui makes per generation).
     dec.checked = source != "order" or (backend.id, spec) in _trusted
@@ -365,17 +366,37 @@ _config.on_change(_forget)
 
 _grad_enabled = torch.is_grad_enabled
 _compiling = _compat.IS_COMPILING
+_where = _schedule.where
 
 
 def _key(q, k, v, mask, layout, role, backend, fp32):
     """Everything a decision depends on, read from metadata only. Strides are not in it (every
     backend takes strided views); k's and v's devices are read as their index, which is cheaper and,
-    with q's full device, tells a mixed call from a valid one. ``attention`` inlines the same tuple:
+    with q's full device, tells a mixed call from a valid one. The schedule's token (None without a
+    schedule) says which of its rules hold where sampling is. ``attention`` inlines the same tuple:
     keep the two in step."""
     return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
             mask if mask is None else (mask.shape, mask.dtype, mask.get_device()),
             _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-            layout, role, backend, fp32)
+            _where.token, layout, role, backend, fp32)
+
+
+def _scheduled(cfg, spec: CallSpec):
+    """(configuration, spec) for a call under the schedule in force: the first rule that takes the call
+    puts its chain in force for the call's role, and the spec says which rule served it."""
+    if cfg.schedule is None:
+        return cfg, spec
+    rule = _schedule.rule_for(cfg.schedule, _where.token, spec.role, spec.q_len, spec.kv_len)
+    spec = replace(spec, rule=(cfg.schedule.text, rule.label if rule is not None else _schedule.OTHERWISE))
+    return _for_rule(cfg, spec), spec
+
+
+def _for_rule(cfg, spec: CallSpec):
+    """The configuration in force for a call the schedule's rule ``spec.rule`` served."""
+    rule = cfg.schedule.rule(spec.rule[1]) if spec.rule is not None and cfg.schedule is not None else None
+    if rule is None:
+        return cfg
+    return replace(cfg, preference={**cfg.preference, spec.role: rule.chain})
 
 
 def _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key, measure=True) -> Decision:
@@ -386,8 +407,7 @@ def _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key, measure
         raise ValueError(f"unknown backend id {backend!r}; valid ids: {', '.join(REGISTRY)}")
     if fp32 is not None and fp32 not in _config.FP32_POLICIES:
         raise ValueError(f"fp32 policy {fp32!r} is not one of {', '.join(_config.FP32_POLICIES)}")
-    cfg = _config.current()
-    spec = spec_of(q, k, v, mask, layout, role)
+    cfg, spec = _scheduled(_config.current(), spec_of(q, k, v, mask, layout, role))
     chain, explicit = chain_for(role, spec.device, backend, cfg, spec)
     fp32 = fp32 or cfg.fp32
     excluded = _guarded_out(spec, fp32, cfg)
@@ -446,7 +466,7 @@ def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", bac
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
                mask if mask is None else (mask.shape, mask.dtype, mask.get_device()),
                _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-               layout, role, backend, fp32)
+               _where.token, layout, role, backend, fp32)
         dec = _cache[key]
     except KeyError:
         dec = _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key)
@@ -527,8 +547,8 @@ def _caught(key, dec: Decision, reason: str, late: int, q, k, v, mask, scale):
     """The guard caught ``dec.backend``'s output: the backend loses the signature (here and in the
     tuning file) and the call is recomputed on the next backend. ``late``: earlier calls found
     faulty after they had returned (CUDA, mode on), which nothing can recompute."""
-    cfg = _config.current()
     spec = dec.spec
+    cfg = _for_rule(_config.current(), spec)
     short = _guard.short(reason)
     # A fault found while watching a trusted kernel, or its rejection before it was trusted.
     text = short if dec.checked and short == _guard.NON_FINITE else f"rejected for {_guard.spec_text(spec)}: {short}"
@@ -543,7 +563,7 @@ def _caught(key, dec: Decision, reason: str, late: int, q, k, v, mask, scale):
         if cached.backend == dec.backend and cached.spec == spec:
             _cache.pop(other, None)
     chain, explicit = chain_for(role, spec.device, backend, cfg, spec)
-    new = decide(spec_of(q, k, v, mask, layout, role), chain, fp32=fp32, explicit=explicit,
+    new = decide(replace(spec_of(q, k, v, mask, layout, role), rule=spec.rule), chain, fp32=fp32, explicit=explicit,
                  failed=_failed.get(key), excluded=_guarded_out(spec, fp32, cfg))
     if key is not None:
         _cache[key] = new
@@ -605,7 +625,7 @@ def _recover(key, dec: Decision, exc: Exception, q, k, v, mask, scale):
         stats.path_cell((fallback_key, (), "math")).n += 1
         _report_once(fallback_key, "math")
         out = _wrap(REGISTRY["math"].run, dec.spec.layout != "bhsd", None)(q, k, v, mask, scale)
-        stats.count_call((dec.spec.role, "math"))
+        stats.count_call((dec.spec.role, "math", dec.spec.rule))
         return out
     sticky = is_sticky(exc)
     recoverable = isinstance(exc, (RuntimeError, NotImplementedError, ValueError, TypeError, AssertionError))
@@ -616,12 +636,12 @@ def _recover(key, dec: Decision, exc: Exception, q, k, v, mask, scale):
         raise AttentionFallbackError(f"strict mode: {dec.backend} failed on {dec.spec.describe()}: {text}") from exc
     failed = _failed.setdefault(key, {})
     failed[dec.backend] = text
-    cfg = _config.current()
+    cfg = _for_rule(_config.current(), dec.spec)
     layout, role, backend, fp32 = key[-4:]
     chain, explicit = chain_for(role, dec.spec.device, backend, cfg, dec.spec)
     # A fresh spec carries this call's tensors, so PyTorch's own checks speak for the next backend.
-    new = decide(spec_of(q, k, v, mask, layout, role), chain, fp32=fp32 or cfg.fp32, explicit=explicit, failed=failed,
-                 excluded=_guarded_out(dec.spec, fp32 or cfg.fp32, cfg))
+    new = decide(replace(spec_of(q, k, v, mask, layout, role), rule=dec.spec.rule), chain, fp32=fp32 or cfg.fp32,
+                 explicit=explicit, failed=failed, excluded=_guarded_out(dec.spec, fp32 or cfg.fp32, cfg))
     _cache[key] = new
     if new.fallback_cell is not None:
         new.fallback_cell.n += 1

@@ -132,7 +132,8 @@ class Report:
     ``tuned``: the (role, backend id) pairs that tuning chose rather than the fixed order;
     ``paths``: {fallback key: {(((id, reason), ...) also passed over, id that ran)}};
     ``guard``: {(role, backend id, what, backend that ran instead, recomputed): n}, what the output
-    guard caught (``guard_lines`` says it in words).
+    guard caught (``guard_lines`` says it in words); ``rules``: {(schedule text, rule label, role,
+    backend id): n}, the calls a schedule served, per rule (``rule_items`` in the schedule's order).
     """
 
     calls: dict = field(default_factory=dict)
@@ -146,6 +147,7 @@ class Report:
     tuned: frozenset = frozenset()
     paths: dict = field(default_factory=dict, compare=False)  # in-process detail: not in the JSON
     guard: dict = field(default_factory=dict)
+    rules: dict = field(default_factory=dict)
 
     @classmethod
     def from_recording(cls, rec, seconds: float | None = None, vram: Vram | None = None) -> "Report":
@@ -154,7 +156,7 @@ class Report:
             seconds = getattr(rec, "seconds", None)
         return cls(dict(rec.calls), dict(rec.fallbacks), dict(rec.kernels), seconds, vram,
                    tuned=frozenset(getattr(rec, "tuned", ())), paths=dict(getattr(rec, "paths", {})),
-                   guard=dict(getattr(rec, "guard", {})))
+                   guard=dict(getattr(rec, "guard", {})), rules=dict(getattr(rec, "rules", {})))
 
     def roles(self) -> list[str]:
         present = {role for role, _ in self.calls}
@@ -210,6 +212,30 @@ class Report:
             lines.append(f"guard: {backend}{count} {what} → {ran_on} ({done})")
         return lines
 
+    @property
+    def schedules(self) -> list[str]:
+        """The schedules (their text) that served calls, in the order they were met (one, normally)."""
+        return list(dict.fromkeys(text for text, _, _, _ in self.rules))
+
+    def rule_items(self, schedule: str) -> list[tuple[str, list]]:
+        """(rule label, [(role, backend id, n), ...]) for each rule of ``schedule`` that served calls, in
+        the schedule's order, the calls no rule took (``otherwise``) last; backends by role, then most
+        calls first."""
+        from .schedule import OTHERWISE, parse
+
+        try:
+            order = parse(schedule).labels
+        except ValueError:
+            order = []
+        labels = {label for text, label, _, _ in self.rules if text == schedule}
+        ranked = sorted(labels, key=lambda label: (label == OTHERWISE, order.index(label) if label in order
+                                                   else len(order), label))
+        out = []
+        for label in ranked:
+            items = [(role, b, n) for (text, lab, role, b), n in self.rules.items() if text == schedule and lab == label]
+            out.append((label, sorted(items, key=lambda item: (role_rank(item[0]), -item[2]))))
+        return out
+
     def to_dict(self) -> dict:
         """The report as JSON-ready data (``from_dict`` reads it back)."""
         return {
@@ -222,6 +248,9 @@ class Report:
             "vram": None if self.vram is None else self.vram.to_dict(),
             "guard": [{"role": role, "backend": b, "what": what, "ran_on": ran_on, "recomputed": bool(done),
                        "count": n} for (role, b, what, ran_on, done), n in self.guard_items()],
+            "schedule": self.schedules[0] if len(self.schedules) == 1 else (self.schedules or None),
+            "rules": [{"schedule": text, "rule": label, "role": role, "backend": b, "count": n}
+                      for text in self.schedules for label, items in self.rule_items(text) for role, b, n in items],
             "notes": list(self.notes),
             "ran_on": self.ran_on,
             "hint": self.hint,
@@ -237,8 +266,10 @@ class Report:
         tuned = frozenset((c["role"], c["backend"]) for c in data.get("calls", ()) if c.get("tuned"))
         guard = {(g["role"], g["backend"], g["what"], g["ran_on"], bool(g["recomputed"])): int(g["count"])
                  for g in data.get("guard", ())}
+        rules = {(r["schedule"], r["rule"], r["role"], r["backend"]): int(r["count"]) for r in data.get("rules", ())}
         return cls(calls, fallbacks, kernels, data.get("seconds"), Vram.from_dict(v) if v else None,
-                   tuple(data.get("notes") or ()), data.get("ran_on"), data.get("hint"), tuned, guard=guard)
+                   tuple(data.get("notes") or ()), data.get("ran_on"), data.get("hint"), tuned, guard=guard,
+                   rules=rules)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), ensure_ascii=False)

@@ -42,6 +42,7 @@ class CallSpec:
     role: str = "unet"
     requires_grad: bool = False
     tensors: tuple | None = field(default=None, compare=False, repr=False)
+    rule: tuple | None = field(default=None, compare=False)
 
     def with_dtype(self, dtype: torch.dtype) -> "CallSpec":
         """The same call after a cast to ``dtype`` (PyTorch's checks then see no tensors)."""

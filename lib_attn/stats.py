@@ -1,4 +1,4 @@
-"""Counters of what ran: calls per (role, backend), fallbacks per (role, backend, reason) and what the
+"""Counters of what ran: calls per (role, backend) and per schedule rule, fallbacks per (role, backend, reason) and what the
 output guard caught per (role, backend, what, ran on, recomputed).
 
 Each key has one process-wide ``Cell``; a cached decision holds its cells, so the hot path counts a
@@ -29,7 +29,9 @@ class Cell:
         self.n = 0
 
 
-_calls: dict = {}      # (role, backend) -> Cell
+#: (role, backend, rule) -> Cell; ``rule`` is (schedule text, rule label) for a call a schedule in force
+#: served (``lib_attn.schedule.OTHERWISE`` as label when no rule took it), None without a schedule.
+_calls: dict = {}
 _fallbacks: dict = {}  # (role, backend passed over, reason) -> Cell
 #: What each fallback went through: (fallback key, ((id, reason), ...) also passed over, id that ran) -> Cell.
 _paths: dict = {}
@@ -46,7 +48,7 @@ def _cell(table: dict, key) -> Cell:
 
 
 def call_cell(key) -> Cell:
-    """The cell counting calls of ``key`` = (role, backend id)."""
+    """The cell counting calls of ``key`` = (role, backend id, rule or None)."""
     return _cell(_calls, key)
 
 
@@ -66,7 +68,8 @@ def count_guard(key, n: int = 1) -> None:
 
 
 def count_call(key) -> None:
-    call_cell(key).n += 1
+    """Count one call of ``key`` = (role, backend id) or (role, backend id, rule)."""
+    call_cell(key if len(key) == 3 else (*key, None)).n += 1
 
 
 def count_fallback(key) -> None:
@@ -84,7 +87,8 @@ def _since(table: dict, base: dict) -> Counter:
 
 class Recording:
     """Counts for one stretch of work (a generation), from its creation to ``finish()``.
-    ``calls``: Counter {(role, backend): n}; ``fallbacks``: Counter {(role, backend passed over,
+    ``calls``: Counter {(role, backend): n}; ``rules``: Counter {(schedule text, rule label, role, backend): n}
+    for the calls a schedule served; ``fallbacks``: Counter {(role, backend passed over,
     reason): n}; ``guard``: Counter {(role, backend, what, ran_on, recomputed): n}; ``seconds``: wall time."""
 
     def __init__(self):
@@ -101,9 +105,20 @@ class Recording:
                            _since(_paths, self._paths), _since(_guard, self._guard))
             self.finished = time.perf_counter()
 
+    def _ruled(self) -> Counter:
+        return Counter(self._final[0]) if self._final is not None else _since(_calls, self._calls)
+
     @property
     def calls(self) -> Counter:
-        return Counter(self._final[0]) if self._final is not None else _since(_calls, self._calls)
+        out: Counter = Counter()
+        for (role, backend, _), n in self._ruled().items():
+            out[(role, backend)] += n
+        return out
+
+    @property
+    def rules(self) -> Counter:
+        return Counter({(rule[0], rule[1], role, backend): n
+                        for (role, backend, rule), n in self._ruled().items() if rule is not None})
 
     @property
     def fallbacks(self) -> Counter:
@@ -141,7 +156,7 @@ class Recording:
         return sum(n for (r, _), n in self.calls.items() if role is None or r == role)
 
     def __repr__(self):
-        return f"Recording(calls={dict(self.calls)}, fallbacks={dict(self.fallbacks)}, guard={dict(self.guard)})"
+        return f"Recording(calls={dict(self.calls)}, rules={dict(self.rules)}, fallbacks={dict(self.fallbacks)}, guard={dict(self.guard)})"
 
 
 #: Everything counted in this process.

@@ -267,7 +267,7 @@ def test_json_of_the_data_exact():
         "seconds": 12.346,
         "vram": {"source": "host", "peaks_bounded": False, "active_peak_bytes": 3 * GIB,
                  "reserved_peak_bytes": 4 * GIB, "system_peak_bytes": 6 * GIB, "total_bytes": 80 * GIB},
-        "guard": GUARD_JSON, "notes": [], "ran_on": None, "hint": None,
+        "guard": GUARD_JSON, "schedule": None, "rules": [], "notes": [], "ran_on": None, "hint": None,
     }
 
 
@@ -292,7 +292,7 @@ def test_json_exact():
         "infotext": {"Attention": "flash-attn 2.8.3; VAE sdpa-efficient torch 2.3.1",
                      "Attention fallbacks": "VAE flash-attn ×2: head_dim 512 > 256",
                      "Attention guard": GUARD_TEXT},
-        "guard": GUARD_JSON, "notes": [], "ran_on": None, "hint": None,
+        "guard": GUARD_JSON, "schedule": None, "rules": [], "notes": [], "ran_on": None, "hint": None,
     }
 
 

@@ -4,7 +4,8 @@ Sources, weakest first: the host's own attention flags (Forge Neo's ``--sage``, 
 ``--use-flash-attention``, …), this extension's command-line flags, the A1111 optimizer chosen in the
 dropdown, the extension's settings, the per-generation override. Each source sets its layer; the
 merged result goes to ``lib_attn.configure``. A layer is a dict with any of ``preference``, ``fp32``,
-``strict``, ``tune``, ``avoid``, ``guard``; None clears it. A role whose chain a layer leaves out (or sets to
+``strict``, ``tune``, ``avoid``, ``guard``, ``schedule`` (its text; ``"off"`` for none, over the weaker
+layers' schedule); None clears it. A role whose chain a layer leaves out (or sets to
 "auto") keeps the chain of the layers below.
 """
 from __future__ import annotations
@@ -13,7 +14,8 @@ import lib_attn
 from lib_attn.config import normalise_preference
 
 ORDER = ("host", "flags", "optimizer", "settings", "generation")
-DEFAULTS = {"preference": "auto", "fp32": "cast", "strict": False, "tune": "auto", "avoid": (), "guard": "on"}
+DEFAULTS = {"preference": "auto", "fp32": "cast", "strict": False, "tune": "auto", "avoid": (), "guard": "on",
+            "schedule": ""}
 
 _layers: dict[str, dict | None] = {name: None for name in ORDER}
 

@@ -21,7 +21,9 @@ INFOTEXT_KEY = "Attention"
 INFOTEXT_FALLBACKS_KEY = "Attention fallbacks"
 INFOTEXT_NOTE_KEY = "Attention note"
 INFOTEXT_GUARD_KEY = "Attention guard"
-INFOTEXT_KEYS = (INFOTEXT_KEY, INFOTEXT_FALLBACKS_KEY, INFOTEXT_GUARD_KEY, INFOTEXT_NOTE_KEY)
+#: The schedule in force (its one-line text); the readout's line of that name counts the calls per rule.
+INFOTEXT_SCHEDULE_KEY = "Attention schedule"
+INFOTEXT_KEYS = (INFOTEXT_KEY, INFOTEXT_FALLBACKS_KEY, INFOTEXT_GUARD_KEY, INFOTEXT_SCHEDULE_KEY, INFOTEXT_NOTE_KEY)
 #: After a backend's description where tuning chose it (measured on this machine, or stored).
 TUNED_MARK = " [tuned]"
 
@@ -116,15 +118,33 @@ def guard_text(report: Report) -> str:
     return "; ".join(_clean(line.removeprefix("guard: ")) for line in report.guard_lines())
 
 
+def _range_text(label: str) -> str:
+    return re.sub(r"(\d)-(\d)", "\\1–\\2", label)
+
+
+def schedule_text(report: Report) -> str:
+    """The calls per schedule rule, in the schedule's order: ``0–20%: sdpa ×128 · 20–80%: sage ×384 ·
+    80–100%: sdpa ×128 · otherwise: VAE sdpa ×2``; they add up to the calls of the ``Attention`` line."""
+    parts = []
+    for schedule in report.schedules:
+        for label, items in report.rule_items(schedule):
+            ran = " + ".join(f"{_prefix(report, role)}{b} ×{n:,}" for role, b, n in items)
+            parts.append(f"{_range_text(label)}: {ran}")
+    return " · ".join(parts)
+
+
 def lines(report: Report) -> list[str]:
-    """The readout: ``Attention: …`` then, when anything fell back, ``Attention fallbacks: …``, when the
-    guard caught anything, ``Attention guard: …``, then notes."""
+    """The readout: ``Attention: …`` then, when a schedule served calls, ``Attention schedule: …`` (calls
+    per rule), when anything fell back, ``Attention fallbacks: …``, when the guard caught anything,
+    ``Attention guard: …``, then notes."""
     head = [calls_text(report)]
     if report.seconds is not None:
         head.append(elapsed_text(report.seconds))
     if report.vram is not None:
         head.append(vram_text(report.vram))
     out = [f"{INFOTEXT_KEY}: " + " · ".join(head)]
+    if report.rules:
+        out.append(f"{INFOTEXT_SCHEDULE_KEY}: {schedule_text(report)}")
     if report.fallbacks:
         out.append(f"{INFOTEXT_FALLBACKS_KEY}: {fallbacks_text(report)}")
     if report.guard:
@@ -152,7 +172,9 @@ def to_json(report: Report) -> dict:
 
 def to_infotext(report: Report) -> dict:
     """Infotext entries: ``Attention`` (backend ids with versions, per role) and, when any,
-    ``Attention fallbacks`` (with counts and reasons) and ``Attention note``. Empty when no call ran."""
+    ``Attention fallbacks`` (with counts and reasons), ``Attention guard``, ``Attention schedule`` (the
+    schedule's text, which ``schedule_from_infotext`` reads back) and ``Attention note``. Empty when no
+    call ran."""
     segments = [_prefix(report, role) + " + ".join(_ran(report, role, b) for b, _ in report.backends(role))
                 for role in report.roles()]
     out = {}
@@ -162,6 +184,8 @@ def to_infotext(report: Report) -> dict:
         out[INFOTEXT_FALLBACKS_KEY] = fallbacks_text(report)
     if report.guard:
         out[INFOTEXT_GUARD_KEY] = guard_text(report)
+    if report.schedules:
+        out[INFOTEXT_SCHEDULE_KEY] = " | ".join(report.schedules)
     if report.notes:
         out[INFOTEXT_NOTE_KEY] = "; ".join(_clean(note) for note in report.notes)
     return out
@@ -207,6 +231,22 @@ def from_infotext(params) -> Report | None:
         role = _PREFIX_ROLE.get((match["prefix"] or "").strip(), "unet")
         fallbacks[(role, match["backend"], match["reason"])] = int(match["count"].replace(",", ""))
     return Report(calls, fallbacks, kernels, tuned=frozenset(tuned))
+
+
+def schedule_from_infotext(params) -> str | None:
+    """The schedule a pasted infotext recorded (its text, as the schedule fields take it), or None when
+    it recorded none or one this version cannot read (the paste then leaves the field as it was)."""
+    from lib_attn.schedule import parse
+
+    if isinstance(params, str):
+        params = parse_infotext(params)
+    value = str((params or {}).get(INFOTEXT_SCHEDULE_KEY) or "").split(" | ")[0].strip()
+    if not value:
+        return None
+    try:
+        return parse(value).text
+    except ValueError:
+        return None
 
 
 _INFOTEXT_PARAM = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')

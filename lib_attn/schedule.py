@@ -1,0 +1,379 @@
+"""Schedules: which chain of backends serves which calls, by sampling progress, block and role.
+
+A schedule is a list of rules, typed on one line::
+
+    0-20%: sdpa; 20-80%: sage3, sage; 80-100%: sdpa; cross: sdpa; vae: sdpa-efficient
+
+Each rule is ``conditions: chain``. A call takes the chain of the first rule whose conditions all
+hold for it; a call no rule takes keeps the ordinary configuration (the backend setting, the flags,
+Auto). The chain is backend ids tried in order, falling back per call as everywhere, or ``auto``
+(the default chain). Conditions (``TERMS``):
+
+* ``A-B%``: the fraction of the pass's steps done is in [A%, B%); ``steps A-B%`` says the same;
+* ``sigma X-Y``: the sampler's current sigma lies between X and Y (where the host gives sigmas);
+* ``self``, ``cross``, ``joint``: the kind of attention (see ``kind``);
+* ``first N``, ``last N``, ``blocks A-B``: the model's numbered blocks (see ``BLOCK_LISTS``), 0-based,
+  in the order its forward runs them;
+* ``unet``, ``dit``, ``vae``: the role; a rule that names none applies to the denoiser (UNet and DiT);
+* ``base``, ``hires``, ``refiner``: the pass (the first pass, the hires fix pass, the refiner's steps).
+
+Where a call is (``where``) is told by the host: the step at each sampler step (``at_step``), the
+block as each block starts (``blocks``, forward pre-hooks on the model's block lists). The position
+changes a few times per step, never per call: each change recomputes ``where.token``, the rules its
+step, pass and block let through, and the dispatcher keys its decisions on that token, so a call
+pays one attribute read for the schedule. A condition the host cannot tell (no step outside a
+sampling pass, no block in a model whose blocks are not known) does not hold.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from .kernels import BACKEND_IDS
+
+#: The chain word that means the default chain.
+AUTO = "auto"
+DENOISER = frozenset(("unet", "dit"))
+ROLE_WORDS = ("unet", "dit", "vae")
+KINDS = ("self", "cross", "joint")
+PASSES = ("base", "hires", "refiner")
+#: The label of the calls no rule took, while a schedule is in force.
+OTHERWISE = "otherwise"
+TERMS = ("A-B% (steps done)", "sigma X-Y", *KINDS, "first N", "last N", "blocks A-B", *ROLE_WORDS, *PASSES)
+EXAMPLE = "0-20%: sdpa; 20-80%: sage; 80-100%: sdpa"
+
+_NUMBER = r"\d+(?:\.\d+)?"
+_DASH = r"\s*[-–]\s*"
+_PERCENT = re.compile(rf"^(?:steps\s+)?({_NUMBER}){_DASH}({_NUMBER})\s*%$")
+_SIGMA = re.compile(rf"^sigma\s+({_NUMBER}){_DASH}({_NUMBER})$")
+_BLOCKS = re.compile(rf"^blocks\s+(\d+){_DASH}(\d+)$")
+_FIRST_LAST = re.compile(r"^(first|last)\s+(\d+)$")
+#: One term at the start of a rule's conditions (a term may hold spaces: ``steps 0-20%``).
+_TERM = re.compile(rf"(?:steps\s+)?{_NUMBER}{_DASH}{_NUMBER}\s*%|sigma\s+{_NUMBER}{_DASH}{_NUMBER}"
+                   rf"|blocks\s+\d+{_DASH}\d+|(?:first|last)\s+\d+|\S+")
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:g}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule: its conditions and its chain (None: the default chain). ``label`` is its conditions
+    in canonical form (what the readout counts under); ``index`` its place in the schedule."""
+
+    label: str
+    chain: tuple | None
+    index: int = 0
+    steps: tuple | None = None    # (from, to) fractions of the pass's steps, to exclusive
+    sigmas: tuple | None = None   # (low, high), both inclusive
+    kinds: frozenset = frozenset()
+    blocks: tuple | None = None   # ("first", n), ("last", n) or ("range", a, b)
+    roles: frozenset = DENOISER
+    passes: frozenset = frozenset()
+
+    @property
+    def positional(self) -> bool:
+        """Whether the rule asks where sampling is (steps, sigma, pass) or which block runs."""
+        return bool(self.steps or self.sigmas or self.passes or self.blocks)
+
+    def holds_at(self, where: "Where") -> bool:
+        """The conditions that depend on where sampling is, against ``where``."""
+        if self.steps is not None and (where.progress is None or not self.steps[0] <= where.progress < self.steps[1]):
+            return False
+        if self.sigmas is not None and (where.sigma is None or not self.sigmas[0] <= where.sigma <= self.sigmas[1]):
+            return False
+        if self.passes and where.pass_name not in self.passes:
+            return False
+        if self.blocks is not None:
+            if where.block is None or where.blocks is None:
+                return False
+            what = self.blocks[0]
+            if what == "first":
+                return where.block < self.blocks[1]
+            if what == "last":
+                return where.block >= where.blocks - self.blocks[1]
+            return self.blocks[1] <= where.block <= self.blocks[2]
+        return True
+
+    def takes(self, role: str, kind: str) -> bool:
+        return role in self.roles and (not self.kinds or kind in self.kinds)
+
+    def text(self) -> str:
+        return f"{self.label}: {', '.join(self.chain) if self.chain else AUTO}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Rules in the order they are tried; ``text`` is their canonical one-line form."""
+
+    rules: tuple = ()
+    text: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "text", "; ".join(r.text() for r in self.rules))
+
+    @property
+    def positional(self) -> bool:
+        return any(r.positional for r in self.rules)
+
+    @property
+    def labels(self) -> list[str]:
+        return [r.label for r in self.rules]
+
+    def rule(self, label: str) -> Rule | None:
+        return next((r for r in self.rules if r.label == label), None)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be used; the message names the rule, the part and what is valid."""
+
+
+def _fail(n: int, rule: str, problem: str) -> ScheduleError:
+    return ScheduleError(f"schedule rule {n} ({rule.strip()!r}): {problem}")
+
+
+def _chain(n: int, rule: str, text: str) -> tuple | None:
+    ids = [part.strip() for part in text.split(",") if part.strip()]
+    if not ids:
+        raise _fail(n, rule, f"no backend after ':'; write backend ids (e.g. sdpa, sage) or {AUTO}")
+    if ids == [AUTO]:
+        return None
+    unknown = [i for i in ids if i not in BACKEND_IDS]
+    if unknown:
+        raise _fail(n, rule, f"unknown backend id {', '.join(map(repr, unknown))}; valid ids: "
+                             f"{', '.join(BACKEND_IDS)}, or {AUTO}")
+    return tuple(dict.fromkeys(ids))
+
+
+def _rule(n: int, text: str, index: int) -> Rule:
+    head, colon, tail = text.partition(":")
+    if not colon:
+        raise _fail(n, text, f"no ':' between conditions and backends; a rule reads like '20-80%: sage' "
+                             f"(example: {EXAMPLE!r})")
+    terms = _TERM.findall(head.strip().lower())
+    if not terms:
+        raise _fail(n, text, f"no condition before ':'; valid conditions: {', '.join(TERMS)}")
+    found: dict = {"kinds": set(), "roles": set(), "passes": set()}
+    canon = []
+    for term in terms:
+        term = " ".join(term.split())
+        m = _PERCENT.match(term)
+        if m:
+            lo, hi = float(m[1]), float(m[2])
+            if not 0 <= lo < hi <= 100:
+                raise _fail(n, text, f"step window {term!r} must run from a lower to a higher percentage within 0-100%")
+            _once(n, text, found, "steps", (lo / 100, hi / 100), "step window")
+            canon.append(f"{lo:g}-{hi:g}%")
+            continue
+        m = _SIGMA.match(term)
+        if m:
+            a, b = float(m[1]), float(m[2])
+            _once(n, text, found, "sigmas", (min(a, b), max(a, b)), "sigma range")
+            canon.append(f"sigma {max(a, b):g}-{min(a, b):g}")
+            continue
+        m = _BLOCKS.match(term)
+        if m:
+            a, b = int(m[1]), int(m[2])
+            if a > b:
+                raise _fail(n, text, f"block range {term!r} must run from the lower index to the higher")
+            _once(n, text, found, "blocks", ("range", a, b), "block condition")
+            canon.append(f"blocks {a}-{b}")
+            continue
+        m = _FIRST_LAST.match(term)
+        if m:
+            if int(m[2]) < 1:
+                raise _fail(n, text, f"{term!r} names no block; write {m[1]} N with N >= 1")
+            _once(n, text, found, "blocks", (m[1], int(m[2])), "block condition")
+            canon.append(f"{m[1]} {int(m[2])}")
+            continue
+        for group, words in (("kinds", KINDS), ("roles", ROLE_WORDS), ("passes", PASSES)):
+            if term in words:
+                found[group].add(term)
+                break
+        else:
+            raise _fail(n, text, f"{term!r} is not a condition; valid conditions: {', '.join(TERMS)}")
+    roles = frozenset(found["roles"]) or DENOISER
+    if "vae" in roles:
+        asked = [t for t in ("steps", "sigmas", "blocks") if t in found] + sorted(found["kinds"] | found["passes"])
+        if asked:
+            raise _fail(n, text, f"the VAE has no steps, blocks, passes or attention kinds, so 'vae' cannot be "
+                                 f"combined with {', '.join(asked)}; write a separate 'vae: ...' rule")
+    words = [w for w in (*KINDS, *ROLE_WORDS, *PASSES) if w in found["kinds"] | found["roles"] | found["passes"]]
+    label = " ".join(canon + words)
+    return Rule(label, _chain(n, text, tail), index, found.get("steps"), found.get("sigmas"),
+                frozenset(found["kinds"]), found.get("blocks"), roles, frozenset(found["passes"]))
+
+
+def _once(n: int, text: str, found: dict, key: str, value, what: str) -> None:
+    if key in found:
+        raise _fail(n, text, f"more than one {what} in one rule; a rule holds when all its conditions do, so write one "
+                             f"per rule (or one rule per window)")
+    found[key] = value
+
+
+def parse(text) -> Schedule | None:
+    """The schedule ``text`` describes; None for an empty text (no schedule). A ``Schedule`` is
+    returned as it is. ``ScheduleError`` (a ValueError) names the rule, the part that is wrong and
+    what is valid; a schedule is used whole or not at all."""
+    if text is None or isinstance(text, Schedule):
+        return text
+    if not isinstance(text, str):
+        raise ScheduleError(f"a schedule is text such as {EXAMPLE!r}, got {type(text).__name__}")
+    parts = [p for p in (part.strip() for part in text.replace("\n", ";").split(";")) if p]
+    if not parts or [p.lower() for p in parts] in (["none"], ["off"]):
+        return None
+    rules = []
+    for i, part in enumerate(parts):
+        rule = _rule(i + 1, part, i)
+        earlier = next((r for r in rules if r.label == rule.label), None)
+        if earlier is not None:
+            raise _fail(i + 1, part, f"same conditions as rule {earlier.index + 1} ({earlier.label!r}), which "
+                                     f"takes every call this one would: join their backends in one rule")
+        rules.append(rule)
+    return Schedule(tuple(rules))
+
+
+# --- where sampling is ------------------------------------------------------------------------------
+
+class Where:
+    """Where the host's sampling is: ``progress`` (fraction of the pass's steps done), ``sigma``,
+    ``pass_name``, ``block`` of ``blocks`` and whether that block's attention is ``joint``; None
+    where unknown. ``token`` is what the dispatcher keys on (see ``_recompute``)."""
+
+    def __init__(self):
+        self.progress = self.sigma = self.pass_name = self.block = self.blocks = None
+        self.joint = False
+        self.schedule: Schedule | None = None
+        self.token = None
+
+
+where = Where()
+
+
+def _recompute() -> None:
+    """``where.token``: None without a schedule, else (joint, indices of the rules whose step, pass and
+    block conditions hold now). Rules without such conditions are always in it."""
+    schedule = where.schedule
+    if schedule is None:
+        where.token = None
+        return
+    where.token = (where.joint, tuple(r.index for r in schedule.rules if r.holds_at(where)))
+
+
+def use(schedule: Schedule | None) -> None:
+    """The schedule in force changed (the configuration calls this)."""
+    where.schedule = schedule
+    _recompute()
+
+
+def at_step(step: int | None, total: int | None, sigma: float | None = None, pass_name: str | None = None) -> None:
+    """The host's sampler starts step ``step`` (0-based) of ``total`` in pass ``pass_name``; ``sigma``
+    where known. The block is unknown until the next block starts."""
+    where.progress = None if step is None or not total else min(max(step / total, 0.0), 1.0)
+    where.sigma = None if sigma is None else float(sigma)
+    where.pass_name = pass_name
+    where.block = None
+    if where.schedule is not None:
+        _recompute()
+
+
+def at_block(index: int | None, total: int | None, joint: bool = False) -> None:
+    """Block ``index`` of ``total`` (0-based, forward order) starts; ``joint``: its attention runs over
+    text and image tokens together."""
+    where.block, where.blocks, where.joint = index, total, joint
+    if where.schedule is not None:
+        _recompute()
+
+
+def leave() -> None:
+    """Sampling is over (or has not begun): no step, pass or block is known."""
+    where.progress = where.sigma = where.pass_name = where.block = where.blocks = None
+    where.joint = False
+    _recompute()
+
+
+def kind(role: str, q_len: int, kv_len: int, joint: bool) -> str:
+    """``cross`` when keys come from another sequence than queries (their lengths differ), ``joint``
+    for the rest of a block that attends over text and image tokens together, else ``self``."""
+    if q_len != kv_len:
+        return "cross"
+    return "joint" if joint and role == "dit" else "self"
+
+
+def rule_for(schedule: Schedule, token, role: str, q_len: int, kv_len: int) -> Rule | None:
+    """The first rule the token lets through that takes this call (None: no rule does)."""
+    joint, indices = token if token is not None else (False, tuple(range(len(schedule.rules))))
+    call_kind = kind(role, q_len, kv_len, joint)
+    for i in indices:
+        rule = schedule.rules[i]
+        if rule.takes(role, call_kind):
+            return rule
+    return None
+
+
+# --- the model's blocks -----------------------------------------------------------------------------
+
+#: Attributes of a denoiser that hold its blocks, in the order its forward runs them, and whether
+#: the blocks' attention is joint (text and image tokens in one sequence). ``None``: joint when the
+#: model's class is in ``JOINT_MODELS``. ldm/sgm UNets (A1111, Forge, ComfyUI) number their input
+#: blocks, the middle block and the output blocks as LoRA block weights do (IN00-IN11, M00, OUT00-OUT11
+#: for SD1.5: 25 blocks); SD3's MMDiT its joint blocks; Flux, Chroma and HunyuanVideo their double
+#: then single blocks; Wan and diffusers' transformers their block lists; diffusers' UNet its down,
+#: mid and up blocks.
+BLOCK_LISTS = (
+    ("input_blocks", False), ("middle_block", False), ("output_blocks", False),
+    ("down_blocks", False), ("mid_block", False), ("up_blocks", False),
+    ("joint_blocks", True), ("double_blocks", True), ("single_blocks", True),
+    ("transformer_blocks", None), ("single_transformer_blocks", True), ("blocks", False),
+)
+#: Model classes whose ``transformer_blocks`` attend jointly (diffusers' SD3 and Flux, Qwen-Image).
+JOINT_MODELS = ("SD3Transformer2DModel", "FluxTransformer2DModel", "Flux2Transformer2DModel",
+                "QwenImageTransformer2DModel")
+
+
+def block_modules(model) -> list:
+    """(module, joint) for each numbered block of ``model``, in forward order; empty when none is known."""
+    found = []
+    for name, joint in BLOCK_LISTS:
+        part = getattr(model, name, None)
+        if part is None:
+            continue
+        if joint is None:
+            joint = type(model).__name__ in JOINT_MODELS
+        # A middle block is one block however many layers it holds (an nn.Sequential is not a list of blocks).
+        found.extend((m, joint) for m in (part if isinstance(part, (torch.nn.ModuleList, list, tuple)) else [part]))
+    return found
+
+
+@contextlib.contextmanager
+def blocks(model):
+    """While the ``with`` block runs, each numbered block of ``model`` tells ``where`` when it starts
+    (a forward pre-hook per block: one Python call per block per model call). Yields the number of
+    blocks (0: ``model`` has none this module knows, and block conditions never hold for it)."""
+    found = block_modules(model)
+    handles = []
+    total = len(found)
+    try:
+        for i, (module, joint) in enumerate(found):
+            hook = getattr(module, "register_forward_pre_hook", None)
+            if hook is not None:
+                handles.append(hook(_block_hook(i, total, joint)))
+        yield total
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _block_hook(index: int, total: int, joint: bool):
+    def starts(module, args):
+        where.block, where.blocks, where.joint = index, total, joint
+        if where.schedule is not None:
+            _recompute()
+    return starts
