@@ -568,3 +568,22 @@ def test_a_configured_schedule_is_followed_and_hooks_go_with_the_scope():
     with lib_attn.use(schedule="refiner: math"), route(pipe, pass_name="base"), lib_attn.recording() as rec:
         generate(pipe, 4)
     assert {(label, backend) for _, label, role, backend in rec.rules if role == "dit"} == {(sched.OTHERWISE, "sdpa")}
+
+
+@pytest.mark.skipif(_compat.CUSTOM_OP is None, reason="torch.library.custom_op needs torch 2.4")
+def test_step_windows_hold_for_a_compiled_denoiser():
+    """The step is told by a hook on the denoiser itself, which runs as each compiled call starts; the
+    engine's operator decides when the graph runs."""
+    torch._dynamo.reset()
+    pipe = build_pipeline("dit", EulerDiscreteScheduler())
+    per_call, _, vae_calls = calls_per_model_call(pipe, 4)
+    want = generate(pipe, 4)
+    pipe.transformer.compile()
+    try:
+        with route(pipe, schedule=TWO), lib_attn.recording() as rec:
+            out = generate(pipe, 4)
+        assert rec.rules == {(TWO, "0-50%", "dit", "sdpa"): 2 * per_call, (TWO, "50-100%", "dit", "math"): 2 * per_call,
+                             (TWO, sched.OTHERWISE, "vae", "sdpa"): vae_calls}
+        assert rel_err(out, want) < FP32_BOUND
+    finally:
+        torch._dynamo.reset()

@@ -28,7 +28,8 @@ With a schedule (``route(pipe, schedule="0-50%: sdpa; 50-100%: math")``, or one 
 the scope), the scope tells the engine where sampling is: a forward pre-hook on the pipeline's
 denoiser reads the step from the pipeline's scheduler as each model call starts (``Sampling``), and
 ``lib_attn.schedule.blocks`` numbers the denoiser's blocks. Nothing in the user's call changes and
-the step callback stays the user's.
+the step callback stays the user's. A compiled denoiser still gets its step (the hook runs before
+the compiled call), but not its blocks: their hooks run inside the compiled graph.
 """
 from __future__ import annotations
 
