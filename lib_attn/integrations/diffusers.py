@@ -365,8 +365,8 @@ class Sampling:
         return self._position(timestep)
 
     def _position(self, timestep) -> int | None:
-        """The position of ``timestep`` in the pass's timesteps (nearest within half a step of 1, as a
-        timestep cast to the model's dtype may round), from the pass's first position on."""
+        """The position of ``timestep`` in the pass's timesteps, from the pass's first position on: the
+        nearest value within 0.5, as a timestep cast to the model's dtype may be rounded."""
         if timestep is None:
             return None
         value = float(timestep.reshape(-1)[0]) if torch.is_tensor(timestep) else float(timestep)
