@@ -9,7 +9,8 @@ hold for it; a call no rule takes keeps the ordinary configuration (the backend 
 Auto). The chain is backend ids tried in order, falling back per call as everywhere, or ``auto``
 (the default chain). Conditions (``TERMS``):
 
-* ``A-B%``: the fraction of the pass's steps done is in [A%, B%); ``steps A-B%`` says the same;
+* ``A-B%``: the fraction of the pass's steps done is in [A%, B%) (a window up to 100% takes 100% too);
+  ``steps A-B%`` says the same;
 * ``sigma X-Y``: the sampler's current sigma lies between X and Y (where the host gives sigmas);
 * ``self``, ``cross``, ``joint``: the kind of attention (see ``kind``);
 * ``first N``, ``last N``, ``blocks A-B``: the model's numbered blocks (see ``BLOCK_LISTS``), 0-based,
@@ -82,8 +83,9 @@ class Rule:
 
     def holds_at(self, where: "Where") -> bool:
         """The conditions that depend on where sampling is, against ``where``."""
-        if self.steps is not None and (where.progress is None or not self.steps[0] <= where.progress < self.steps[1]):
-            return False
+        if self.steps is not None and (where.progress is None or not (self.steps[0] <= where.progress < self.steps[1]
+                                                                      or where.progress == self.steps[1] == 1.0)):
+            return False  # [A, B), and a window up to 100% also holds when a host reports every step done
         if self.sigmas is not None and (where.sigma is None or not self.sigmas[0] <= where.sigma <= self.sigmas[1]):
             return False
         if self.passes and where.pass_name not in self.passes:

@@ -152,6 +152,19 @@ def test_overhead_is_measured_against_direct_sdpa(short_run):
     assert ov["guard"] == "on" and "(current configuration, guard on)" in short_run["stdout"]  # the default's cost
 
 
+def test_overhead_is_measured_again_with_a_schedule_in_force(short_run):
+    sched = short_run["doc"]["overhead"]["schedule"]
+    assert sched["text"] == bench.SCHEDULE and (sched["at_step"], sched["steps"]) == (10, 20)
+    tiny = sched["tiny"]
+    assert tiny["shape"] == {"b": 1, "heads": 1, "q_len": 16, "kv_len": 16, "head_dim": 64}
+    assert tiny["engine_backend"] == "sdpa" and tiny["like_for_like"] and tiny["rounds"] == 5
+    assert math.isfinite(tiny["added_us"]) and math.isfinite(sched["dispatch"]["added_us"])
+    lines = short_run["stdout"].splitlines()
+    at = lines.index(f"  with a schedule in force ({bench.SCHEDULE}), at step 10 of 20:")
+    assert lines[at + 1].startswith("    (1,1,16,64)×16 float32: direct ") and "(ran sdpa)" in lines[at + 1]
+    assert lines[at + 2].startswith("    dispatch alone: ")
+
+
 def test_table_progress_and_chart(short_run):
     text = short_run["stdout"]
     assert f"SD1.5 @ {RES}, float32" in text
@@ -184,6 +197,8 @@ def test_plot_without_matplotlib_is_a_clear_usage_error(tmp_path):
     (["--dtype", "fp8"], "dtype must be one of"),
     (["--res", "500"], "res must be a positive multiple of 8"),
     (["--model", "sd4"], "invalid choice"),
+    (["--schedule", "0-50%: fastest"], "--schedule: schedule rule 1 ('0-50%: fastest'): unknown backend id 'fastest'"),
+    (["--schedule", "halfway: sdpa"], "'halfway' is not a condition; valid conditions: A-B% (steps done)"),
 ])
 def test_bad_arguments_are_usage_errors(argv, message, capsys):
     from lib_attn.__main__ import main
@@ -316,7 +331,8 @@ def test_a_backend_passed_over_for_one_call_shows_that_calls_reasons(monkeypatch
 def test_overhead_pins_pytorchs_choice_when_the_configuration_runs_another_kernel():
     threads = torch.get_num_threads()
     with lib_attn.use(preference=["math"]):
-        ov = bench.engine_overhead(torch.device("cpu"), torch.float32, rounds=3)
+        ov = bench.engine_overhead(torch.device("cpu"), torch.float32, rounds=3, schedule=None)
+    assert "schedule" not in ov
     assert ov["threads"] == 1 and torch.get_num_threads() == threads  # one thread, then restored
     assert ov["sd15_cross_mid"]["engine_backend"] == "math"
     assert not ov["sd15_cross_mid"]["like_for_like"]
@@ -328,3 +344,24 @@ def test_overhead_pins_pytorchs_choice_when_the_configuration_runs_another_kerne
                                       "reference": "r"},
                          "calls": [], "results": [], "per_step": [], "overhead": ov})
     assert "includes the kernel" in text and "ran sdpa, pinned" in text
+
+
+def test_the_scheduled_overhead_runs_under_the_rule_at_its_step_and_restores_everything():
+    from lib_attn import schedule as sched
+
+    text = "0-20%: sdpa; 20-80%: math; 80-100%: sdpa"
+    before = lib_attn.config()
+    with lib_attn.recording() as rec:
+        got = bench.scheduled_overhead(torch.device("cpu"), torch.float32, rounds=3, schedule=text)
+    assert lib_attn.config() is before and sched.where.progress is None and sched.where.token is None
+    # Every call the measurement made (the stubbed ones too) was taken by the window holding step 10 of 20.
+    assert set(rec.rules) == {(text, "20-80%", "unet", "math")} and sum(rec.rules.values()) == rec.total() > 0
+    assert got["tiny"]["engine_backend"] == "math" and not got["tiny"]["like_for_like"]
+    ov = {"guard": "on", "threads": 1, "schedule": got}
+    text_out = bench.render({"device": {"description": "cpu", "type": "cpu"}, "versions": {"torch": "x"},
+                             "settings": {"timer": "t", "columns": [], "h200_floor": False, "load_average": None,
+                                          "cpu_count": 2, "seconds": 1.0, "memory_method": "m", "reference": "r"},
+                             "calls": [], "results": [], "per_step": [], "overhead": ov})
+    lines = text_out.splitlines()
+    at = lines.index(f"  with a schedule in force ({text}), at step 10 of 20:")
+    assert "(ran math)" in lines[at + 1] and "includes the kernel" in lines[at + 2]

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 import lib_attn
 from lib_attn import _compat
+from lib_attn import schedule as sched
+from lib_attn.kernels import REGISTRY
 from lib_attn.integrations import diffusers as integration
 from lib_attn.integrations.diffusers import route
 
@@ -19,6 +21,12 @@ try:
 except Exception as exc:  # noqa: BLE001 - diffusers 0.35+ needs a newer torch than 2.1 (it reads torch.xpu)
     pytest.skip(f"diffusers does not import here: {type(exc).__name__}: {exc}", allow_module_level=True)
 from diffusers import AutoencoderKL, DiffusionPipeline, FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel  # noqa: E402
+from diffusers import (DDIMScheduler, DDPMScheduler, DiTPipeline, DiTTransformer2DModel, DPMSolverMultistepScheduler,  # noqa: E402
+                       EulerDiscreteScheduler, HeunDiscreteScheduler, KDPM2DiscreteScheduler, PNDMScheduler, VQModel)
+# Kandinsky 2.2's decoder pipelines take image embeddings, so they run without transformers (diffusers'
+# top-level names for them are placeholders when transformers is missing: import their modules).
+from diffusers.pipelines.kandinsky2_2.pipeline_kandinsky2_2 import KandinskyV22Pipeline  # noqa: E402
+from diffusers.pipelines.kandinsky2_2.pipeline_kandinsky2_2_img2img import KandinskyV22Img2ImgPipeline  # noqa: E402
 from diffusers.models import attention_dispatch  # noqa: E402
 from diffusers.models.attention_processor import Attention  # noqa: E402
 
@@ -305,5 +313,277 @@ def test_compiled_routed_model_one_graph_counted_and_configured_at_run_time(mode
             assert rec.calls == {("dit", "math"): 2} and len(math_ran) == 2 and len(sdpa_ran) == 48
             assert rel_err(out, want) < FP32_BOUND
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    finally:
+        torch._dynamo.reset()
+
+
+# --- schedules on real pipelines --------------------------------------------------------------------
+
+TWO = "0-50%: sdpa; 50-100%: math"
+
+
+def build_pipeline(name: str, scheduler, img2img: bool = False):
+    """Kandinsky 2.2's decoder (UNet with cross-attention to image-embedding tokens, MoVQ) or DiT
+    (class-conditional transformer, AutoencoderKL), tiny, random weights."""
+    torch.manual_seed(5)
+    if name == "kandinsky":
+        unet = UNet2DConditionModel(
+            sample_size=8, in_channels=4, out_channels=8, layers_per_block=1, block_out_channels=(32, 64),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=32, attention_head_dim=8, norm_num_groups=32, encoder_hid_dim=16,
+            encoder_hid_dim_type="image_proj", addition_embed_type="image").eval()
+        movq = VQModel(
+            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(32, 64), latent_channels=4,
+            layers_per_block=1, norm_num_groups=32, num_vq_embeddings=16, vq_embed_dim=4).eval()
+        cls = KandinskyV22Img2ImgPipeline if img2img else KandinskyV22Pipeline
+        pipe = cls(unet=unet, scheduler=scheduler, movq=movq)
+    else:
+        transformer = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8,
+                                            num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=1000).eval()
+        pipe = DiTPipeline(transformer=transformer, vae=build("vae"), scheduler=scheduler)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def generate(pipe, steps: int, strength: float | None = None):
+    """One image (a tensor in [0, 1]) from fixed seeds."""
+    g = torch.Generator().manual_seed(7)
+    if isinstance(pipe, DiTPipeline):
+        out = pipe(class_labels=[3], num_inference_steps=steps, generator=g, output_type="np").images
+        return torch.from_numpy(out)
+    embeds = dict(image_embeds=torch.randn(1, 16, generator=g), negative_image_embeds=torch.randn(1, 16, generator=g),
+                  height=16, width=16, num_inference_steps=steps, output_type="pt")
+    if strength is not None:
+        embeds.update(image=torch.rand(1, 3, 16, 16, generator=g), strength=strength)
+    return pipe(**embeds, generator=torch.Generator().manual_seed(8)).images
+
+
+def denoiser(pipe):
+    return pipe.unet if hasattr(pipe, "unet") else pipe.transformer
+
+
+def calls_per_model_call(pipe, steps: int, strength=None) -> tuple:
+    """(attention calls per denoiser call, denoiser calls, attention calls outside the denoiser) of an
+    unrouted run, counted at PyTorch's SDPA."""
+    inside, counts = [False], {"model": 0, "in": 0, "out": 0}
+
+    def starts(*args):
+        inside[0] = True
+        counts["model"] += 1
+
+    def ends(*args):
+        inside[0] = False
+
+    real = F.scaled_dot_product_attention
+
+    def counting(*args, **kw):
+        counts["in" if inside[0] else "out"] += 1
+        return real(*args, **kw)
+    model = denoiser(pipe)
+    handles = [model.register_forward_pre_hook(starts), model.register_forward_hook(ends)]
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(F, "scaled_dot_product_attention", counting)
+            generate(pipe, steps, strength)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert counts["in"] % counts["model"] == 0
+    return counts["in"] // counts["model"], counts["model"], counts["out"]
+
+
+SCHEDULERS = {
+    # name: (pipeline, scheduler, steps, the fraction of steps done at each denoiser call)
+    "kandinsky-ddpm": ("kandinsky", lambda: DDPMScheduler(), 6, [i / 6 for i in range(6)]),  # the timestep's position
+    "kandinsky-dpm++": ("kandinsky", lambda: DPMSolverMultistepScheduler(), 6, [i / 6 for i in range(6)]),  # step_index
+    "dit-euler": ("dit", lambda: EulerDiscreteScheduler(), 4, [0, 0.25, 0.5, 0.75]),  # set by scale_model_input
+    "dit-ddim": ("dit", lambda: DDIMScheduler(), 5, [0, 0.2, 0.4, 0.6, 0.8]),
+    # order 2: two denoiser calls per step but the last, both counted as the step
+    "dit-heun": ("dit", lambda: HeunDiscreteScheduler(), 3, [0, 0, 1 / 3, 1 / 3, 2 / 3]),
+    "dit-kdpm2": ("dit", lambda: KDPM2DiscreteScheduler(), 3, [0, 0, 1 / 3, 1 / 3, 2 / 3]),
+    # PLMS as SD configures it: one warm-up call more than the steps asked for, its timestep repeated
+    "dit-pndm": ("dit", lambda: PNDMScheduler(skip_prk_steps=True), 4, [0, 0.2, 0.4, 0.6, 0.8]),
+}
+
+
+@pytest.mark.parametrize("case", list(SCHEDULERS))
+def test_step_windows_on_a_real_pipeline_count_the_steps_and_add_up(case):
+    name, make, steps, progress = SCHEDULERS[case]
+    pipe = build_pipeline(name, make())
+    per_call, model_calls, vae_calls = calls_per_model_call(pipe, steps)
+    assert model_calls == len(progress) and per_call > 0 and vae_calls > 0
+    role = "unet" if name == "kandinsky" else "dit"
+    seen = []
+    with route(pipe, schedule=TWO), lib_attn.recording() as rec:
+        handle = denoiser(pipe).register_forward_pre_hook(lambda *a: seen.append(sched.where.progress))
+        generate(pipe, steps)
+        handle.remove()
+    assert seen == pytest.approx(progress)
+    first = sum(1 for p in progress if p < 0.5)
+    text = sched.parse(TWO).text
+    assert rec.rules == {(text, "0-50%", role, "sdpa"): first * per_call,
+                         (text, "50-100%", role, "math"): (model_calls - first) * per_call,
+                         (text, sched.OTHERWISE, "vae", "sdpa"): vae_calls}
+    assert sum(rec.rules.values()) == rec.total()
+    assert lib_attn.config().schedule is None and sched.where.progress is None  # the scope's schedule and step end with it
+
+
+@pytest.mark.parametrize("name", ["kandinsky", "dit"])
+def test_scheduled_image_equals_the_unscheduled_ones_within_rounding(name):
+    pipe = build_pipeline(name, DPMSolverMultistepScheduler())
+    own = generate(pipe, 4)
+    images = {}
+    for chain in ("sdpa", "math"):
+        with route(pipe), lib_attn.use(preference=[chain]), lib_attn.recording() as rec:
+            images[chain] = generate(pipe, 4)
+        assert set(backend for _, backend in rec.calls) == {chain}
+    with route(pipe, schedule=TWO), lib_attn.recording() as rec:
+        scheduled = generate(pipe, 4)
+    assert {backend for *_, backend in rec.rules} == {"sdpa", "math"}
+    for want in (own, images["sdpa"], images["math"]):
+        assert rel_err(scheduled, want) < FP32_BOUND
+
+
+def test_img2img_strength_counts_the_steps_that_run():
+    """Strength 0.5 of 10 steps runs the last 5: the windows are fractions of those 5."""
+    for scheduler in (DDPMScheduler(), DPMSolverMultistepScheduler()):
+        pipe = build_pipeline("kandinsky", scheduler, img2img=True)
+        per_call, model_calls, _ = calls_per_model_call(pipe, 10, strength=0.5)
+        assert model_calls == 5
+        seen = []
+        with route(pipe, schedule="0-40%: sdpa; 40-100%: math"), lib_attn.recording() as rec:
+            handle = pipe.unet.register_forward_pre_hook(lambda *a: seen.append(sched.where.progress))
+            generate(pipe, 10, strength=0.5)
+            handle.remove()
+        assert seen == [0.0, 0.2, 0.4, 0.6, 0.8]
+        assert rec.rules[("0-40%: sdpa; 40-100%: math", "0-40%", "unet", "sdpa")] == 2 * per_call
+        assert rec.rules[("0-40%: sdpa; 40-100%: math", "40-100%", "unet", "math")] == 3 * per_call
+
+
+def test_a_begin_index_set_by_the_pipeline_starts_the_pass_there():
+    """diffusers' SD img2img sets the scheduler's begin index (t_start * order) and loops over the rest of
+    its timesteps; here the same calls on Heun (order 2) with DiT's transformer: 6 steps, strength 0.5."""
+    pipe = build_pipeline("dit", HeunDiscreteScheduler())
+    scheduler, model = pipe.scheduler, pipe.transformer
+    seen = []
+    with route(pipe, schedule=TWO):
+        handle = model.register_forward_pre_hook(lambda *a: seen.append((sched.where.progress, sched.where.sigma)))
+        scheduler.set_timesteps(6)
+        t_start = 3
+        scheduler.set_begin_index(t_start * scheduler.order)
+        latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            for t in scheduler.timesteps[t_start * scheduler.order:]:
+                x = scheduler.scale_model_input(latents, t)
+                out = model(x, timestep=t.expand(1), class_labels=torch.tensor([3])).sample[:, :4]
+                latents = scheduler.step(out, t, latents).prev_sample
+        handle.remove()
+    sigmas = scheduler.sigmas.tolist()
+    # steps 3, 4, 5 of 6 are the pass's 0, 1, 2 of 3; the last has no second call
+    assert [p for p, _ in seen] == [0.0, 0.0, 1 / 3, 1 / 3, 2 / 3]
+    assert [s for _, s in seen] == [sigmas[6], sigmas[6], sigmas[8], sigmas[8], sigmas[10]]
+
+
+def test_sigma_rule_takes_the_steps_whose_sigma_lies_in_it():
+    pipe = build_pipeline("dit", EulerDiscreteScheduler())
+    pipe.scheduler.set_timesteps(4)
+    sigmas = pipe.scheduler.sigmas.tolist()[:4]
+    high = [s for s in sigmas if s >= 2.0]
+    assert 0 < len(high) < 4
+    per_call, _, _ = calls_per_model_call(pipe, 4)
+    text = sched.parse("sigma 2-1000: math").text
+    assert text == "sigma 1000-2: math"
+    with route(pipe, schedule=text), lib_attn.recording() as rec:
+        generate(pipe, 4)
+    assert rec.rules[(text, "sigma 1000-2", "dit", "math")] == len(high) * per_call
+    assert rec.rules[(text, sched.OTHERWISE, "dit", "sdpa")] == (4 - len(high)) * per_call
+
+
+def kernel_log(monkeypatch, model, backend_id):
+    """A log of which attention module each call of ``backend_id``'s kernel ran in (``model`` is built
+    for the test: its hooks stay)."""
+    log, current = [], [None]
+    names = {m: n for n, m in model.named_modules() if isinstance(m, Attention)}
+    for module, name in names.items():
+        module.register_forward_pre_hook(lambda m, a, name=name: current.__setitem__(0, name))
+    backend = REGISTRY[backend_id]
+    real = backend.runner
+
+    def runner(spec):
+        kernel = real(spec)
+
+        def run(*args):
+            log.append(current[0])
+            return kernel(*args)
+        return run
+    monkeypatch.setattr(backend, "runner", runner)
+    lib_attn.reset()
+    return log, sorted(names.values())
+
+
+@pytest.mark.parametrize("rule, takes", [
+    ("first 1", lambda n: n.startswith("down_blocks.0.")),   # blocks: down 0, down 1, mid, up 0, up 1
+    ("last 1", lambda n: n.startswith("up_blocks.1.")),
+    ("blocks 2-2", lambda n: n.startswith("mid_block.")),     # the middle block is one block
+    ("cross", lambda n: n.endswith("attn2")),                 # keys from the image-embedding tokens
+    ("self", lambda n: n.endswith("attn1")),
+    ("first 1 cross", lambda n: n.startswith("down_blocks.0.") and n.endswith("attn2")),
+])
+def test_block_and_kind_rules_take_the_right_calls(monkeypatch, rule, takes):
+    pipe = build_pipeline("kandinsky", DDPMScheduler())
+    log, names = kernel_log(monkeypatch, pipe.unet, "math")
+    with route(pipe, schedule=f"{rule}: math"), lib_attn.recording() as rec:
+        generate(pipe, 2)
+    wanted = [n for n in names if takes(n)]
+    assert wanted and len(wanted) < len(names)
+    assert sorted(set(log)) == wanted and len(log) == 2 * len(wanted)  # 2 steps, every wanted module each
+    parsed = sched.parse(f"{rule}: math")
+    assert rec.rules[(parsed.text, parsed.rules[0].label, "unet", "math")] == len(log)
+
+
+def test_a_bad_schedule_is_refused_before_anything_changes():
+    pipe = build_pipeline("kandinsky", DDPMScheduler())
+    own, config = processor_classes(pipe.unet), lib_attn.config()
+    with pytest.raises(lib_attn.ScheduleError, match=r"rule 2 \('50-100%: sage9'\).*sage9.*valid ids"):
+        with route(pipe, schedule="0-50%: sdpa; 50-100%: sage9"):
+            pass
+    with pytest.raises(ValueError, match="pass 'second' is not one of base, hires, refiner"):
+        with route(pipe, schedule=TWO, pass_name="second"):
+            pass
+    assert processor_classes(pipe.unet) == own and lib_attn.config() is config
+    assert not pipe.unet._forward_pre_hooks and not any(m._forward_pre_hooks for m in pipe.unet.modules())
+
+
+def test_a_configured_schedule_is_followed_and_hooks_go_with_the_scope():
+    pipe = build_pipeline("dit", EulerDiscreteScheduler())
+    per_call, _, _ = calls_per_model_call(pipe, 4)
+    with lib_attn.use(schedule=TWO):
+        with route(pipe, pass_name="refiner"), lib_attn.recording() as rec:
+            generate(pipe, 4)
+            assert sched.where.pass_name == "refiner"
+        assert lib_attn.config().schedule is not None and sched.where.progress is None
+    assert rec.rules[(TWO, "0-50%", "dit", "sdpa")] == 2 * per_call
+    assert not any(m._forward_pre_hooks for m in pipe.transformer.modules())
+    with lib_attn.use(schedule="refiner: math"), route(pipe, pass_name="base"), lib_attn.recording() as rec:
+        generate(pipe, 4)
+    assert {(label, backend) for _, label, role, backend in rec.rules if role == "dit"} == {(sched.OTHERWISE, "sdpa")}
+
+
+@pytest.mark.skipif(_compat.CUSTOM_OP is None, reason="torch.library.custom_op needs torch 2.4")
+def test_step_windows_hold_for_a_compiled_denoiser():
+    """The step is told by a hook on the denoiser itself, which runs as each compiled call starts; the
+    engine's operator decides when the graph runs."""
+    torch._dynamo.reset()
+    pipe = build_pipeline("dit", EulerDiscreteScheduler())
+    per_call, _, vae_calls = calls_per_model_call(pipe, 4)
+    want = generate(pipe, 4)
+    pipe.transformer.compile()
+    try:
+        with route(pipe, schedule=TWO), lib_attn.recording() as rec:
+            out = generate(pipe, 4)
+        assert rec.rules == {(TWO, "0-50%", "dit", "sdpa"): 2 * per_call, (TWO, "50-100%", "dit", "math"): 2 * per_call,
+                             (TWO, sched.OTHERWISE, "vae", "sdpa"): vae_calls}
+        assert rel_err(out, want) < FP32_BOUND
     finally:
         torch._dynamo.reset()

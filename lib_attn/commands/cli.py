@@ -11,6 +11,7 @@ from typing import List, Optional
 
 import torch
 
+from lib_attn import schedule as lib_schedule
 from lib_attn import shapes
 from lib_attn import tune as tuning
 
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed seconds per call row across all columns (default 1.5 CPU, 0.4 GPU)")
     b.add_argument("--no-overhead", action="store_true", help="skip the engine overhead measurement")
     b.add_argument("--overhead-rounds", type=int, default=200, help=argparse.SUPPRESS)
+    b.add_argument("--schedule", default=None, metavar="TEXT",
+                   help=f"schedule in force for the overhead measured with a schedule (default: "
+                        f"'{bench.SCHEDULE}'; off: not measured)")
     b.add_argument("--no-memory", action="store_true", help="skip the peak memory measurement")
     b.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
     b.add_argument("--tune", choices=("on", "off"), default="on",
@@ -159,10 +163,15 @@ def _bench(args, parser: argparse.ArgumentParser) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     models = _models(args.model, args.res, device, parser)
+    try:
+        schedule = lib_schedule.parse(bench.SCHEDULE if args.schedule is None else args.schedule)
+    except ValueError as exc:
+        parser.error(f"--schedule: {exc}")
     settings = bench.BenchSettings(models=models, res=args.res,
                                    dtypes=[dtype_name(d) for d in dtypes] if dtypes else None,
                                    backends=backends, device=str(device), budget_s=args.budget,
                                    overhead=not args.no_overhead, overhead_rounds=args.overhead_rounds,
+                                   schedule=schedule.text if schedule is not None else None,
                                    memory=not args.no_memory, progress=not args.no_progress, tune=args.tune)
     doc = bench.run(settings)
     _print(bench.render(doc))

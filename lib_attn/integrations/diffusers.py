@@ -23,6 +23,13 @@ parallel) run unchanged on PyTorch's SDPA (on the dispatcher, on the backend tha
 and are counted in the recording's fallbacks as ``(role, "lib_attn", reason)``; under torch.compile
 they are traced as PyTorch's own call and not counted. On exit every processor gets its own class
 back and the registry is as it was.
+
+With a schedule (``route(pipe, schedule="0-50%: sdpa; 50-100%: math")``, or one configured before
+the scope), the scope tells the engine where sampling is: a forward pre-hook on the pipeline's
+denoiser reads the step from the pipeline's scheduler as each model call starts (``Sampling``), and
+``lib_attn.schedule.blocks`` numbers the denoiser's blocks. Nothing in the user's call changes and
+the step callback stays the user's. A compiled denoiser still gets its step (the hook runs before
+the compiled call), but not its blocks: their hooks run inside the compiled graph.
 """
 from __future__ import annotations
 
@@ -35,6 +42,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import _compat, stats
+from .. import schedule as _schedule
+from ..config import current as _current_config
+from ..config import use as _use_config
 from ..dispatch import attention
 
 log = logging.getLogger("lib_attn")
@@ -282,6 +292,89 @@ def _models(model_or_pipeline, role: str | None) -> list:
     return out
 
 
+# --- where a pipeline's sampling is -------------------------------------------------------------
+
+class Sampling:
+    """A forward pre-hook for a pipeline's denoiser that tells the schedule the step as each model
+    call starts, read from the pipeline's scheduler (one Python call per model call).
+
+    A pass starts when the scheduler's ``timesteps`` is a new tensor (``set_timesteps`` at the start of
+    every pipeline call). The position in ``timesteps`` is the scheduler's own ``step_index`` (set by
+    ``scale_model_input`` or after its first ``step``; before that its ``begin_index``), PNDM's
+    ``counter`` from the pass's first position, or else the position of the denoiser's ``timestep``
+    argument in ``timesteps`` (DDIM, DDPM). The pass's first position is its first model call's:
+    img2img's strength starts it part-way, and the steps of the pass are the ones that run. A
+    scheduler of order 2 (Heun, KDPM2, DPM-Solver SDE) runs two model calls per step; both count as
+    that step. The sigma is the scheduler's ``sigmas`` at the step's first call, or, for schedulers
+    without sigmas, ``sqrt((1 - alpha_bar) / alpha_bar)`` at the step's timestep: the same scale.
+    """
+
+    def __init__(self, scheduler, pass_name: str | None = None):
+        self.scheduler = scheduler
+        self.pass_name = pass_name
+        self.timesteps = None  # the scheduler's timesteps tensor of the pass in progress
+        self.values: list = []
+        self.sigmas: list = []
+        self.begin: int | None = None
+
+    def __call__(self, module, args, kwargs):
+        timesteps = getattr(self.scheduler, "timesteps", None)
+        if timesteps is None:
+            return
+        if timesteps is not self.timesteps:
+            self._start(timesteps)
+        index = self._index(kwargs["timestep"] if "timestep" in kwargs else args[1] if len(args) > 1 else None)
+        if self.begin is None:
+            self.begin = index
+        if index is None or self.begin is None or not self.begin <= index < len(self.values):
+            _schedule.at_step(None, None, pass_name=self.pass_name)
+            return
+        order = max(int(getattr(self.scheduler, "order", 1) or 1), 1)
+        step = (index - self.begin) // order
+        first = self.begin + step * order
+        _schedule.at_step(step, -(-(len(self.values) - self.begin) // order),
+                          self.sigmas[first] if first < len(self.sigmas) else None, self.pass_name)
+
+    def _start(self, timesteps) -> None:
+        self.timesteps = timesteps
+        self.values = [float(t) for t in timesteps.tolist()] if torch.is_tensor(timesteps) else list(map(float, timesteps))
+        self.begin = None
+        sigmas = getattr(self.scheduler, "sigmas", None)
+        alphas = getattr(self.scheduler, "alphas_cumprod", None)
+        if torch.is_tensor(sigmas) and sigmas.dim() == 1:
+            self.sigmas = sigmas.tolist()
+        elif torch.is_tensor(alphas) and alphas.dim() == 1:
+            bars = alphas.tolist()
+            self.sigmas = [((1 - bars[i]) / bars[i]) ** 0.5 if 0 <= (i := round(t)) < len(bars) and bars[i] > 0 else None
+                           for t in self.values]
+        else:
+            self.sigmas = []
+
+    def _index(self, timestep) -> int | None:
+        scheduler = self.scheduler
+        if hasattr(type(scheduler), "step_index"):
+            index = scheduler.step_index
+            if index is None:  # before the scheduler's first step of the pass
+                index = getattr(scheduler, "begin_index", None)
+            if index is None:
+                index = self.begin
+            if index is not None:
+                return index
+        elif self.begin is not None and isinstance(getattr(scheduler, "counter", None), int):
+            return self.begin + scheduler.counter
+        return self._position(timestep)
+
+    def _position(self, timestep) -> int | None:
+        """The position of ``timestep`` in the pass's timesteps, from the pass's first position on: the
+        nearest value within 0.5, as a timestep cast to the model's dtype may be rounded."""
+        if timestep is None:
+            return None
+        value = float(timestep.reshape(-1)[0]) if torch.is_tensor(timestep) else float(timestep)
+        start = self.begin or 0
+        best = min(range(start, len(self.values)), key=lambda i: abs(self.values[i] - value), default=None)
+        return best if best is not None and abs(self.values[best] - value) <= 0.5 else None
+
+
 class Routing:
     """What a ``route`` scope covers: ``processors`` {role: number routed}, ``skipped`` {processor
     class name: number} for processors that reach attention some other way (left unchanged)."""
@@ -297,7 +390,7 @@ class Routing:
 
 
 @contextlib.contextmanager
-def route(model_or_pipeline, role: str | None = None):
+def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: str | None = None):
     """Route every attention call of a diffusers model or pipeline through ``lib_attn`` in the scope.
 
     A pipeline routes its denoiser (``unet`` as role "unet"; ``transformer``, ``prior``, ``decoder`` as
@@ -305,14 +398,23 @@ def route(model_or_pipeline, role: str | None = None):
     overrides the role of every model routed. Yields a ``Routing``. Use ``lib_attn.recording()`` to see
     what ran. Raises RuntimeError when a model calls diffusers' attention dispatcher and the installed
     diffusers' registry is not one ``route`` knows (see ``SUPPORTED``).
+
+    ``schedule`` (text or a ``lib_attn.schedule.Schedule``) is put in force for the scope; a bad one
+    raises ``ScheduleError`` before anything changes. While a schedule is in force at entry (this one
+    or one configured before), the scope tells it the step of a pipeline's sampling (``Sampling``) and
+    the denoiser's block (``lib_attn.schedule.blocks``); ``pass_name`` (base, hires, refiner) names the
+    pass the pipeline's steps belong to, e.g. "refiner" for an SDXL refiner pipeline.
     """
     from ..spec import ROLES
 
     if role is not None and role not in ROLES:
         raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
+    if pass_name is not None and pass_name not in _schedule.PASSES:
+        raise ValueError(f"pass {pass_name!r} is not one of {', '.join(_schedule.PASSES)}")
     routing = Routing()
     plan, seen = [], set()
-    for model, model_role in _models(model_or_pipeline, role):
+    models = _models(model_or_pipeline, role)
+    for model, model_role in models:
         for module in model.modules():
             processor = getattr(module, "processor", None)
             # One processor object may serve many modules (set_attn_processor with one instance).
@@ -326,19 +428,40 @@ def route(model_or_pipeline, role: str | None = None):
             else:
                 plan.append((processor, kind, model_role))
     registry = _dispatcher_registry() if any(kind == DISPATCHER for _, kind, _ in plan) else None
-    try:
-        if registry is not None:
-            _REGISTRY.enter(registry)
-            routing._registry = registry
-        for processor, kind, model_role in plan:
-            own = type(processor)
-            processor.__class__ = _routed_class(own, kind, model_role)
-            routing._swapped.append((processor, own))
-            routing.processors[model_role] = routing.processors.get(model_role, 0) + 1
-        yield routing
-    finally:
-        for processor, own in reversed(routing._swapped):
-            processor.__class__ = own
-        routing._swapped.clear()
-        if routing._registry is not None:
-            _REGISTRY.exit(routing._registry)
+    with contextlib.ExitStack() as scope:
+        if schedule is not None:
+            scope.enter_context(_use_config(schedule=schedule))
+        if _current_config().schedule is not None:
+            _follow_sampling(scope, model_or_pipeline, models, pass_name)
+        try:
+            if registry is not None:
+                _REGISTRY.enter(registry)
+                routing._registry = registry
+            for processor, kind, model_role in plan:
+                own = type(processor)
+                processor.__class__ = _routed_class(own, kind, model_role)
+                routing._swapped.append((processor, own))
+                routing.processors[model_role] = routing.processors.get(model_role, 0) + 1
+            yield routing
+        finally:
+            for processor, own in reversed(routing._swapped):
+                processor.__class__ = own
+            routing._swapped.clear()
+            if routing._registry is not None:
+                _REGISTRY.exit(routing._registry)
+
+
+def _follow_sampling(scope: contextlib.ExitStack, model_or_pipeline, models: list, pass_name: str | None) -> None:
+    """Number the denoisers' blocks and, for a pipeline with a scheduler, follow its steps, until
+    ``scope`` closes (then no step is known)."""
+    denoisers = [model for model, model_role in models if model_role in _schedule.DENOISER]
+    for model in denoisers:
+        scope.enter_context(_schedule.blocks(model))
+    scheduler = getattr(model_or_pipeline, "scheduler", None)
+    if scheduler is None or isinstance(model_or_pipeline, torch.nn.Module) or not hasattr(scheduler, "timesteps"):
+        return
+    sampling = Sampling(scheduler, pass_name)
+    _schedule.leave()
+    scope.callback(_schedule.leave)
+    for model in denoisers:
+        scope.callback(model.register_forward_pre_hook(sampling, with_kwargs=True).remove)

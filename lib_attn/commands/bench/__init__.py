@@ -33,7 +33,7 @@ from .cells import finish_cell as _finish_cell  # noqa: F401 - the name it had b
 from .chart import matplotlib_missing, plot
 from .inputs import make_inputs, output_error, reference_rows, sample_rows
 from .memory import measure_cpu_memory
-from .overhead import dispatch_cost, engine_overhead, measure_overhead
+from .overhead import SCHEDULE, dispatch_cost, engine_overhead, measure_overhead, scheduled_overhead
 from .progress import Progress
 from .runner import SCHEMA, BenchSettings, resolve_columns, run
 from .text import Footnotes, render
@@ -42,6 +42,7 @@ from .timing import OtherLoad, Timer, quantile, summarize
 __all__ = [
     "SCHEMA", "AUTO", "BenchSettings", "resolve_columns", "run", "render", "plot", "matplotlib_missing",
     "Cell", "finish_cell", "per_step", "make_inputs", "sample_rows", "reference_rows", "output_error",
-    "measure_cpu_memory", "measure_overhead", "dispatch_cost", "engine_overhead", "Progress",
+    "measure_cpu_memory", "measure_overhead", "dispatch_cost", "engine_overhead", "scheduled_overhead", "SCHEDULE",
+    "Progress",
     "Footnotes", "format_table", "fmt_time", "fmt_sig", "Timer", "OtherLoad", "quantile", "summarize",
 ]

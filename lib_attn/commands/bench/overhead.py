@@ -3,6 +3,8 @@
 ``engine_overhead`` measures ``lib_attn.attention`` against a direct ``F.scaled_dot_product_attention``
 on the same inputs (SD1.5's smallest cross-attention and a tiny call), and ``dispatch_cost`` the
 dispatch alone, with the kernel call replaced by a no-op: the "+X µs median" and "dispatch alone" lines.
+Both run again with a schedule in force (``SCHEDULE``, or the bench's ``--schedule``) and the sampling
+position inside its middle window (``AT_STEP``), as a host sets it: the "with a schedule" line.
 """
 from __future__ import annotations
 
@@ -15,12 +17,17 @@ import torch.nn.functional as F
 
 import lib_attn
 from lib_attn import dispatch
+from lib_attn import schedule as _schedule
 
 from ..dtypes import dtype_name
 from .timing import Timer, quantile, summarize
 
 OVERHEAD_SHAPE = (2, 8, 64, 77, 160)  # b, h, q, kv, d: SD1.5's smallest cross-attention
 TINY_SHAPE = (1, 1, 16, 16, 64)
+#: A schedule as users write them (three step windows), each naming PyTorch's own choice, so the
+#: timing compares the same kernel with and without it; the position is step 10 of 20 (its middle rule).
+SCHEDULE = "0-20%: sdpa; 20-80%: sdpa; 80-100%: sdpa"
+AT_STEP = (10, 20)
 
 
 def measure_overhead(device: torch.device, dtype: torch.dtype, shape=OVERHEAD_SHAPE,
@@ -113,9 +120,10 @@ def dispatch_cost(device: torch.device, dtype: torch.dtype, calls: int = 20000, 
     return {"engine_us": engine, "direct_us": direct, "added_us": engine - direct, "calls": calls}
 
 
-def engine_overhead(device: torch.device, dtype: torch.dtype, rounds: int = 200) -> dict:
+def engine_overhead(device: torch.device, dtype: torch.dtype, rounds: int = 200, schedule=SCHEDULE) -> dict:
     """The engine's added time per call at SD1.5's smallest cross-attention (the budget's
-    shape) and at a tiny call, where the kernel's own noise hides less of it."""
+    shape) and at a tiny call, where the kernel's own noise hides less of it; then the tiny call
+    and the dispatch alone again with ``schedule`` in force (None: not measured)."""
     # On the CPU the kernels run on one thread here: the engine's cost is Python on the calling
     # thread either way, and a multi-threaded kernel on a shared machine stalls at its barriers
     # for milliseconds, which would bury a microsecond difference.
@@ -139,6 +147,22 @@ def engine_overhead(device: torch.device, dtype: torch.dtype, rounds: int = 200)
             # so one number compares the same kernel.
             result["sd15_cross_mid_sdpa"] = measure_overhead(device, dtype, OVERHEAD_SHAPE,
                                                              rounds=rounds, inner=5, backend="sdpa")
+        if schedule is not None:
+            result["schedule"] = scheduled_overhead(device, dtype, rounds, schedule)
     finally:
         torch.set_num_threads(threads)
     return result
+
+
+def scheduled_overhead(device: torch.device, dtype: torch.dtype, rounds: int, schedule) -> dict:
+    """The tiny call's added time and the dispatch alone with ``schedule`` in force and the sampling
+    position at ``AT_STEP``; the configuration and the position are as before afterwards."""
+    step, total = AT_STEP
+    with lib_attn.use(schedule=schedule) as cfg:
+        _schedule.at_step(step, total)
+        try:
+            return {"text": cfg.schedule.text if cfg.schedule is not None else "", "at_step": step, "steps": total,
+                    "tiny": measure_overhead(device, dtype, TINY_SHAPE, rounds=rounds, inner=20),
+                    "dispatch": dispatch_cost(device, dtype)}
+        finally:
+            _schedule.leave()

@@ -27,7 +27,7 @@ from .cells import AUTO, Cell, finish_cell, first_line, is_h200, per_step
 from .inputs import ERROR_ROWS, make_inputs, output_error, reference_rows, sample_rows
 from .memory import (CPU_MEMORY_METHOD, CUDA_MEMORY_METHOD, MIB, cpu_peak_supported, cuda_peak_extra_mib,
                      measure_cpu_memory)
-from .overhead import engine_overhead
+from .overhead import SCHEDULE, engine_overhead
 from .progress import Progress
 from .timing import OtherLoad, Timer, load_average
 
@@ -52,6 +52,7 @@ class BenchSettings:
     max_samples: int = 100
     overhead: bool = True
     overhead_rounds: int = 200
+    schedule: Optional[str] = SCHEDULE  # in force for the overhead's second measurement; None: not measured
     memory: bool = True
     progress: bool = True
     seed: int = 0
@@ -258,7 +259,7 @@ def _run(settings: BenchSettings) -> dict:
     overhead = None
     if settings.overhead:
         ov_dtype = torch.float32 if device.type == "cpu" else torch.float16
-        overhead = engine_overhead(device, ov_dtype, settings.overhead_rounds)
+        overhead = engine_overhead(device, ov_dtype, settings.overhead_rounds, settings.schedule)
         progress.step("engine overhead")
 
     return {

@@ -117,21 +117,17 @@ def render(doc: dict) -> str:
         out.append(f"engine overhead: lib_attn.attention (current configuration{guard}) vs direct "
                    f"F.scaled_dot_product_attention, same inputs{threads}")
         for key in ("sd15_cross_mid", "sd15_cross_mid_sdpa", "tiny"):
-            if key not in ov:
-                continue
-            m = ov[key]
-            s = m["shape"]
-            out.append(f"  ({s['b']},{s['heads']},{s['q_len']},{s['head_dim']})×{s['kv_len']} {m['dtype']}: "
-                       f"direct {fmt_time(m['direct_us'])}, engine {fmt_time(m['engine_us'])} "
-                       f"(ran {m['engine_backend']}{', pinned' if m.get('pinned') else ''}); added {m['added_us']:+.2f} µs median "
-                       f"[p20 {m['added_p20_us']:+.2f}, p80 {m['added_p80_us']:+.2f}], "
-                       f"{m['added_min_us']:+.2f} µs between fastest blocks; {m['rounds']} rounds")
-            if not m["like_for_like"]:
-                out.append("    (the engine ran another kernel than PyTorch's own choice, so this "
-                           "difference includes the kernel)")
+            if key in ov:
+                out.extend(_overhead_row(ov[key]))
         if "dispatch" in ov:
             out.append(f"  dispatch alone (kernel call stubbed out, best of blocks): "
                        f"{ov['dispatch']['added_us']:.2f} µs per call")
+        sched = ov.get("schedule")
+        if sched:
+            out.append(f"  with a schedule in force ({sched['text'] or 'none'}), at step {sched['at_step']} of "
+                       f"{sched['steps']}:")
+            out.extend("  " + line for line in _overhead_row(sched["tiny"]))
+            out.append(f"    dispatch alone: {sched['dispatch']['added_us']:.2f} µs per call")
     st = doc["settings"]
     others = st.get("other_processes_cpu_share")
     if others is not None and others > 0.1:
@@ -143,3 +139,17 @@ def render(doc: dict) -> str:
     out.append(f"memory: {doc['settings']['memory_method']}")
     out.append(f"error: {doc['settings']['reference']}")
     return "\n".join(out)
+
+
+def _overhead_row(m: dict) -> list:
+    """One call's overhead line (and the note when the engine ran another kernel)."""
+    s = m["shape"]
+    lines = [f"  ({s['b']},{s['heads']},{s['q_len']},{s['head_dim']})×{s['kv_len']} {m['dtype']}: "
+             f"direct {fmt_time(m['direct_us'])}, engine {fmt_time(m['engine_us'])} "
+             f"(ran {m['engine_backend']}{', pinned' if m.get('pinned') else ''}); added {m['added_us']:+.2f} µs median "
+             f"[p20 {m['added_p20_us']:+.2f}, p80 {m['added_p80_us']:+.2f}], "
+             f"{m['added_min_us']:+.2f} µs between fastest blocks; {m['rounds']} rounds"]
+    if not m["like_for_like"]:
+        lines.append("    (the engine ran another kernel than PyTorch's own choice, so this "
+                     "difference includes the kernel)")
+    return lines
