@@ -12,7 +12,7 @@ names what is wrong (``unknown backend id …`` for the chain, ``schedule rule N
 from __future__ import annotations
 
 import lib_attn
-from lib_attn import schedule as rules
+from lib_attn import schedule as schedules
 from lib_attn.config import FP32_POLICIES, GUARD_MODES, TUNE_MODES
 from webui_attn.flags import parse_ids
 from webui_attn.settings import unavailable_text
@@ -56,7 +56,7 @@ def config_for(roles, backend: str, chain: str, strict: bool, fp32: str, tune: s
     if guard is not None:
         config["guard"] = guard
     if (schedule or "").strip():
-        config["schedule"] = rules.parse(schedule) or ""
+        config["schedule"] = schedules.parse(schedule) or ""
     return config
 
 
@@ -65,7 +65,7 @@ def _validate(chain, schedule=""):
     arrives as None: it is checked when the node runs)."""
     try:
         parse_chain(AUTO, chain)
-        rules.parse(schedule or None)
+        schedules.parse(schedule or None)
     except ValueError as exc:
         return str(exc)
     return True
@@ -110,7 +110,8 @@ class AttentionBackend:
                            "of each kind is checked against a reference, then its output is watched for NaN/inf; a "
                            "faulty call is recomputed on the next backend. full: every call checked (slower, to "
                            "find what makes a black image). off: nothing checked"}),
-                    "schedule": ("STRING", {"default": "", "placeholder": rules.EXAMPLE, "tooltip": SCHEDULE_TOOLTIP})}
+                    "schedule": ("STRING", {"default": "", "placeholder": schedules.EXAMPLE,
+                                            "tooltip": SCHEDULE_TOOLTIP})}
         return {"required": inputs, "optional": guard}
 
     RETURN_TYPES = ("MODEL",)

@@ -10,9 +10,10 @@ correction, to the next). The total is the schedule's length less one, so the fr
 is that of this sampler: KSamplerAdvanced's start/end steps and a denoise below 1 give it their own
 steps. ComfyUI does not tell which pass (base, hires, refiner) a sampler is.
 
-Reading the values costs a device sync: the schedule's once per sampling, the call's sigma once per
-model call, and only while a schedule with step or sigma rules is in force (ComfyUI's samplers
-already read a sigma per step themselves, so the wait adds little).
+Reading the values waits for the device (a sync): the schedule's once per sampling, the call's sigma
+once per model call, and only while a schedule with step or sigma rules is in force; block and kind
+rules read nothing. The wait lets the previous step's queued work finish before the model call's
+first kernels are launched.
 """
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ from comfy import patcher_extension
 
 
 def prepare_model_patcher(model, conds, model_options):
-    patcher_extension.merge_nested_dicts(model_options["transformer_options"].setdefault("wrappers", {}), model.wrappers,
-                                         copy_dict1=False)
+    patcher_extension.merge_nested_dicts(model_options["transformer_options"].setdefault("wrappers", {}),
+                                         model.wrappers, copy_dict1=False)
 
 
 def calc_cond_batch(model, context, x_in, timestep, model_options):
