@@ -91,7 +91,7 @@ def _common_inputs() -> dict:
 
 SCHEDULE_TOOLTIP = (
     "Optional: which backends serve which calls, as rules 'conditions: backends' separated by ';', the first "
-    "rule that holds taking the call, e.g. '0-20%: sdpa; 20-80%: sage3, sage; 80-100%: sdpa; cross: sdpa'. "
+    "rule that holds taking the call, e.g. 'cross: sdpa; 0-20%: sdpa; 20-80%: sage3, sage; 80-100%: sdpa'. "
     "Conditions: A-B% (this sampler's steps done), sigma X-Y, self, cross, joint, first N, last N, blocks A-B. "
     "Calls no rule takes use the backend and chain above. Empty: the default schedule (ATTN_COMFY_SCHEDULE) if "
     "one is set; off: none.")
