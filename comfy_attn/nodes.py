@@ -2,13 +2,17 @@
 Attention report (shows what the run's attention did).
 
 Choices list only valid values, which ComfyUI checks itself ("Value not in list", on the input that
-holds the value); a backend chain typed by hand is checked before the graph runs (``VALIDATE_INPUTS``,
-which takes only ``chain``: ComfyUI reports a failed check once for every input it names) and again
-when the node runs, with a message naming the bad id and the valid ones.
+holds the value); a backend chain and a schedule typed by hand are checked before the graph runs
+(``VALIDATE_INPUTS``) and again when the node runs, with a message naming the bad part and the valid
+ones. ComfyUI 0.8.0 calls ``VALIDATE_INPUTS`` with the inputs it names that the prompt holds (an
+optional input a graph saved before it existed lacks is left out, so it keeps its default), and
+reports a failed check once for every input it was given, each time with the same text: the text
+names what is wrong (``unknown backend id …`` for the chain, ``schedule rule N (…)`` for the schedule).
 """
 from __future__ import annotations
 
 import lib_attn
+from lib_attn import schedule as schedules
 from lib_attn.config import FP32_POLICIES, GUARD_MODES, TUNE_MODES
 from webui_attn.flags import parse_ids
 from webui_attn.settings import unavailable_text
@@ -35,9 +39,10 @@ def parse_chain(backend: str, chain: str) -> list[str] | None:
 
 
 def config_for(roles, backend: str, chain: str, strict: bool, fp32: str, tune: str = AUTO,
-               guard: str | None = None) -> dict:
+               guard: str | None = None, schedule: str = "") -> dict:
     """``lib_attn.configure`` arguments for the roles a node routes; ValueError for a bad value.
-    ``guard`` None leaves the guard's mode in force."""
+    ``guard`` None leaves the guard's mode in force; an empty ``schedule`` the schedule in force
+    (``ATTN_COMFY_SCHEDULE``'s, if any), ``off`` none."""
     if fp32 not in (AUTO, *FP32_POLICIES):
         raise ValueError(f"fp32 {fp32!r} is not one of {AUTO}, {', '.join(FP32_POLICIES)}")
     if tune not in TUNE_MODES:
@@ -50,12 +55,17 @@ def config_for(roles, backend: str, chain: str, strict: bool, fp32: str, tune: s
         config["fp32"] = fp32
     if guard is not None:
         config["guard"] = guard
+    if (schedule or "").strip():
+        config["schedule"] = schedules.parse(schedule) or ""
     return config
 
 
-def _validate_chain(chain):
+def _validate(chain, schedule=""):
+    """True, or what is wrong with the chain or the schedule (an input linked from another node
+    arrives as None: it is checked when the node runs)."""
     try:
         parse_chain(AUTO, chain)
+        schedules.parse(schedule or None)
     except ValueError as exc:
         return str(exc)
     return True
@@ -79,6 +89,14 @@ def _common_inputs() -> dict:
     }
 
 
+SCHEDULE_TOOLTIP = (
+    "Optional: which backends serve which calls, as rules 'conditions: backends' separated by ';', the first "
+    "rule that holds taking the call, e.g. 'cross: sdpa; 0-20%: sdpa; 20-80%: sage3, sage; 80-100%: sdpa'. "
+    "Conditions: A-B% (this sampler's steps done), sigma X-Y, self, cross, joint, first N, last N, blocks A-B. "
+    "Calls no rule takes use the backend and chain above. Empty: the default schedule (ATTN_COMFY_SCHEDULE) if "
+    "one is set; off: none.")
+
+
 class AttentionBackend:
     """MODEL -> MODEL: the model's attention (every call of its forward) runs on the engine."""
 
@@ -91,7 +109,9 @@ class AttentionBackend:
         guard = {"guard": (list(GUARD_MODES), {"default": GUARD_MODES[0], "tooltip": "on: each kernel's first call "
                            "of each kind is checked against a reference, then its output is watched for NaN/inf; a "
                            "faulty call is recomputed on the next backend. full: every call checked (slower, to "
-                           "find what makes a black image). off: nothing checked"})}
+                           "find what makes a black image). off: nothing checked"}),
+                    "schedule": ("STRING", {"default": "", "placeholder": schedules.EXAMPLE,
+                                            "tooltip": SCHEDULE_TOOLTIP})}
         return {"required": inputs, "optional": guard}
 
     RETURN_TYPES = ("MODEL",)
@@ -100,11 +120,11 @@ class AttentionBackend:
     DESCRIPTION = "Runs the model's attention on the fastest kernel that takes each call, falling back per call."
 
     @classmethod
-    def VALIDATE_INPUTS(cls, chain):
-        return _validate_chain(chain)
+    def VALIDATE_INPUTS(cls, chain, schedule=""):
+        return _validate(chain, schedule)
 
-    def apply(self, model, backend, chain, strict, fp32, tune, guard=GUARD_MODES[0]):
-        config = config_for(("unet", "dit"), backend, chain, strict, fp32, tune, guard)
+    def apply(self, model, backend, chain, strict, fp32, tune, guard=GUARD_MODES[0], schedule=""):
+        config = config_for(("unet", "dit"), backend, chain, strict, fp32, tune, guard, schedule)
         return (route.route_model(model, config, None if fp32 == AUTO else fp32),)
 
 
@@ -123,7 +143,7 @@ class VAEAttentionBackend:
 
     @classmethod
     def VALIDATE_INPUTS(cls, chain):
-        return _validate_chain(chain)
+        return _validate(chain)
 
     def apply(self, vae, backend, chain, strict, fp32):
         return (route.route_vae(vae, config_for(("vae",), backend, chain, strict, fp32)),)

@@ -4,6 +4,7 @@ time, peak VRAM as allocated / reserved / device)."""
 from __future__ import annotations
 
 from lib_attn.report import MIB, Report
+from webui_attn.readout import INFOTEXT_SCHEDULE_KEY, schedule_text
 
 ROLE_NAMES = {"unet": "UNet", "dit": "DiT", "vae": "VAE", "text": "Text"}
 
@@ -37,8 +38,9 @@ def fallback_line(report: Report, key: tuple, n: int) -> str:
 
 
 def lines(report: Report) -> list[str]:
-    """One line per role that ran (most calls first), one per fallback, one per thing the guard caught,
-    then time, memory and notes."""
+    """One line per role that ran (most calls first), the calls per schedule rule (``Attention schedule:
+    0–50%: sdpa ×32 · 50–100%: math ×32``, adding up to the calls above) when a schedule served calls,
+    one line per fallback, one per thing the guard caught, then time, memory and notes."""
     out = []
     for role in report.roles():
         ran = ", ".join(f"{report.describe(b)}{' [tuned]' if report.is_tuned(role, b) else ''} ×{n:,}"
@@ -46,6 +48,8 @@ def lines(report: Report) -> list[str]:
         out.append(f"{ROLE_NAMES.get(role, role)}: {ran}")
     if not out:
         out.append(f"{report.ran_on}, not through this extension" if report.ran_on else "no attention calls")
+    if report.rules:
+        out.append(f"{INFOTEXT_SCHEDULE_KEY}: {schedule_text(report)}")
     for key, n in report.fallback_items():
         out.append(fallback_line(report, key, n))
     out.extend(report.guard_lines())

@@ -4,7 +4,10 @@
   which calls ``transformer_options["optimized_attention_override"](func, *args, **kwargs)`` when a
   model's options carry one: every call of that model's forward (SD1.5/SDXL, Flux, SD3, Wan,
   Qwen-Image, Lumina, HunyuanVideo, …) then reaches ``override``. An ``OUTER_SAMPLE`` wrapper puts
-  the node's configuration in force while that model samples and counts the run.
+  the node's configuration in force while that model samples and counts the run; while a schedule is
+  in force it also has the model's blocks tell the engine where they start
+  (``lib_attn.schedule.blocks``), and an ``APPLY_MODEL`` wrapper tells it the step of each model
+  call (``steps.model_call``).
 * One VAE (the VAE attention backend node): VAE blocks store their function when built and no
   wrapper reaches them, so a class descriptor (``Patches.patch_stored``) gives them the engine's
   function while a routed VAE's encode or decode runs; the VAE object ComfyUI caches keeps its own.
@@ -12,7 +15,9 @@
   ``--use-flash-attention`` / ``--use-sage-attention`` with this package installed): every loaded
   module's ``optimized_attention`` / ``optimized_attention_masked`` that is ComfyUI's chosen function
   is rebound to the engine's, wrapped in ComfyUI's own ``wrap_attn`` so that overrides still apply,
-  and the VAE blocks see the engine's function always.
+  and the VAE blocks see the engine's function always. No wrapper reaches every model, so the step
+  is followed from the attention calls (a new ``sigmas`` tensor is a new model call), and the blocks
+  are not known.
 
 Text encoders ask ``optimized_attention_for_device`` for their function and keep ComfyUI's.
 """
@@ -23,12 +28,14 @@ import importlib
 import sys
 
 import lib_attn
+from lib_attn import schedule
+from lib_attn.schedule import where
 
 from webui_attn import heads, host
 from webui_attn.patching import Patches
 from webui_attn.rebind import copies, import_quietly
 
-from . import run
+from . import run, steps
 
 SOURCE = "comfy.ldm.modules.attention"
 NAMES = ("optimized_attention", "optimized_attention_masked")
@@ -96,11 +103,28 @@ def make_override(role: str, fp32: str | None = None):
 
 
 def make_sample_wrapper(config: dict):
-    """An ``OUTER_SAMPLE`` wrapper: the model samples under ``config``, counted in the run."""
+    """An ``OUTER_SAMPLE`` wrapper: the model samples under ``config``, counted in the run. While a
+    schedule is in force, the blocks of the model being sampled (the guider's, ``executor.class_obj``)
+    tell the engine where they start; no step is known before or after."""
     def wrapper(executor, *args, **kwargs):
         with run.segment(config):
-            return executor(*args, **kwargs)
+            if lib_attn.config().schedule is None:
+                return executor(*args, **kwargs)
+            steps.leave()
+            try:
+                with schedule.blocks(executor.class_obj.model_patcher.model.diffusion_model):
+                    return executor(*args, **kwargs)
+            finally:
+                steps.leave()
     return wrapper
+
+
+def model_call_wrapper(executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options={},
+                       **kwargs):
+    """An ``APPLY_MODEL`` wrapper (called as ``BaseModel.apply_model`` calls it): the engine is told
+    the step of this model call, once, before its attention calls."""
+    steps.model_call(transformer_options)
+    return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
 
 
 def route_model(model_patcher, config: dict, fp32: str | None = None):
@@ -110,8 +134,10 @@ def route_model(model_patcher, config: dict, fp32: str | None = None):
     model = model_patcher.clone()
     options = model.model_options.setdefault("transformer_options", {})
     options["optimized_attention_override"] = make_override(role_of(model), fp32)
-    model.remove_wrappers_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
+    for kind in (WrappersMP.OUTER_SAMPLE, WrappersMP.APPLY_MODEL):
+        model.remove_wrappers_with_key(kind, WRAPPER_KEY)
     model.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, make_sample_wrapper(config))
+    model.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, model_call_wrapper)
     return model
 
 
@@ -192,6 +218,8 @@ def _global_function(role: str, wrap):
         def attention_function(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
                                skip_output_reshape=False, **kwargs):
             run.begin()  # counts the run a graph without the nodes is
+            if where.schedule is not None:
+                steps.attention_call(kwargs.get("transformer_options"))
             return serve(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, **kwargs)
 
         attention_function.__qualname__ = attention_function.__name__ = f"lib_attn_{role}_attention"

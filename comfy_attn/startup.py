@@ -5,6 +5,10 @@ The global route is asked for by ``ATTN_COMFY_ROUTE`` (``auto``, or a chain of b
 ``--use-flash-attention`` / ``--use-sage-attention`` (``webui_attn.startup_flags``: ComfyUI would stop
 at startup where such a flag's package is missing; this package lets it start, and every model runs
 on the engine with that kernel first, falling back per call with the reason).
+
+``ATTN_COMFY_SCHEDULE`` is the default schedule (``lib_attn.schedule``'s one-line text): the global
+route's, and that of every Attention backend node whose schedule is empty. A schedule that does not
+parse is said at startup and not used at all.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from webui_attn.flags import parse_ids
 from . import route
 
 ENV_ROUTE = "ATTN_COMFY_ROUTE"
+ENV_SCHEDULE = "ATTN_COMFY_SCHEDULE"
 OFF = ("", "0", "off", "false", "no")
 
 
@@ -52,6 +57,7 @@ def start(routes=None, args=None) -> list[str]:
             api.register(routes)
         except ImportError as exc:  # aiohttp comes with ComfyUI; a bare test process may lack it
             host.log_once(("comfy-route", str(exc)), f"status route not added: {exc}")
+    default_schedule()
     try:
         chain, why = requested(args=args)
     except ValueError as exc:
@@ -66,3 +72,21 @@ def start(routes=None, args=None) -> list[str]:
                   f"{' and '.join(why)}: every model's attention runs on this extension's engine ({first}falling "
                   f"back per call, with the reason in the report): {', '.join(routed) or 'nothing loaded yet'}")
     return routed
+
+
+def default_schedule(environ=os.environ):
+    """Put ``ATTN_COMFY_SCHEDULE`` in force; returns the schedule, or None when none is set or it does
+    not parse (then the startup log says which rule and part are wrong, and nothing of it is used)."""
+    text = environ.get(ENV_SCHEDULE, "").strip()
+    if not text:
+        return None
+    try:
+        lib_attn.configure(schedule=text)
+    except ValueError as exc:
+        host.log_once(("comfy-schedule", text), f"{ENV_SCHEDULE}={text!r}: {exc}. No default schedule; "
+                                                f"the nodes' schedules still work.")
+        return None
+    rules = lib_attn.config().schedule
+    if rules is not None:
+        host.log_once(("comfy-schedule", text), f"{ENV_SCHEDULE}: default schedule {rules.text!r}")
+    return rules

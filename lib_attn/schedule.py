@@ -358,15 +358,21 @@ def block_modules(model) -> list:
 def blocks(model):
     """While the ``with`` block runs, each numbered block of ``model`` tells ``where`` when it starts
     (a forward pre-hook per block: one Python call per block per model call). Yields the number of
-    blocks (0: ``model`` has none this module knows, and block conditions never hold for it)."""
+    blocks (0: ``model`` has none this module knows, and block conditions never hold for it).
+
+    A block that is an ``nn.Sequential`` gets the hook on each of its layers too: ComfyUI's UNet runs
+    a block's layers one by one (``forward_timestep_embed``) without calling the block itself."""
     found = block_modules(model)
     handles = []
     total = len(found)
     try:
         for i, (module, joint) in enumerate(found):
-            hook = getattr(module, "register_forward_pre_hook", None)
-            if hook is not None:
-                handles.append(hook(_block_hook(i, total, joint)))
+            starts = _block_hook(i, total, joint)
+            layers = list(module) if isinstance(module, torch.nn.Sequential) else []
+            for part in (module, *layers):
+                hook = getattr(part, "register_forward_pre_hook", None)
+                if hook is not None:
+                    handles.append(hook(starts))
         yield total
     finally:
         for handle in handles:
@@ -375,6 +381,8 @@ def blocks(model):
 
 def _block_hook(index: int, total: int, joint: bool):
     def starts(module, args):
+        if where.block == index and where.blocks == total:
+            return  # the block's next layer
         where.block, where.blocks, where.joint = index, total, joint
         if where.schedule is not None:
             _recompute()

@@ -58,15 +58,17 @@ def flux_patcher(seed=0):
     return ModelPatcher(BaseModel(Flux()))
 
 
-def sample(patcher, prompt_id="p1", steps=2):
-    """KSampler's work, as node ``prompt_id``'s sampler would do it."""
+def sample(patcher, prompt_id="p1", steps=2, dtype=torch.float32):
+    """KSampler's work, as node ``prompt_id``'s sampler would do it (``dtype``: the model's and the
+    inputs', for a float64 reference)."""
     from comfy import samplers
     from comfy_execution.utils import CurrentNodeContext
     gen = torch.Generator().manual_seed(1)
-    noise = torch.randn(1, 4, 8, 8, generator=gen)
-    context = torch.randn(1, 7, 32, generator=gen)
+    noise = torch.randn(1, 4, 8, 8, generator=gen, dtype=torch.float64).to(dtype)
+    context = torch.randn(1, 7, 32, generator=gen, dtype=torch.float64).to(dtype)
+    patcher.model.to(dtype)
     with CurrentNodeContext(prompt_id, "3"):
-        return samplers.sample(patcher, noise, torch.linspace(1.0, 0.1, steps + 1), context)
+        return samplers.sample(patcher, noise, torch.linspace(1.0, 0.1, steps + 1, dtype=dtype), context)
 
 
 BACKEND = dict(backend="auto", chain="", strict=False, fp32="auto")
@@ -442,3 +444,165 @@ def test_fallback_line_names_every_backend_passed_over_and_what_ran(comfy_factor
     (line,) = [t for t in text if t.startswith("fallback ")]
     assert line.startswith(f"fallback UNet flash-attn ×4: not available: {infos['flash-attn'].reason}; ")
     assert f"; then sdpa-cudnn: not available: {infos['sdpa-cudnn'].reason}" in line and line.endswith("; ran sdpa")
+
+
+# --- schedules ------------------------------------------------------------------------------------------
+
+WINDOWS = "0-50%: sdpa; 50-100%: math"
+
+
+def in_window(steps, lo, hi):
+    """How many of ``steps`` sampler steps fall in the window [lo, hi) of the fraction of steps done."""
+    return sum(1 for i in range(steps) if lo <= i / steps < hi)
+
+
+@pytest.mark.parametrize("make,role,per_step", [(unet_patcher, "unet", 2), (flux_patcher, "dit", 1)])
+@pytest.mark.parametrize("steps", [2, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_schedule_windows_count_per_step_and_give_the_unscheduled_image(comfy_factory, make, role, per_step, steps,
+                                                                        dtype):
+    _, nodes = loaded(comfy_factory)
+    ref = sample(make(), steps=steps, dtype=torch.float64)                    # ComfyUI's own attention, float64
+    bound = 8 * torch.finfo(dtype).eps                                         # measured: about 2 eps for each run
+    (plain,) = node(nodes, "FlashAttentionBackend", model=make(), tune="auto", **BACKEND)
+    (scheduled,) = node(nodes, "FlashAttentionBackend", model=make(), tune="auto", schedule=WINDOWS, **BACKEND)
+    unscheduled = sample(plain, steps=steps, dtype=dtype)
+    with lib_attn.recording() as rec:
+        out = sample(scheduled, steps=steps, dtype=dtype)
+    first, second = in_window(steps, 0, 0.5), in_window(steps, 0.5, 1)
+    assert rec.rules == {(WINDOWS, "0-50%", role, "sdpa"): first * per_step,
+                         (WINDOWS, "50-100%", role, "math"): second * per_step}
+    assert sum(rec.rules.values()) == sum(rec.calls.values()) == steps * per_step
+    assert out.dtype == dtype and rel_err(unscheduled, ref) <= bound and rel_err(out, ref) <= bound
+    assert lib_attn.config().schedule is None                                  # the node's schedule ends with its run
+    from lib_attn.schedule import where
+    assert where.progress is None and where.block is None
+
+
+def test_the_step_is_told_once_per_model_call_from_comfyuis_sigmas(comfy_factory, monkeypatch):
+    _, nodes = loaded(comfy_factory)
+    from lib_attn import schedule
+    told = []
+    real = schedule.at_step
+    monkeypatch.setattr(schedule, "at_step", lambda *a, **k: (told.append(a), real(*a, **k)))
+    (plain,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto", **BACKEND)
+    sample(plain, steps=3)
+    assert told == []                                                          # no schedule: nothing read
+    (model,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto", schedule=WINDOWS, **BACKEND)
+    with lib_attn.recording() as rec:
+        sample(model, steps=3)
+    sigmas = torch.linspace(1.0, 0.1, 4).tolist()
+    assert [(i, n) for i, n, _ in told] == [(0, 3), (1, 3), (2, 3)]            # 2 attention calls each
+    assert [s for _, _, s in told] == pytest.approx(sigmas[:3])
+    assert sum(rec.calls.values()) == 6
+
+
+def test_step_of_a_sigma_between_two_of_the_samplers(comfy_factory):
+    from comfy_attn.steps import step_of
+    values = torch.linspace(14.6, 0.0, 11).tolist()                            # 10 steps
+    assert [step_of(v, values) for v in values[:-1]] == list(range(10))
+    assert step_of((values[3] + values[4]) / 2, values) == 3                   # a second evaluation in step 3
+    assert step_of(values[0] * 1.2, values) == 0 and step_of(1e-3, values) == 9
+
+
+def test_block_rules_follow_comfyuis_unet_blocks(comfy_factory):
+    """ComfyUI's UNet runs a block's layers one by one; block rules still see where they run."""
+    _, nodes = loaded(comfy_factory)
+    patcher = unet_patcher()
+    unet = patcher.model.diffusion_model
+    text = "blocks 0-2: math"                                                  # self-attention: input block 1
+    (model,) = node(nodes, "FlashAttentionBackend", model=patcher, tune="auto", schedule=text, **BACKEND)
+    with lib_attn.recording() as rec:
+        sample(model, steps=2)
+    assert rec.rules == {(text, "blocks 0-2", "unet", "math"): 2, (text, "otherwise", "unet", "sdpa"): 2}
+    assert not any(m._forward_pre_hooks for m in unet.modules())              # the hooks go with the sampling
+
+
+@pytest.mark.parametrize("text,words", [
+    ("0-50%: sdpa; 50-100%: flahs", ["schedule rule 2 ('50-100%: flahs')", "unknown backend id 'flahs'",
+                                     "valid ids", "sdpa-math"]),
+    ("0-150%: sdpa", ["schedule rule 1", "'0-150%'", "within 0-100%"]),
+    ("0-50% sdpa", ["schedule rule 1", "no ':'", "example"]),
+])
+def test_a_bad_schedule_is_refused_before_the_graph_runs(comfy_factory, text, words):
+    _, nodes = loaded(comfy_factory)
+    import execution
+    cls = nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"]
+    values = dict(model=None, tune="auto", guard="on", schedule=text, **BACKEND)
+    ok, errors = execution.validate(cls, values)
+    assert not ok
+    # ComfyUI reports the failed check on every input VALIDATE_INPUTS took, each with the same text
+    assert {e["extra_info"]["input_name"] for e in errors} == {"chain", "schedule"}
+    for error in errors:
+        assert error["type"] == "custom_validation_failed"
+        assert all(w in error["details"] for w in words), error["details"]
+    before = lib_attn.config()
+    with pytest.raises(ValueError) as raised:                                  # the API may skip the page
+        execution.execute(cls, dict(values, model=unet_patcher()))
+    assert all(w in str(raised.value) for w in words) and lib_attn.config() == before
+
+
+def test_a_schedule_linked_from_another_node_is_checked_when_the_node_runs(comfy_factory):
+    _, nodes = loaded(comfy_factory)
+    cls = nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"]
+    assert cls.VALIDATE_INPUTS(chain="", schedule=None) is True               # ComfyUI gives None for a link
+    assert cls.INPUT_TYPES()["optional"]["schedule"][0] == "STRING"
+    assert "0-20%: sdpa" in cls.INPUT_TYPES()["optional"]["schedule"][1]["tooltip"]
+
+
+def test_a_graph_saved_without_the_schedule_input_still_runs(comfy_factory):
+    _, nodes = loaded(comfy_factory)
+    (model,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto", **BACKEND)  # no schedule
+    with lib_attn.recording() as rec:
+        sample(model, steps=2)
+    assert rec.calls == {("unet", "sdpa"): 4} and not rec.rules
+
+
+def test_the_report_says_the_calls_per_rule(comfy_factory):
+    comfy, nodes = loaded(comfy_factory)
+    (model,) = node(nodes, "FlashAttentionBackend", prompt_id="r1", model=unet_patcher(), tune="auto",
+                    schedule=WINDOWS, **BACKEND)
+    sample(model, prompt_id="r1", steps=4)
+    text = node(nodes, "FlashAttentionReport", prompt_id="r1", images=torch.zeros(1, 8, 8, 3))["ui"]["text"]
+    assert text[0].startswith("UNet: ") and text[0].endswith("×4")             # sdpa ×4, math ×4
+    assert text[1] == "Attention schedule: 0–50%: sdpa ×4 · 50–100%: math ×4"
+    event, data, _ = comfy.server.sent[-1]
+    assert event == "flash-attention.report" and data["text"] == text
+    assert data["schedule"] == WINDOWS
+    assert sum(r["count"] for r in data["rules"]) == sum(c["count"] for c in data["calls"]) == 8
+    assert {(r["rule"], r["backend"]) for r in data["rules"]} == {("0-50%", "sdpa"), ("50-100%", "math")}
+
+
+def test_default_schedule_from_the_environment_for_the_global_route_and_empty_nodes(comfy_factory, capsys,
+                                                                                    monkeypatch):
+    _, nodes = loaded(comfy_factory, env={"ATTN_COMFY_ROUTE": "auto", "ATTN_COMFY_SCHEDULE": WINDOWS})
+    assert f"ATTN_COMFY_SCHEDULE: default schedule {WINDOWS!r}" in capsys.readouterr().out
+    from lib_attn import schedule
+    told = []
+    real = schedule.at_step
+    monkeypatch.setattr(schedule, "at_step", lambda *a, **k: (told.append(a[:2]), real(*a, **k)))
+    with lib_attn.recording() as rec:                                          # no node: the global route
+        sample(unet_patcher(), prompt_id="e1", steps=4)
+    assert rec.rules == {(WINDOWS, "0-50%", "unet", "sdpa"): 4, (WINDOWS, "50-100%", "unet", "math"): 4}
+    assert told == [(i, 4) for i in range(4)]                                 # once per model call
+    (inherits,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto", **BACKEND)
+    (off,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto", schedule="off", **BACKEND)
+    with lib_attn.recording() as rec:
+        sample(inherits, prompt_id="e2", steps=2)
+    assert rec.rules == {(WINDOWS, "0-50%", "unet", "sdpa"): 2, (WINDOWS, "50-100%", "unet", "math"): 2}
+    with lib_attn.recording() as rec:
+        sample(off, prompt_id="e3", steps=2)
+    assert rec.calls == {("unet", "sdpa"): 4} and not rec.rules
+    assert lib_attn.config().schedule.text == WINDOWS                          # still the default afterwards
+
+
+def test_a_bad_default_schedule_is_said_at_startup_and_not_used(comfy_factory, capsys):
+    bad = "0-50%: sdpa; 50-100% math"
+    _, _ = loaded(comfy_factory, env={"ATTN_COMFY_ROUTE": "auto", "ATTN_COMFY_SCHEDULE": bad})
+    out = capsys.readouterr().out
+    assert f"ATTN_COMFY_SCHEDULE={bad!r}: schedule rule 2 ('50-100% math'): no ':'" in out
+    assert "No default schedule" in out and "every model's attention runs on this extension's engine" in out
+    assert lib_attn.config().schedule is None
+    with lib_attn.recording() as rec:
+        sample(unet_patcher(), prompt_id="b1", steps=2)
+    assert rec.calls == {("unet", "sdpa"): 4} and not rec.rules

@@ -1,6 +1,6 @@
 """The Attention report node's web script (web/flash_attention.js) against the double of ComfyUI's
 frontend (tests/doubles/comfy_frontend), run by Node.js: what the report widget shows, that it is
-read-only and sized to its text, that neither the prompt nor the saved workflow carries it (the node's
+read-only and sized to its text (the schedule's line too), that neither the prompt nor the saved workflow carries it (the node's
 only input stays its image), the last report coming back from ComfyUI's history after a reload, and
 the backend lists marking what cannot run here while the value stays the id. The node definitions,
 report lines and status answer come from the nodes themselves, loaded into the ComfyUI double."""
@@ -52,7 +52,7 @@ def scenario(comfy_factory, tmp_path):
     _, nodes = loaded(comfy_factory)
     from comfy_attn import api
     (model,) = node(nodes, "FlashAttentionBackend", prompt_id="w1", model=unet_patcher(), tune="auto",
-                    **dict(BACKEND, chain="flash-attn, sdpa-cudnn"))
+                    schedule="cross: math", **dict(BACKEND, chain="flash-attn, sdpa-cudnn"))
     sample(model, prompt_id="w1")
     lines = node(nodes, "FlashAttentionReport", prompt_id="w1", images=torch.zeros(1, 8, 8, 3))["ui"]["text"]
     root = tmp_path / "page"
@@ -80,7 +80,8 @@ def scenario(comfy_factory, tmp_path):
 def test_report_shows_every_line_read_only_and_sized_to_them(scenario):
     data, seen = scenario
     lines = data["lines"]
-    assert len(lines) >= 3 and any(line.startswith("fallback ") for line in lines)
+    assert len(lines) >= 4 and any(line.startswith("fallback ") for line in lines)
+    assert "Attention schedule: cross: math ×2 · otherwise: sdpa ×2" in lines   # shown whole, as every line
     executed = seen["executed"]
     assert executed["tag"] == "TEXTAREA" and executed["readOnly"] is True
     assert executed["shown"] == executed["element"] == "\n".join(lines)

@@ -31,7 +31,7 @@ COMFY_ROOT = os.path.join(HERE, "comfy")
 REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
 NODE_NAME = "sd-webui-flash-attention"
 DOUBLE_MODULES = ("comfy", "comfy_execution", "server", "nodes", "execution")
-ENV = ("ATTN_COMFY_ROUTE", "ATTN_CLAIMED_FLAGS")
+ENV = ("ATTN_COMFY_ROUTE", "ATTN_COMFY_SCHEDULE", "ATTN_CLAIMED_FLAGS")
 
 
 class Comfy:

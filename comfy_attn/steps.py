@@ -1,0 +1,81 @@
+"""The sampler's step, as ComfyUI tells it, for the schedule in force.
+
+ComfyUI hands every model call two things in its transformer options: ``sample_sigmas``, the
+sampler's whole schedule (``CFGGuider.inner_sample``: one tensor for the sampling, on the model's
+device), and ``sigmas``, the sigma of this call (``calc_cond_batch``: one per batch entry, a new
+tensor for each model call). The step is where the call's sigma stands in the schedule: the last
+step whose sigma is at or above it (Euler-like samplers call the model at each step's sigma; a
+second evaluation between two sigmas counts to the earlier step, one at the next sigma, as Heun's
+correction, to the next). The total is the schedule's length less one, so the fraction of steps done
+is that of this sampler: KSamplerAdvanced's start/end steps and a denoise below 1 give it their own
+steps. ComfyUI does not tell which pass (base, hires, refiner) a sampler is.
+
+Reading the values waits for the device (a sync): the schedule's once per sampling, the call's sigma
+once per model call, and only while a schedule with step or sigma rules is in force; block and kind
+rules read nothing. The wait lets the previous step's queued work finish before the model call's
+first kernels are launched.
+"""
+from __future__ import annotations
+
+import bisect
+
+from lib_attn import schedule
+
+#: Relative slack when a sigma is compared with the schedule's (the sampler multiplies it by ones).
+SLACK = 1e-5
+
+_schedule = [None, ()]    # the sample_sigmas tensor last seen, its values
+_seen = [None]            # the sigmas tensor of the last model call followed
+_asks = [None, False]     # the schedule last asked about, whether it asks for the step
+
+
+def asks_step(rules) -> bool:
+    """Whether the schedule ``rules`` has step or sigma rules (block and kind rules need no step)."""
+    if _asks[0] is not rules:
+        _asks[:] = [rules, any(r.steps is not None or r.sigmas is not None for r in rules.rules)]
+    return _asks[1]
+
+
+def step_of(sigma: float, values) -> int:
+    """The step (0-based, of ``len(values) - 1``) that a model call at ``sigma`` belongs to, for a
+    sampler whose sigmas are ``values`` (falling)."""
+    n = len(values) - 1
+    falling = [-v for v in values[:n]]
+    return min(max(bisect.bisect_right(falling, -sigma + SLACK * abs(sigma)) - 1, 0), max(n - 1, 0))
+
+
+def _values(sample_sigmas) -> tuple:
+    if sample_sigmas is not _schedule[0]:
+        _schedule[:] = [sample_sigmas, tuple(sample_sigmas.reshape(-1).tolist())]
+    return _schedule[1]
+
+
+def model_call(options) -> None:
+    """A model call with transformer options ``options`` starts: tell the engine its step and sigma.
+    Nothing is read unless the schedule in force has step or sigma rules."""
+    rules = schedule.where.schedule
+    if rules is None or not asks_step(rules):
+        return
+    sigmas = options.get("sigmas") if options is not None else None
+    sample_sigmas = options.get("sample_sigmas") if options is not None else None
+    _seen[0] = sigmas
+    if sigmas is None or sample_sigmas is None or len(sample_sigmas) < 2:
+        schedule.at_step(None, None)
+        return
+    values = _values(sample_sigmas)
+    sigma = float(sigmas.reshape(-1)[0])
+    schedule.at_step(step_of(sigma, values), len(values) - 1, sigma)
+
+
+def attention_call(options) -> None:
+    """An attention call with transformer options ``options``: a new ``sigmas`` tensor means a new
+    model call (where nothing wraps the model calls: the global route)."""
+    if options is not None and options.get("sigmas") is not _seen[0]:
+        model_call(options)
+
+
+def leave() -> None:
+    """Sampling is over: no step is known, and the tensors are let go."""
+    _schedule[:] = [None, ()]
+    _seen[0] = None
+    schedule.leave()
