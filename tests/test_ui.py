@@ -115,17 +115,6 @@ def test_readout_html_shows_counts_fallbacks_time_and_vram():
     assert "A: 3.00 GB, R: 4.00 GB, Sys: 6.0/80 GB (7.5%)" in text
 
 
-def test_readout_html_counts_the_calls_per_schedule_rule_in_the_schedule_order():
-    text = "0-20%: sdpa; 20-80%: sage; 80-100%: sdpa"
-    report = Report(calls={("unet", "sdpa"): 256, ("unet", "sage"): 384, ("vae", "sdpa"): 1},
-                    rules={(text, "80-100%", "unet", "sdpa"): 128, (text, "0-20%", "unet", "sdpa"): 128,
-                           (text, "20-80%", "unet", "sage"): 384, (text, "otherwise", "vae", "sdpa"): 1})
-    html_text = ui.report_html(report)
-    assert ("<p class='flash-attn-schedule'>Schedule: 0–20%: sdpa ×128 · 20–80%: sage ×384 · 80–100%: sdpa ×128 · "
-            "otherwise: VAE sdpa ×1</p>") in html_text
-    assert "flash-attn-schedule" not in ui.report_html(_report())
-
-
 def test_readout_escapes_engine_text():
     report = Report(calls={("unet", "sdpa"): 1}, fallbacks={("unet", "sage", "<b>bad</b> & 'x'"): 1})
     text = ui.report_html(report)

@@ -12,7 +12,7 @@ import json
 from lib_attn.config import GUARD_MODES
 
 from . import state
-from .readout import elapsed_text, schedule_text, vram_text
+from .readout import elapsed_text, vram_text
 from .choices import USE_SETTING, override_choices, unavailable_ids
 
 ROLE_LABELS = {"unet": "UNet", "dit": "DiT", "vae": "VAE", "text": "Text encoder"}
@@ -48,8 +48,6 @@ def report_html(report) -> str:
     parts = ["<div class='flash-attn-readout'>",
              "<table class='flash-attn-calls'><thead><tr><th>Role</th><th>Kernel</th><th>Calls</th></tr></thead>",
              "<tbody>" + "".join(rows) + "</tbody></table>"]
-    if report.rules:
-        parts.append(f"<p class='flash-attn-schedule'>Schedule: {_e(schedule_text(report))}</p>")
     if report.fallbacks:
         items = "".join(
             f"<li><span class='flash-attn-role'>{_e(ROLE_LABELS.get(role, role))}</span> "
