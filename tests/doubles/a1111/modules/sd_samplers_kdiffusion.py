@@ -39,8 +39,9 @@ class KDiffusionSampler(sd_samplers_common.Sampler):
         x = x * sigmas[0]
         self.initialize(p)
         self.sampler_extra_args = self._extra_args(p, x, conditioning, unconditional_conditioning)
-        return self.launch_sampling(steps, lambda: self.func(self.model_wrap_cfg, x, self.sampler_extra_args,
-                                                             self.callback_state))
+        return self.launch_sampling(steps, lambda: self.func(self.model_wrap_cfg, x, sigmas=sigmas,
+                                                             extra_args=self.sampler_extra_args,
+                                                             callback=self.callback_state))
 
     def sample_img2img(self, p, x, noise, conditioning, unconditional_conditioning, steps=None):
         steps = steps or p.steps
@@ -49,5 +50,6 @@ class KDiffusionSampler(sd_samplers_common.Sampler):
         xi = x + noise * sigma_sched[0]
         self.initialize(p)
         self.sampler_extra_args = self._extra_args(p, x, conditioning, unconditional_conditioning)
-        return self.launch_sampling(t_enc + 1, lambda: self.func(self.model_wrap_cfg, xi, self.sampler_extra_args,
-                                                                 self.callback_state))
+        return self.launch_sampling(t_enc + 1, lambda: self.func(self.model_wrap_cfg, xi, sigmas=sigma_sched,
+                                                                 extra_args=self.sampler_extra_args,
+                                                                 callback=self.callback_state))
