@@ -7,6 +7,8 @@ A generation runs as the webui runs one: an API request (``alwayson_scripts`` ar
 ldm-layout UNet whose attention is the host's own module, a hires pass when asked, the VAE's attention,
 the infotext, ``postprocess``.
 """
+import html
+
 import pytest
 import torch
 
@@ -18,7 +20,7 @@ from tests import sampling_model  # noqa: E402
 from tests.doubles.fixtures import webui_factory  # noqa: E402,F401
 from tests.sampling_model import CALLS_PER_MODEL_CALL  # noqa: E402
 from tests.test_generation import AUTO_TITLE, _clean, prefixed, start  # noqa: E402,F401
-from webui_attn import layers, readout, sampling, state  # noqa: E402
+from webui_attn import layers, readout, sampling, state, ui  # noqa: E402
 from webui_attn.readout import lines, parse_infotext  # noqa: E402
 
 MODES = ("a1111", "forge", "neo", "reforge", "classic")
@@ -64,6 +66,7 @@ def test_two_kernels_by_step_window_count_per_window_and_match_the_unscheduled_i
     line = next(x for x in lines(report) if x.startswith("Attention schedule: "))
     assert line.startswith(f"Attention schedule: 0–50%: sdpa ×{half} · 50–100%: math ×{half} · otherwise: VAE ")
     assert line in processed.comments
+    assert f"Schedule: {line.removeprefix('Attention schedule: ')}" in html.unescape(ui.report_html(report))
     assert parse_infotext(processed.info)["Attention schedule"] == TWO_KERNELS
     assert info["extra_generation_params"]["Attention schedule"] == TWO_KERNELS
     assert lib_attn.config().schedule is None and schedules.where.progress is None   # over with the generation

@@ -13,7 +13,7 @@ from lib_attn.config import GUARD_MODES
 from lib_attn.schedule import EXAMPLE as SCHEDULE_EXAMPLE
 
 from . import state
-from .readout import elapsed_text, vram_text
+from .readout import elapsed_text, schedule_text, vram_text
 from .choices import USE_SETTING, override_choices, unavailable_ids
 
 ROLE_LABELS = {"unet": "UNet", "dit": "DiT", "vae": "VAE", "text": "Text encoder"}
@@ -34,7 +34,8 @@ def _e(text) -> str:
 
 
 def report_html(report) -> str:
-    """The readout of one generation as HTML (a table per backend, fallbacks, time and VRAM)."""
+    """The readout of one generation as HTML (a table per backend, fallbacks, the calls per schedule rule,
+    time and VRAM)."""
     if report is None:
         return "<div class='flash-attn-readout flash-attn-empty'>No generation yet.</div>"
     rows = []
@@ -55,6 +56,8 @@ def report_html(report) -> str:
             f"<code>{_e(backend)}</code> passed over ×{n:,}: {_e(reason)}</li>"
             for (role, backend, reason), n in report.fallback_items())
         parts.append(f"<ul class='flash-attn-fallbacks'>{items}</ul>")
+    if report.rules:
+        parts.append(f"<p class='flash-attn-schedule'>Schedule: {_e(schedule_text(report))}</p>")
     guard = report.guard_lines()
     if guard:
         parts.append("<ul class='flash-attn-guard'>" + "".join(f"<li>{_e(line)}</li>" for line in guard) + "</ul>")
