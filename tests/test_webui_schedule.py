@@ -242,3 +242,16 @@ def test_the_schedule_field_and_the_setting(webui_factory):
     info = shared.opts.data_labels[state.KEY_SCHEDULE]
     assert info.default == "" and info.component is gr.Textbox
     assert readout.INFOTEXT_SCHEDULE_KEY == "Attention schedule"
+
+
+def test_a_timestep_samplers_timestep_is_read_as_its_sigma():
+    """DDIM, PLMS and UniPC pass a timestep where k-diffusion samplers pass a sigma; their denoiser holds
+    the model's cumulative alphas, and sigma = sqrt((1 - a) / a) at that timestep."""
+    from types import SimpleNamespace
+    alphas = torch.linspace(0.9991, 0.0047, 1000, dtype=torch.float64)
+    t = torch.tensor([700.0, 700.0])
+    params = SimpleNamespace(sigma=t, denoiser=SimpleNamespace(alphas=alphas))
+    a = alphas[700].item()
+    assert sampling.sigma_of(params) == pytest.approx(((1 - a) / a) ** 0.5, rel=1e-12)
+    k_params = SimpleNamespace(sigma=torch.tensor([3.25, 3.25]), denoiser=SimpleNamespace())
+    assert sampling.sigma_of(k_params) == 3.25
