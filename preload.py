@@ -63,6 +63,14 @@ FLAGS = (
              "a sample of an exact one); a faulty call is recomputed on the next backend, which that call kind "
              "falls back to from then on; 'full' checks every call (slower: for chasing a black image); 'off' "
              "checks nothing.")),
+    ("--attn-schedule", dict(
+        metavar="TEXT", default=None,
+        help="Default schedule: which backends serve which steps, blocks and roles, on one line, e.g. "
+             "'0-20%%: sdpa; 20-80%%: sage; 80-100%%: sdpa; vae: sdpa'. Rules are 'conditions: backends'; the "
+             "first whose conditions hold takes a call, calls no rule takes keep the other settings; each rule's "
+             "backends fall back per call as --attn-backend's do. A bad "
+             "schedule is reported at startup with the rule and part that are wrong, and the flag ignored. "
+             "The setting and the per-generation field override it ('off': none).")),
     ("--attn-strict", dict(
         action="store_true",
         help="Raise an error instead of falling back when the chosen backend cannot take a call "

@@ -24,7 +24,12 @@ def _on_app_started(demo, app):
     panel.on_app_started(demo, app)
 
 
+def _on_cfg_denoiser(params):
+    panel.on_cfg_denoiser(params)
+
+
 script_callbacks.on_ui_settings(_on_ui_settings)
+script_callbacks.on_cfg_denoiser(_on_cfg_denoiser)
 script_callbacks.on_app_started(_on_app_started)
 script_callbacks.on_script_unloaded(host.unprefix_engine_log)
 

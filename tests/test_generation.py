@@ -194,15 +194,18 @@ def test_bad_override_is_logged_and_noted(webui_factory, capsys, mode, args, see
     processed, info = txt2img(runner, args)
     report = state.last_report()
     auto = lib_attn.explain(*[torch.randn(1, 8, 16, 40)] * 3, role="unet").backend
-    assert report.backends("unet") == [(auto, 3)]                          # the setting (Auto) ran
+    # a string's third character is the third argument, the schedule 't': no rule, so the generation is refused
+    assert report.backends("unet") == ([] if isinstance(args, str) else [(auto, 3)])   # else the setting (Auto) ran
     (line,) = [line for line in prefixed(capsys.readouterr().out) if "override" in line]
     assert f"override {seen} ignored" in line and ", ".join(lib_attn.BACKEND_IDS) in line
     assert "use setting" in line
     note, *more = report.notes
     assert note.startswith(f"override {seen} ignored")
     if isinstance(args, str):  # its second character is the second argument, the guard: refused too
-        (guard,) = more
+        guard, refused = more
         assert guard.startswith("guard 'a' ignored, the setting used; valid: use setting, on, full, off")
+        assert refused.startswith("generation refused: schedule for this generation: schedule rule 1 ('t'): "
+                                  "no ':' between conditions and backends")
     else:
         assert more == []
     assert all(f"Attention note: {n}" in processed.comments for n in report.notes)
@@ -284,7 +287,7 @@ def test_readout_redraws_when_the_generation_ends(webui_factory, mode):
     assert "No generation yet" in fn("")
     txt2img(runner, ["sdpa-math"])
     assert fn("Time taken: 1 sec.") == ui.report_html(state.last_report()) and "sdpa-math" in fn("")
-    assert script.args_to - script.args_from == 2  # the backend override and the guard
+    assert script.args_to - script.args_from == 3  # the backend override, the guard and the schedule
 
 
 # --- 12: one prefix ------------------------------------------------------------------------------------------

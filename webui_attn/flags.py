@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 
 import lib_attn
+from lib_attn import schedule as schedules
 from lib_attn.config import FP32_POLICIES, GUARD_MODES, TUNE_MODES
 
 from . import host as host_log
@@ -88,7 +89,19 @@ def problems(cmd_opts) -> list[str]:
     guard = getattr(cmd_opts, "attn_guard", None)
     if guard is not None and guard not in GUARD_MODES:
         out.append(f"--attn-guard {guard!r}: must be one of {', '.join(GUARD_MODES)}. The flag is ignored.")
+    problem = schedule_problem(getattr(cmd_opts, "attn_schedule", None))
+    if problem:
+        out.append(f"--attn-schedule: {problem}. The flag is ignored.")
     return out
+
+
+def schedule_problem(text) -> str | None:
+    """Why a schedule text cannot be used (the rule, the part and what is valid), or None when it can."""
+    try:
+        schedules.parse(text)
+    except schedules.ScheduleError as exc:
+        return str(exc)
+    return None
 
 
 def layer_from(cmd_opts) -> dict | None:
@@ -119,6 +132,9 @@ def layer_from(cmd_opts) -> dict | None:
     guard = getattr(cmd_opts, "attn_guard", None)
     if guard in GUARD_MODES:
         layer["guard"] = guard
+    text = getattr(cmd_opts, "attn_schedule", None)
+    if text is not None and schedule_problem(text) is None:
+        layer["schedule"] = text
     return layer or None
 
 

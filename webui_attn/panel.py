@@ -15,10 +15,11 @@ import lib_attn
 from lib_attn.config import GUARD_MODES
 from lib_attn.report import Report, VramProbe
 
-from . import host, layers, readout, settings, state
+from . import host, layers, readout, sampling, settings, state
 from .choices import USE_SETTING, backend_from_choice
-from .flags import DENOISER_ROLES
-from .readout import INFOTEXT_FALLBACKS_KEY, INFOTEXT_GUARD_KEY, INFOTEXT_KEY, INFOTEXT_KEYS, INFOTEXT_NOTE_KEY
+from .flags import DENOISER_ROLES, schedule_problem
+from .readout import (INFOTEXT_FALLBACKS_KEY, INFOTEXT_GUARD_KEY, INFOTEXT_KEY, INFOTEXT_KEYS, INFOTEXT_NOTE_KEY,
+                      INFOTEXT_SCHEDULE_KEY)
 
 TITLE = "Flash Attention"
 
@@ -36,8 +37,11 @@ class _Generation:
     previous_layer: dict | None
     notes: tuple
     routing: host.Routing
+    follower: sampling.Follower | None = None
 
     def close(self) -> None:
+        if self.follower is not None:
+            self.follower.close()
         self.context.__exit__(None, None, None)
         layers.set_layer("generation", self.previous_layer)
 
@@ -76,14 +80,33 @@ def read_guard(args) -> tuple[str | None, str | None]:
                   f"(over the API: \"args\": [\"<id or {USE_SETTING}>\", \"<guard>\"])")
 
 
-def generation_layer(override: str | None, guard: str | None = None) -> dict | None:
+SCHEDULE_API = "(over the API: \"args\": [\"<backend or use setting>\", \"<guard or use setting>\", \"<schedule>\"])"
+
+
+def read_schedule(args) -> tuple[str | None, str | None]:
+    """(schedule text or None, problem or None) from the script's third argument: empty or none leaves
+    the setting's in force; ``off`` runs this generation without one; any other text must be a whole
+    valid schedule. A problem names the rule, the part that is wrong and what is valid, and refuses the
+    generation (``process``)."""
+    value = args[2] if len(args) > 2 else None
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None, None
+    problem = schedule_problem(value)
+    if problem:
+        return None, f"schedule for this generation: {problem} {SCHEDULE_API}"
+    return value.strip(), None
+
+
+def generation_layer(override: str | None, guard: str | None = None, schedule: str | None = None) -> dict | None:
     """The ``generation`` layer that puts ``override`` first for the UNet/DiT (other roles unchanged) and
-    sets the ``guard`` mode for this generation."""
+    sets the ``guard`` mode and the ``schedule`` for this generation."""
     layer = {}
     if override is not None:
         layer["preference"] = {role: [override] for role in DENOISER_ROLES}
     if guard is not None:
         layer["guard"] = guard
+    if schedule is not None:
+        layer["schedule"] = schedule
     return layer or None
 
 
@@ -110,9 +133,10 @@ def ui(script, is_img2img):
         tab = "img2img" if is_img2img else "txt2img"
         hook(lambda on: ui_parts.follow(on.component, parts["readout"]),
              elem_id=OUTPUT_ELEM.format(tab=tab))
-    script.infotext_fields = [(parts["override"], override_from_params)]
-    script.paste_field_names = [INFOTEXT_KEY]
-    return [parts["override"], parts["guard"]]
+    script.infotext_fields = [(parts["override"], override_from_params),
+                              (parts["schedule"], readout.schedule_from_infotext)]
+    script.paste_field_names = [INFOTEXT_KEY, INFOTEXT_SCHEDULE_KEY]
+    return [parts["override"], parts["guard"], parts["schedule"]]
 
 
 def _shared():
@@ -157,35 +181,72 @@ def _notes(override: str | None, problem: str | None, route: host.Routing, opts)
 
 
 def process(p, *args):
-    """Before sampling: apply settings and override, start this generation's counters."""
+    """Before sampling: apply settings and override, start this generation's counters. A bad schedule
+    (the third argument, or the setting when that is left empty) refuses the generation: nothing of it
+    is applied, the webui is asked to stop before the first batch, and the message is shown."""
     shared = _shared()
     job = _job(shared)
     override, problem = read_override(args)
     guard, guard_problem = read_guard(args)
+    schedule, refusal = read_schedule(args)
     route = state.routing()
     opts = getattr(shared, "opts", None)
     notes = _notes(override, problem, route, opts)
     if guard_problem:
         host.log(guard_problem)
         notes = (*notes, guard_problem)
+    if refusal is None and schedule is None:
+        refusal = next((n for n in notes if n.startswith(f"setting {state.KEY_SCHEDULE}:")), None)
     with _lock:
         _close_stale(job)
         state.apply_settings(opts)
         previous = layers.get_layer("generation")
-        layers.set_layer("generation", generation_layer(override, guard))
+        if refusal is None:
+            try:
+                layers.set_layer("generation", generation_layer(override, guard, schedule))
+            except ValueError as exc:  # set_layer has put the previous layer back
+                refusal = str(exc)
+        follower = None
+        if refusal is None and lib_attn.config().schedule is not None:
+            follower = sampling.Follower(lib_attn.config().schedule, shared)
         context = lib_attn.recording()
         rec = context.__enter__()
         probe = None
         if not readout.monitor_running(getattr(shared, "mem_mon", None)):
             probe = VramProbe(getattr(shared, "device", None)).start()
-        _open.append(_Generation(p, job, context, rec, probe, previous, notes, route))
+        if refusal is not None:
+            notes = (*(n for n in notes if n != refusal), f"generation refused: {refusal}")
+        _open.append(_Generation(p, job, context, rec, probe, previous, notes, route, follower))
+    if refusal is not None:
+        refuse(p, shared, notes[-1])
     params = getattr(p, "extra_generation_params", None)
     if params is not None:
-        params[INFOTEXT_KEY] = _infotext_entry(rec, INFOTEXT_KEY)
-        params[INFOTEXT_FALLBACKS_KEY] = _infotext_entry(rec, INFOTEXT_FALLBACKS_KEY)
-        params[INFOTEXT_GUARD_KEY] = _infotext_entry(rec, INFOTEXT_GUARD_KEY)
+        for key in (INFOTEXT_KEY, INFOTEXT_FALLBACKS_KEY, INFOTEXT_GUARD_KEY, INFOTEXT_SCHEDULE_KEY):
+            params[key] = _infotext_entry(rec, key)
         if notes:
             params[INFOTEXT_NOTE_KEY] = readout.to_infotext(Report(notes=notes))[INFOTEXT_NOTE_KEY]
+
+
+def refuse(p, shared, message: str) -> None:
+    """Stop the generation before its first batch, the webuis' own way: a script's exception is caught
+    and logged by their script runner, but ``state.interrupt()`` makes ``process_images_inner`` leave
+    its batch loop before sampling (every line checks ``state.interrupted`` there; each job starts with
+    it cleared). The message goes to the log and under the (absent) image, as the readout's note line."""
+    host.log(message)
+    if hasattr(p, "comment"):
+        p.comment(f"{INFOTEXT_NOTE_KEY}: {message}")
+    webui_state = getattr(shared, "state", None)
+    if callable(getattr(webui_state, "interrupt", None)):
+        webui_state.interrupt()
+    elif webui_state is not None:
+        webui_state.interrupted = True
+
+
+def on_cfg_denoiser(params) -> None:
+    """``cfg_denoiser`` callback (each denoiser call): where sampling is, for the schedule in force."""
+    follower = _open[-1].follower if _open else None
+    if follower is not None:
+        follower.step(params)
 
 
 def _take(p) -> _Generation | None:

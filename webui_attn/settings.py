@@ -8,10 +8,11 @@ the weaker layers: command-line flags, the A1111 optimizer, the engine default.
 from __future__ import annotations
 
 import lib_attn
+from lib_attn.schedule import EXAMPLE as SCHEDULE_EXAMPLE, TERMS
 
 from . import choices, state
 from .state import (AUTO, FP32_CHOICES, GUARD_CHOICES, KEY_AVAILABILITY, KEY_BACKEND, KEY_FP32, KEY_GUARD,
-                    KEY_READOUT, KEY_STRICT, KEY_TUNE, KEY_VAE_BACKEND, TUNE_CHOICES)
+                    KEY_READOUT, KEY_SCHEDULE, KEY_STRICT, KEY_TUNE, KEY_VAE_BACKEND, TUNE_CHOICES)
 
 SECTION = ("optimizations", "Optimizations", "sd")
 
@@ -82,6 +83,11 @@ def options(shared) -> dict:
         .info("Auto: the --attn-guard flag, else on. on: each kernel's first call of each kind is checked against a "
               "reference, then its output is watched for NaN/inf; full: every call checked (slower, for chasing a "
               "black image); off: nothing checked. Forget remembered failures with: python -m lib_attn tune --clear"),
+        KEY_SCHEDULE: OptionInfo("", "Attention schedule: which backends serve which steps, blocks and roles",
+                                 gr.Textbox, {"placeholder": SCHEDULE_EXAMPLE}, onchange=_on_change)
+        .info("One line of rules 'conditions: backends', the first that holds takes a call, e.g. "
+              f"'{SCHEDULE_EXAMPLE}'. Conditions: {', '.join(TERMS)}. Empty: the --attn-schedule flag, else none; "
+              "off: none. A schedule with a mistake is not applied and generations are refused until it is fixed."),
         KEY_READOUT: OptionInfo(True, "Show which attention kernels ran, their fallbacks, time and VRAM under the image",
                                 gr.Checkbox),
     }

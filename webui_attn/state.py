@@ -20,7 +20,7 @@ from lib_attn.report import Report
 
 from . import host, hosts, layers
 from .choices import backend_from_choice
-from .flags import DENOISER_ROLES
+from .flags import DENOISER_ROLES, schedule_problem
 
 # --- the settings: keys, defaults, what a stored value means ---------------------------------------
 
@@ -35,9 +35,10 @@ KEY_READOUT = PREFIX + "readout"
 KEY_AVAILABILITY = PREFIX + "availability"
 KEY_TUNE = PREFIX + "tune"
 KEY_GUARD = PREFIX + "guard"
+KEY_SCHEDULE = PREFIX + "schedule"
 
 DEFAULTS = {KEY_BACKEND: AUTO, KEY_VAE_BACKEND: AUTO, KEY_FP32: AUTO, KEY_STRICT: False, KEY_READOUT: True,
-            KEY_TUNE: AUTO, KEY_GUARD: AUTO}
+            KEY_TUNE: AUTO, KEY_GUARD: AUTO, KEY_SCHEDULE: ""}
 FP32_CHOICES = (AUTO, *FP32_POLICIES)
 TUNE_CHOICES = (AUTO, "on", "off")
 GUARD_CHOICES = (AUTO, *GUARD_MODES)
@@ -83,7 +84,18 @@ def problems(values: dict) -> list[str]:
     guard = values.get(KEY_GUARD)
     if guard is not None and guard not in GUARD_CHOICES:
         out.append(f"setting {KEY_GUARD}={guard!r} ignored, {AUTO} used; valid: {', '.join(GUARD_CHOICES)}")
+    problem = setting_schedule_problem(values)
+    if problem:
+        out.append(f"setting {KEY_SCHEDULE}: {problem}; not applied, and generations that leave the schedule to "
+                   f"the setting are refused until it is corrected or emptied")
     return out
+
+
+def setting_schedule_problem(values: dict) -> str | None:
+    """Why the stored schedule cannot be used, or None. Such a schedule is never applied, and a generation
+    is refused while it is stored (``panel.process``): its steps would otherwise run on other kernels
+    than the ones the user wrote down."""
+    return schedule_problem(values.get(KEY_SCHEDULE) or None)
 
 
 def layer_from(values: dict) -> dict | None:
@@ -107,6 +119,9 @@ def layer_from(values: dict) -> dict | None:
         layer["tune"] = values[KEY_TUNE]
     if values.get(KEY_GUARD) in GUARD_MODES:
         layer["guard"] = values[KEY_GUARD]
+    text = str(values.get(KEY_SCHEDULE) or "").strip()
+    if text and setting_schedule_problem(values) is None:
+        layer["schedule"] = text
     return layer or None
 
 

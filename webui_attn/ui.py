@@ -10,9 +10,10 @@ import html
 import json
 
 from lib_attn.config import GUARD_MODES
+from lib_attn.schedule import EXAMPLE as SCHEDULE_EXAMPLE
 
 from . import state
-from .readout import elapsed_text, vram_text
+from .readout import elapsed_text, schedule_text, vram_text
 from .choices import USE_SETTING, override_choices, unavailable_ids
 
 ROLE_LABELS = {"unet": "UNet", "dit": "DiT", "vae": "VAE", "text": "Text encoder"}
@@ -33,7 +34,8 @@ def _e(text) -> str:
 
 
 def report_html(report) -> str:
-    """The readout of one generation as HTML (a table per backend, fallbacks, time and VRAM)."""
+    """The readout of one generation as HTML (a table per backend, fallbacks, the calls per schedule rule,
+    time and VRAM)."""
     if report is None:
         return "<div class='flash-attn-readout flash-attn-empty'>No generation yet.</div>"
     rows = []
@@ -54,6 +56,8 @@ def report_html(report) -> str:
             f"<code>{_e(backend)}</code> passed over ×{n:,}: {_e(reason)}</li>"
             for (role, backend, reason), n in report.fallback_items())
         parts.append(f"<ul class='flash-attn-fallbacks'>{items}</ul>")
+    if report.rules:
+        parts.append(f"<p class='flash-attn-schedule'>Schedule: {_e(schedule_text(report))}</p>")
     guard = report.guard_lines()
     if guard:
         parts.append("<ul class='flash-attn-guard'>" + "".join(f"<li>{_e(line)}</li>" for line in guard) + "</ul>")
@@ -140,7 +144,8 @@ def accordion(is_img2img: bool, last_report=None, open: bool = False, refresh: b
     """Build the accordion inside the current ``gr.Blocks``; returns its components by name.
 
     ``override``: the per-generation backend dropdown (the script's first argument); ``guard``: the
-    per-generation guard mode (its second); ``readout``:
+    per-generation guard mode (its second); ``schedule``: the per-generation schedule text (its third:
+    empty for the setting's, ``off`` for none); ``readout``:
     the HTML of the last generation; ``refresh``: the button that reloads it from ``last_report()``, only
     when asked for (a host without a hook to ``follow``), else None. ``last_report``: where the report
     comes from (``state.last_report`` when None).
@@ -167,14 +172,23 @@ def accordion(is_img2img: bool, last_report=None, open: bool = False, refresh: b
                 elem_id=f"{ELEM_PREFIX}_{tab}_guard",
                 info="full: check every attention call's output (slower), to find what makes a black image",
             )
-            button = None
-            if refresh:
+        schedule = gr.Textbox(
+            label="Schedule for this generation",
+            value="",
+            placeholder=SCHEDULE_EXAMPLE,
+            elem_id=f"{ELEM_PREFIX}_{tab}_schedule",
+            info="Which backends serve which steps, blocks and roles, e.g. "
+                 f"'{SCHEDULE_EXAMPLE}'. Empty: the setting's; off: none for this generation.",
+        )
+        button = None
+        if refresh:
+            with gr.Row(elem_classes=["flash-attn-row"]):
                 button = gr.Button("Show last readout", elem_id=f"{ELEM_PREFIX}_{tab}_refresh",
                                    elem_classes=["flash-attn-refresh"])
         readout = gr.HTML(value=report_html(last_report()), elem_id=f"{ELEM_PREFIX}_{tab}_readout")
     if button is not None:
         button.click(fn=lambda: report_html(last_report()), inputs=[], outputs=[readout], show_progress="hidden")
-    return {"override": override, "guard": guard, "readout": readout, "refresh": button}
+    return {"override": override, "guard": guard, "schedule": schedule, "readout": readout, "refresh": button}
 
 
 #: Browser side of ``follow``: passes the trigger's text on to the server only when it differs from the

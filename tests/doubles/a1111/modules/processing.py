@@ -1,10 +1,16 @@
-"""Double of modules/processing.py: the parts extensions touch (A3 infotext rules)."""
+"""Double of modules/processing.py: the parts extensions touch (A3 infotext rules), the batch loop's
+stop on ``state.interrupted`` and txt2img's sampling with its hires fix pass (``is_hr_pass``)."""
 import json
+
+import torch
+
+from modules import shared
 
 
 class StableDiffusionProcessing:
     def __init__(self, sd_model=None, prompt="", width=512, height=512, batch_size=1, n_iter=1, steps=20,
-                 seed=-1, cfg_scale=7.0, sampler_name="Euler a", script_args=None, override_settings=None):
+                 seed=-1, cfg_scale=7.0, sampler_name="Euler a", script_args=None, override_settings=None,
+                 refiner_checkpoint_info=None, refiner_switch_at=None):
         self.sd_model = sd_model
         self.prompt = prompt
         self.all_prompts = [prompt] * batch_size * n_iter
@@ -23,13 +29,43 @@ class StableDiffusionProcessing:
         self.comments = {}
         self.scripts = None
         self.is_api = False
+        self.is_hr_pass = False
+        self.refiner_checkpoint_info = refiner_checkpoint_info   # A1111 resolves p.refiner_checkpoint to it
+        self.refiner_switch_at = refiner_switch_at
+        self.iteration = 0
 
     def comment(self, text):
         self.comments[text] = 1
 
 
 class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
-    pass
+    def __init__(self, enable_hr=False, hr_second_pass_steps=0, denoising_strength=0.75, **kwargs):
+        super().__init__(**kwargs)
+        self.enable_hr = enable_hr
+        self.hr_second_pass_steps = hr_second_pass_steps
+        self.denoising_strength = denoising_strength
+
+    def sample(self, conditioning, unconditional_conditioning, x):
+        """The first pass from the noise ``x``, then, with ``enable_hr``, the hires pass over its result
+        (a new sampler: ``sample_img2img``), with ``is_hr_pass`` set while it runs."""
+        from modules import sd_samplers_kdiffusion
+        self.sampler = sd_samplers_kdiffusion.KDiffusionSampler()
+        samples = self.sampler.sample(self, x, conditioning, unconditional_conditioning)
+        if not self.enable_hr:
+            return samples
+        return self.sample_hr_pass(samples, conditioning, unconditional_conditioning)
+
+    def sample_hr_pass(self, samples, conditioning, unconditional_conditioning):
+        if shared.state.interrupted:
+            return samples
+        self.is_hr_pass = True
+        from modules import sd_samplers_kdiffusion
+        self.sampler = sd_samplers_kdiffusion.KDiffusionSampler()
+        noise = torch.randn(samples.shape, generator=torch.Generator().manual_seed(self.seed + 1), dtype=samples.dtype)
+        samples = self.sampler.sample_img2img(self, samples, noise, conditioning, unconditional_conditioning,
+                                              steps=self.hr_second_pass_steps or self.steps)
+        self.is_hr_pass = False
+        return samples
 
 
 class Processed:
@@ -83,12 +119,20 @@ def create_infotext(p, all_prompts=None, all_seeds=None, all_subseeds=None, comm
 
 
 def process_images(p):
-    """The order of one generation: always-on scripts' ``process``, sampling and decoding (here: the
-    callable ``p.sd_model(p)``, if any), each image's infotext, ``Processed``, scripts' ``postprocess``."""
+    """The order of one generation (process_images_inner): always-on scripts' ``process``, then per batch
+    (``n_iter``) a stop when ``state.interrupted``, sampling and decoding (here: the callable
+    ``p.sd_model(p)``, if any); each image's infotext, ``Processed`` (with ``p``'s comments), scripts'
+    ``postprocess``."""
     if p.scripts is not None:
         p.scripts.process(p)
-    if callable(p.sd_model):
-        p.sd_model(p)
+    for n in range(p.n_iter):
+        p.iteration = n
+        if shared.state.skipped:
+            shared.state.skipped = False
+        if shared.state.interrupted or shared.state.stopping_generation:
+            break
+        if callable(p.sd_model):
+            p.sd_model(p)
     infotext = create_infotext(p, index=0)
     processed = Processed(p, [], seed=p.all_seeds[0], info=infotext)
     if p.scripts is not None:

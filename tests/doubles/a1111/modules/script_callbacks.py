@@ -25,6 +25,18 @@ class ImageSaveParams:
         self.pnginfo = pnginfo
 
 
+class CFGDenoiserParams:
+    def __init__(self, x, image_cond, sigma, sampling_step, total_sampling_steps, text_cond, text_uncond, denoiser=None):
+        self.x = x
+        self.image_cond = image_cond
+        self.sigma = sigma
+        self.sampling_step = sampling_step
+        self.total_sampling_steps = total_sampling_steps
+        self.text_cond = text_cond
+        self.text_uncond = text_uncond
+        self.denoiser = denoiser
+
+
 CATEGORIES = (
     "callbacks_app_started", "callbacks_model_loaded", "callbacks_ui_tabs", "callbacks_ui_train_tabs",
     "callbacks_ui_settings", "callbacks_before_image_saved", "callbacks_image_saved", "callbacks_infotext_pasted",
@@ -78,6 +90,10 @@ def before_image_saved_callback(params):
 
 def image_saved_callback(params):
     _run("callbacks_image_saved", params)
+
+
+def cfg_denoiser_callback(params):
+    _run("callbacks_cfg_denoiser", params)
 
 
 def before_reload_callback():

@@ -1,5 +1,7 @@
 """Double of modules/shared.py: cmd_opts (after every extension's preload), opts with the attention
 settings preloaded, and the module globals an attention extension reads (host-contract D1)."""
+import datetime
+
 import torch
 
 from modules import options, shared_cmd_options
@@ -33,12 +35,32 @@ mem_mon = None
 
 
 class State:
+    """modules/shared_state.py's State: the flags a job starts with cleared (``begin``), ``interrupt``
+    (the Interrupt button), and the progress counters the sampler sets."""
     interrupted = False
     skipped = False
+    stopping_generation = False
     job = ""
     job_count = 0
     job_timestamp = "0"  # A1111 sets a new timestamp string when each job begins
     sampling_step = 0
+    sampling_steps = 0
+
+    def begin(self, job="(unknown)"):
+        self.sampling_step = 0
+        self.job_count = -1
+        self.job_timestamp = datetime.datetime.now().strftime("%Y%m%d%H%M%S")
+        self.skipped = False
+        self.interrupted = False
+        self.stopping_generation = False
+        self.job = job
+
+    def end(self):
+        self.job = ""
+        self.job_count = 0
+
+    def interrupt(self):
+        self.interrupted = True
 
 
 state = State()

@@ -53,5 +53,9 @@ def txt2img(script_runner, alwayson_scripts=None, sd_model=None, **kwargs):
     p.is_api = True
     p.scripts = script_runner
     p.script_args = tuple(args)
-    processed = processing.process_images(p)
+    shared.state.begin(job="scripts_txt2img")
+    try:
+        processed = processing.process_images(p)
+    finally:
+        shared.state.end()
     return processed, json.loads(processed.js())
