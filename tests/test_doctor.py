@@ -87,6 +87,15 @@ def test_passed_over_backends_and_their_reasons_are_the_engines():
     assert "preference sdpa-efficient,flash-attn,sdpa" in text
 
 
+def test_the_schedule_in_force_is_in_the_config_line_and_the_json():
+    with lib_attn.use(schedule="0-50%: sdpa;50-100%:math"):
+        doc = doctor.report(device=CPU)
+        text = doctor.render(doc)
+    assert doc["config"]["schedule"] == "0-50%: sdpa; 50-100%: math"
+    assert "schedule '0-50%: sdpa; 50-100%: math'" in text
+    assert doctor.report(device=CPU)["config"]["schedule"] is None
+
+
 def bench_header(doc):
     from lib_attn.commands import bench
     settings = {"timer": "t", "columns": [], "h200_floor": False, "load_average": None, "cpu_count": 2,

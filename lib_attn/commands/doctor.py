@@ -30,7 +30,8 @@ CLEAR_COMMAND = "python -m lib_attn tune --clear"
 def _config_dict() -> dict:
     cfg = lib_attn.config()
     pref = {role: (list(p) if p else "auto") for role, p in (cfg.preference or {}).items()}
-    return {"preference": pref, "fp32": cfg.fp32, "strict": bool(cfg.strict), "tune": cfg.tune, "guard": cfg.guard}
+    return {"preference": pref, "fp32": cfg.fp32, "strict": bool(cfg.strict), "tune": cfg.tune, "guard": cfg.guard,
+            "schedule": cfg.schedule.text if cfg.schedule is not None else None}
 
 
 def _tuning_dict(device: torch.device, info=None) -> dict:
@@ -137,7 +138,8 @@ def render(doc: dict) -> str:
     pref_text = next(iter(prefs.values())) if same and prefs else \
         "; ".join(f"{r}: {p}" for r, p in prefs.items())
     lines.append(f"  config    preference {pref_text}, fp32 {cfg['fp32']}, "
-                 f"strict {'on' if cfg['strict'] else 'off'}, tune {cfg['tune']}, guard {cfg['guard']}")
+                 f"strict {'on' if cfg['strict'] else 'off'}, tune {cfg['tune']}, guard {cfg['guard']}"
+                 + (f", schedule {cfg['schedule']!r}" if cfg.get("schedule") else ""))
     t = doc["tuning"]
     lines.append(f"  tuning    {'measures' if t['active'] else 'off'} on {dev['type']}; {t['stored']} call kinds "
                  f"stored for this machine in {t['file']}")
