@@ -121,6 +121,14 @@ def test_override_that_cannot_apply_says_why(webui_factory):
     assert info["extra_generation_params"]["Attention note"] == note
 
 
+def test_schedule_that_cannot_apply_says_why(webui_factory):
+    runner, _, _ = start(webui_factory, optimization="InvokeAI")
+    processed, _ = txt2img(runner, ["use setting", "use setting", "0-50%: sdpa; 50-100%: math"])
+    note = ("schedule '0-50%: sdpa; 50-100%: math' not applied: attention runs on A1111's InvokeAI optimizer")
+    assert state.last_report().notes == (note,)
+    assert parse_infotext(processed.info)["Attention note"] == note
+
+
 def test_status_route_says_what_ran(webui_factory):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient

@@ -100,6 +100,9 @@ def test_paste_back_restores_the_schedule_and_runs_it_again(webui_factory, mode)
     assert field is script.controls[2] and "Attention schedule" in script.paste_field_names
     pasted = reader(parse_infotext(processed.info))
     assert pasted == "0-30%: sdpa; 30-100%: math"
+    # The backend field is left as it is: the schedule's rules chose the backends the infotext lists.
+    backend_field, backend_reader = script.infotext_fields[0]
+    assert backend_field is script.controls[0] and backend_reader(parse_infotext(processed.info)) is None
     generate(runner, mode, ["use setting", "use setting", pasted])
     assert by_rule(state.last_report()) == first
     assert first["0-30%"] == {("unet", "sdpa"): 3 * CALLS_PER_MODEL_CALL}

@@ -111,9 +111,11 @@ def generation_layer(override: str | None, guard: str | None = None, schedule: s
 
 
 def override_from_params(params: dict) -> str | None:
-    """Paste-back: the backend that ran the denoiser in a pasted infotext, None when it names none."""
+    """Paste-back: the backend that ran the denoiser in a pasted infotext, None (the field is left as it
+    is) when it names none, or when it recorded a schedule: the schedule's rules chose those backends,
+    and the schedule field restores them."""
     report = readout.from_infotext(params or {})
-    if report is None:
+    if report is None or readout.schedule_from_infotext(params) is not None:
         return None
     backend = report.main_backend()
     return backend if backend in lib_attn.BACKEND_IDS else None
@@ -207,6 +209,9 @@ def process(p, *args):
             except ValueError as exc:  # set_layer has put the previous layer back
                 refusal = str(exc)
         follower = None
+        if refusal is None and lib_attn.config().schedule is not None and not route.routed:
+            notes = (*notes, f"schedule {lib_attn.config().schedule.text!r} not applied: attention runs on "
+                             f"{route.ran_on}")
         if refusal is None and lib_attn.config().schedule is not None:
             follower = sampling.Follower(lib_attn.config().schedule, shared)
         context = lib_attn.recording()
