@@ -198,7 +198,7 @@ def process(p, *args):
         host.log(guard_problem)
         notes = (*notes, guard_problem)
     if refusal is None and schedule is None:
-        refusal = next((n for n in notes if n.startswith(f"setting {state.KEY_SCHEDULE}:")), None)
+        refusal = state.setting_schedule_problem(state.read(opts))
     with _lock:
         _close_stale(job)
         state.apply_settings(opts)

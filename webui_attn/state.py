@@ -86,16 +86,19 @@ def problems(values: dict) -> list[str]:
         out.append(f"setting {KEY_GUARD}={guard!r} ignored, {AUTO} used; valid: {', '.join(GUARD_CHOICES)}")
     problem = setting_schedule_problem(values)
     if problem:
-        out.append(f"setting {KEY_SCHEDULE}: {problem}; not applied, and generations that leave the schedule to "
-                   f"the setting are refused until it is corrected or emptied")
+        out.append(problem)
     return out
 
 
 def setting_schedule_problem(values: dict) -> str | None:
-    """Why the stored schedule cannot be used, or None. Such a schedule is never applied, and a generation
-    is refused while it is stored (``panel.process``): its steps would otherwise run on other kernels
-    than the ones the user wrote down."""
-    return schedule_problem(values.get(KEY_SCHEDULE) or None)
+    """What is wrong with the stored schedule (the message ``problems`` lists), or None. Such a schedule
+    is never applied, and a generation is refused while it is stored (``panel.process``): its steps
+    would otherwise run on other kernels than the ones the user wrote down."""
+    problem = schedule_problem(values.get(KEY_SCHEDULE) or None)
+    if problem is None:
+        return None
+    return (f"setting {KEY_SCHEDULE}: {problem}; not applied, and generations that leave the schedule to the "
+            f"setting are refused until it is corrected or emptied")
 
 
 def layer_from(values: dict) -> dict | None:
