@@ -26,14 +26,6 @@ SLACK = 1e-5
 
 _schedule = [None, ()]    # the sample_sigmas tensor last seen, its values
 _seen = [None]            # the sigmas tensor of the last model call followed
-_asks = [None, False]     # the schedule last asked about, whether it asks for the step
-
-
-def asks_step(rules) -> bool:
-    """Whether the schedule ``rules`` has step or sigma rules (block and kind rules need no step)."""
-    if _asks[0] is not rules:
-        _asks[:] = [rules, any(r.steps is not None or r.sigmas is not None for r in rules.rules)]
-    return _asks[1]
 
 
 def step_of(sigma: float, values) -> int:
@@ -54,7 +46,7 @@ def model_call(options) -> None:
     """A model call with transformer options ``options`` starts: tell the engine its step and sigma.
     Nothing is read unless the schedule in force has step or sigma rules."""
     rules = schedule.where.schedule
-    if rules is None or not asks_step(rules):
+    if rules is None or not rules.asks_step:
         return
     sigmas = options.get("sigmas") if options is not None else None
     sample_sigmas = options.get("sample_sigmas") if options is not None else None

@@ -388,15 +388,18 @@ def _scheduled(cfg, spec: CallSpec):
         return cfg, spec
     rule = _schedule.rule_for(cfg.schedule, _where.token, spec.role, spec.q_len, spec.kv_len)
     spec = replace(spec, rule=(cfg.schedule.text, rule.label if rule is not None else _schedule.OTHERWISE))
-    return _for_rule(cfg, spec), spec
+    return _with_rule(cfg, spec.role, rule), spec
 
 
 def _for_rule(cfg, spec: CallSpec):
     """The configuration in force for a call the schedule's rule ``spec.rule`` served."""
     rule = cfg.schedule.rule(spec.rule[1]) if spec.rule is not None and cfg.schedule is not None else None
-    if rule is None:
-        return cfg
-    return replace(cfg, preference={**cfg.preference, spec.role: rule.chain})
+    return _with_rule(cfg, spec.role, rule)
+
+
+def _with_rule(cfg, role: str, rule):
+    """``cfg`` with ``rule``'s chain for ``role`` (the configuration itself when no rule applies)."""
+    return cfg if rule is None else replace(cfg, preference={**cfg.preference, role: rule.chain})
 
 
 def _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key, measure=True) -> Decision:

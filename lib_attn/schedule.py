@@ -28,8 +28,9 @@ sampling pass, no block in a model whose blocks are not known) does not hold.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -57,10 +58,6 @@ _TERM = re.compile(rf"(?:steps\s+)?{_NUMBER}{_DASH}{_NUMBER}\s*%|sigma\s+{_NUMBE
                    rf"|blocks\s+\d+{_DASH}\d+|(?:first|last)\s+\d+|\S+")
 
 
-def _pct(x: float) -> str:
-    return f"{x * 100:g}"
-
-
 @dataclass(frozen=True)
 class Rule:
     """One rule: its conditions and its chain (None: the default chain). ``label`` is its conditions
@@ -75,11 +72,6 @@ class Rule:
     blocks: tuple | None = None   # ("first", n), ("last", n) or ("range", a, b)
     roles: frozenset = DENOISER
     passes: frozenset = frozenset()
-
-    @property
-    def positional(self) -> bool:
-        """Whether the rule asks where sampling is (steps, sigma, pass) or which block runs."""
-        return bool(self.steps or self.sigmas or self.passes or self.blocks)
 
     def holds_at(self, where: "Where") -> bool:
         """The conditions that depend on where sampling is, against ``where``."""
@@ -110,17 +102,28 @@ class Rule:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Rules in the order they are tried; ``text`` is their canonical one-line form."""
+    """Rules in the order they are tried. What a host must tell for them is read once per schedule:
+    ``asks_step`` (a step window or sigma range), ``asks_sigma``, ``asks_blocks`` (a block condition
+    or ``joint``, which the block hooks tell)."""
 
     rules: tuple = ()
-    text: str = field(default="", compare=False)
 
-    def __post_init__(self):
-        object.__setattr__(self, "text", "; ".join(r.text() for r in self.rules))
+    @functools.cached_property
+    def text(self) -> str:
+        """The rules' canonical one-line form (``parse`` reads it back to an equal schedule)."""
+        return "; ".join(r.text() for r in self.rules)
 
-    @property
-    def positional(self) -> bool:
-        return any(r.positional for r in self.rules)
+    @functools.cached_property
+    def asks_step(self) -> bool:
+        return any(r.steps is not None or r.sigmas is not None for r in self.rules)
+
+    @functools.cached_property
+    def asks_sigma(self) -> bool:
+        return any(r.sigmas is not None for r in self.rules)
+
+    @functools.cached_property
+    def asks_blocks(self) -> bool:
+        return any(r.blocks is not None or "joint" in r.kinds for r in self.rules)
 
     @property
     def labels(self) -> list[str]:
@@ -301,6 +304,12 @@ def leave() -> None:
     _recompute()
 
 
+def sigma_of_alpha_bar(alpha_bar: float) -> float | None:
+    """The sigma of a timestep whose cumulative alpha is ``alpha_bar``: ``sqrt((1 - a) / a)``, the scale
+    of the k-diffusion samplers' sigmas, for samplers that step by timestep (DDIM, PLMS, DDPM)."""
+    return ((1 - alpha_bar) / alpha_bar) ** 0.5 if alpha_bar > 0 else None
+
+
 def kind(role: str, q_len: int, kv_len: int, joint: bool) -> str:
     """``cross`` when keys come from another sequence than queries (their lengths differ), ``joint``
     for the rest of a block that attends over text and image tokens together, else ``self``."""
@@ -381,9 +390,6 @@ def blocks(model):
 
 def _block_hook(index: int, total: int, joint: bool):
     def starts(module, args):
-        if where.block == index and where.blocks == total:
-            return  # the block's next layer
-        where.block, where.blocks, where.joint = index, total, joint
-        if where.schedule is not None:
-            _recompute()
+        if where.block != index or where.blocks != total:  # else: the block's next layer
+            at_block(index, total, joint)
     return starts

@@ -80,10 +80,12 @@ def test_canonical_text_and_its_round_trip():
     s = parse("  refiner CROSS steps 0 - 50 %: math , sdpa, math ;; first 2 self: auto\n vae: sdpa-math ")
     assert s.text == "0-50% cross refiner: math, sdpa; first 2 self: auto; vae: sdpa-math"
     assert [r.chain for r in s.rules] == [("math", "sdpa"), None, ("sdpa-math",)]
-    assert [r.index for r in s.rules] == [0, 1, 2] and s.positional
+    assert [r.index for r in s.rules] == [0, 1, 2] and s.asks_step and s.asks_blocks and not s.asks_sigma
     again = parse(s.text)
     assert again == s and again.text == s.text and parse(s) is s
-    assert not parse("cross: math; vae: sdpa").positional
+    plain = parse("cross: math; vae: sdpa")
+    assert not (plain.asks_step or plain.asks_sigma or plain.asks_blocks)
+    assert parse("sigma 14-1: math").asks_sigma and parse("joint: math").asks_blocks
 
 
 @pytest.mark.parametrize("text", [None, "", "   ", ";", " ; \n ", "off", "OFF", "none", " None "])

@@ -37,8 +37,7 @@ def sigma_of(params) -> float | None:
     first = value.reshape(-1)[0] if hasattr(value, "reshape") else value
     alphas = getattr(getattr(params, "denoiser", None), "alphas", None)
     if alphas is not None:
-        a = float(alphas[int(first)])
-        return ((1 - a) / a) ** 0.5
+        return schedules.sigma_of_alpha_bar(float(alphas[int(first)]))
     return float(first)
 
 
@@ -68,8 +67,8 @@ class Follower:
 
     def __init__(self, schedule: schedules.Schedule, shared):
         self.shared = shared
-        self.sigma = any(rule.sigmas is not None for rule in schedule.rules)
-        self.by_block = any(rule.blocks is not None or "joint" in rule.kinds for rule in schedule.rules)
+        self.sigma = schedule.asks_sigma
+        self.by_block = schedule.asks_blocks
         self.model = None
         self._hooks = contextlib.ExitStack()
         schedules.leave()

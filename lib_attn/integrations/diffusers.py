@@ -345,7 +345,7 @@ class Sampling:
             self.sigmas = sigmas.tolist()
         elif torch.is_tensor(alphas) and alphas.dim() == 1:
             bars = alphas.tolist()
-            self.sigmas = [((1 - bars[i]) / bars[i]) ** 0.5 if 0 <= (i := round(t)) < len(bars) and bars[i] > 0 else None
+            self.sigmas = [_schedule.sigma_of_alpha_bar(bars[i]) if 0 <= (i := round(t)) < len(bars) else None
                            for t in self.values]
         else:
             self.sigmas = []
