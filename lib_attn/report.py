@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from .schedule import OTHERWISE, parse
+
 MIB = 1024 * 1024
 
 #: Order of the roles wherever a report lists them: the denoiser first, then the VAE, then the rest.
@@ -221,8 +223,6 @@ class Report:
         """(rule label, [(role, backend id, n), ...]) for each rule of ``schedule`` that served calls, in
         the schedule's order, the calls no rule took (``otherwise``) last; backends by role, then most
         calls first."""
-        from .schedule import OTHERWISE, parse
-
         try:
             order = parse(schedule).labels
         except ValueError:

@@ -12,6 +12,7 @@ import json
 import re
 
 from lib_attn.report import MIB, Report, Vram, role_rank
+from lib_attn.schedule import parse
 
 #: Text prefix of each role in the readout and the infotext; the denoiser (UNet or DiT) has none.
 ROLE_PREFIX = {"unet": "", "dit": "", "vae": "VAE", "text": "Text"}
@@ -236,8 +237,6 @@ def from_infotext(params) -> Report | None:
 def schedule_from_infotext(params) -> str | None:
     """The schedule a pasted infotext recorded (its text, as the schedule fields take it), or None when
     it recorded none or one this version cannot read (the paste then leaves the field as it was)."""
-    from lib_attn.schedule import parse
-
     if isinstance(params, str):
         params = parse_infotext(params)
     value = str((params or {}).get(INFOTEXT_SCHEDULE_KEY) or "").split(" | ")[0].strip()
