@@ -208,12 +208,12 @@ def process(p, *args):
                 layers.set_layer("generation", generation_layer(override, guard, schedule))
             except ValueError as exc:  # set_layer has put the previous layer back
                 refusal = str(exc)
+        in_force = lib_attn.config().schedule if refusal is None else None
         follower = None
-        if refusal is None and lib_attn.config().schedule is not None and not route.routed:
-            notes = (*notes, f"schedule {lib_attn.config().schedule.text!r} not applied: attention runs on "
-                             f"{route.ran_on}")
-        if refusal is None and lib_attn.config().schedule is not None:
-            follower = sampling.Follower(lib_attn.config().schedule, shared)
+        if in_force is not None and not route.routed:
+            notes = (*notes, f"schedule {in_force.text!r} not applied: attention runs on {route.ran_on}")
+        elif in_force is not None:
+            follower = sampling.Follower(in_force, shared)
         context = lib_attn.recording()
         rec = context.__enter__()
         probe = None
