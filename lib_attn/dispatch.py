@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import _compat
+from . import check as _check
 from . import config as _config
 from . import graph_op
 from . import guard as _guard
@@ -521,20 +522,26 @@ def _guarded(key, dec: Decision, q, k, v, mask, scale):
     late = 0
     try:
         if not dec.checked or mode == "full":
-            out, reason = _guard.checked_call(dec.run, q, k, v, mask, scale, dec.spec.layout,
-                                              dec.cast or dec.spec.dtype, backend.approximate)
+            out, reason = _guard.first_check(dec.run, q, k, v, mask, scale, dec.spec.layout,
+                                             dec.cast or dec.spec.dtype, backend.approximate, probe=not dec.checked)
         else:
             out = dec.run(q, k, v, mask, scale)
-            reason = _tune.shape_mismatch(out, q.shape)
+            reason = _check.shape_mismatch(out, q.shape)
             if not reason and mode == "on" and device in _guard.DEFERRED:
                 if dec.late is None:
                     dec.late = _guard.LateCount(q.device)
                 late = dec.late.add(out, q, k, v)
-                reason = f"{_tune.CHECK_FAILED}: {_guard.NON_FINITE}" if late else ""
+                reason = f"{_check.CHECK_FAILED}: {_guard.NON_FINITE}" if late else ""
             elif not reason and _guard.non_finite_blame(out, q, k, v, mask, scale, dec.spec.layout):
-                reason = f"{_tune.CHECK_FAILED}: {_guard.NON_FINITE}"
+                reason = f"{_check.CHECK_FAILED}: {_guard.NON_FINITE}"
     except Exception as exc:  # noqa: BLE001 - as in attention
         return _recover(key, dec, exc, q, k, v, mask, scale)
+    if reason.startswith(_guard.UNCHECKED):
+        # No memory to check it: this call runs as it is, and the decision's next call is checked.
+        _unchecked_once(dec, reason)
+        dec.countdown = 0
+        dec.call_cell.n += 1
+        return out
     if not reason:
         if not dec.checked:
             _trusted.add((dec.backend, dec.spec))
@@ -544,6 +551,13 @@ def _guarded(key, dec: Decision, q, k, v, mask, scale):
         return out
     del out
     return _caught(key, dec, reason, late, q, k, v, mask, scale)
+
+
+def _unchecked_once(dec: Decision, reason: str) -> None:
+    if (dec.backend, dec.spec) not in _reported:
+        _reported.add((dec.backend, dec.spec))
+        log.warning("attention guard: %s could not be checked on %s, %s; that call ran unchecked, the next one "
+                    "is checked", dec.backend, _guard.spec_text(dec.spec), reason)
 
 
 def _caught(key, dec: Decision, reason: str, late: int, q, k, v, mask, scale):

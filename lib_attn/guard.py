@@ -3,13 +3,18 @@
 A kernel that returns NaN or a wrong answer raises nothing, so catching exceptions does not find it.
 The dispatcher (``dispatch``) asks this module to look at a call's output:
 
-* **Checked before trusted.** The first call of each call signature on each kernel runs on copies of
-  q, k and v and is checked like a tuning candidate (``tune.reference`` on at most ``tune.CHECK_ROWS``
-  query rows, ``tune.check`` with the dtype's bound, four times looser for an ``approximate``
-  kernel), and the copies are compared with the inputs bit for bit: a kernel that wrote into them
-  fails too. Whoever chose the kernel (Auto, a chain, a single name): a kernel that tuning checked on
-  this signature (``Decision.source`` not ``"order"``) is not checked again, and the engine's own
-  ``math`` is the reference itself.
+* **Checked before trusted.** The first call of each call signature on each kernel is checked
+  (``first_check``) without copying the call: the kernel first runs on ``check.probe``'s copies of a
+  part of it (the whole call when small; else one batch item and head, each sequence cut to at most
+  ``check.PROBE_BYTES`` for q, k and v together), which are then compared with the caller's tensors
+  bit for bit. Only a kernel that left them alone then runs on the caller's tensors (when the part
+  is not the whole call), whose bits are summed before and after (``check.checksums``), and the
+  call's output is checked against ``check.reference`` on ``check.samples``' rows, with the dtype's
+  bound, four times looser for an ``approximate`` kernel. Whoever chose the kernel
+  (Auto, a chain, a single name): a kernel that tuning checked on this signature
+  (``Decision.source`` not ``"order"``) is not checked again, and the engine's own ``math`` is the
+  reference itself. A check that cannot be made (no memory for it) is skipped for that call, with
+  a log line: the call runs, and the next one is checked.
 * **Watched while it runs.** After that check, an approximate kernel's output is screened for
   non-finite values (and its shape) on every call, an exact kernel's on one call in ``SAMPLE_EVERY``.
   A screen that finds one first looks at the inputs: non-finite inputs (or a reference that is
@@ -36,7 +41,7 @@ import math
 
 import torch
 
-from . import tune as _tune
+from . import check as _check
 from .kernels.base import DTYPE_NAMES, failure_text, is_sticky
 
 log = logging.getLogger("lib_attn")
@@ -48,9 +53,8 @@ NEVER = 1 << 62
 #: Devices whose screen in mode ``on`` is read later from a device-side count, never waited for.
 DEFERRED = ("cuda",)
 NON_FINITE = "non-finite values"
-WROTE_INPUTS = "wrote into its inputs"
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: The start of a verdict that says the check could not be made.
+UNCHECKED = "not checked"
 
 
 def countdown(mode: str, backend_id: str, approximate: bool, checked: bool) -> int:
@@ -70,34 +74,55 @@ def spec_text(spec) -> str:
 
 def short(reason: str) -> str:
     """A check's reason without its common start: ``rel err 2.8e-01 > 8.0e-02``."""
-    prefix = _tune.CHECK_FAILED + ": "
+    prefix = _check.CHECK_FAILED + ": "
     return reason[len(prefix):] if reason.startswith(prefix) else reason
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-for-bit equality (NaN equals itself)."""
-    as_int = _INT_OF_SIZE[a.element_size()]
-    return torch.equal(a.detach().view(as_int), b.detach().view(as_int))
+def first_check(run, q, k, v, mask, scale, layout: str, dtype, approximate: bool, probe: bool = True):
+    """Run ``run`` for the call and check it: (output or None, verdict). The verdict is "" (passed),
+    the reason it failed, or one starting with ``UNCHECKED`` when the check could not be made (no
+    memory for it): the output is then the call's, unchecked. ``dtype``: what the kernel computes in.
 
-
-def checked_call(run, q, k, v, mask, scale, layout: str, dtype, approximate: bool):
-    """Run ``run`` on copies of q, k, v and check it: (output, "" or the reason it fails). ``dtype``:
-    what the kernel computes in. The kernel's own exceptions propagate."""
-    rows = _tune.check_rows(q.shape[1] if layout == "bshd" else q.shape[2])
-    try:
-        with torch.no_grad():
-            ref = _tune.reference(q, k, v, mask, scale, layout, rows)
-    except Exception as exc:  # noqa: BLE001 - e.g. no memory left for it: the check, not the kernel, failed
-        if is_sticky(exc):
-            raise
-        log.warning("attention guard: could not check a call (%s); it runs unchecked", failure_text(exc))
-        return run(q, k, v, mask, scale), ""
-    copies = tuple(t.clone() for t in (q, k, v))
-    out = run(*copies, mask, scale)
+    With ``probe``, the kernel first runs on ``check.probe``'s copies of a part of the call, and only
+    once those are seen unchanged does it run on the caller's tensors (when the part is not the whole
+    call), whose bits are summed before and after. The output for the call is checked on
+    ``check.samples``' rows. The kernel's own exceptions propagate."""
+    limit = _check.bound(dtype, q.device.type, approximate)
     with torch.no_grad():
-        if not all(_same_bits(c, t) for c, t in zip(copies, (q, k, v))):
-            return out, f"{_tune.CHECK_FAILED}: {WROTE_INPUTS}"
-        return out, _tune.check(out, q.shape, layout, rows, ref, _tune.bound(dtype, q.device.type, approximate))
+        if probe:
+            try:
+                part = _check.probe(q, k, v, mask, layout)
+            except Exception as exc:  # noqa: BLE001 - e.g. no memory left for it: the check failed, not the kernel
+                return run(q, k, v, mask, scale), _unchecked(exc)
+            out = run(*part.args, scale)
+            if not part.untouched():
+                return None, f"{_check.CHECK_FAILED}: {_check.WROTE_INPUTS}"
+            if part.whole:
+                return out, _checked(out, q, k, v, mask, scale, layout, limit)
+            del out, part
+        try:
+            before = _check.checksums(q, k, v)
+        except Exception as exc:  # noqa: BLE001 - as above
+            return run(q, k, v, mask, scale), _unchecked(exc)
+        out = run(q, k, v, mask, scale)
+        if _check.changed(before, q, k, v):
+            return out, f"{_check.CHECK_FAILED}: {_check.WROTE_AT_FULL_SIZE}"
+        return out, _checked(out, q, k, v, mask, scale, layout, limit)
+
+
+def _checked(out, q, k, v, mask, scale, layout: str, limit: float) -> str:
+    """``check.check``'s verdict on ``out`` for the call q, k, v; ``UNCHECKED`` when it cannot be made."""
+    try:
+        rows = _check.samples(q, layout)
+        return _check.check(out, q.shape, layout, rows, _check.reference(q, k, v, mask, scale, layout, rows), limit)
+    except Exception as exc:  # noqa: BLE001 - e.g. no memory left for the reference
+        return _unchecked(exc)
+
+
+def _unchecked(exc: Exception) -> str:
+    if is_sticky(exc):
+        raise exc
+    return f"{UNCHECKED} ({failure_text(exc)})"
 
 
 def non_finite_blame(out, q, k, v, mask, scale, layout: str) -> bool:
@@ -110,8 +135,8 @@ def non_finite_blame(out, q, k, v, mask, scale, layout: str) -> bool:
             return False
         if not all(bool(torch.isfinite(t).all()) for t in (q, k, v)):
             return False
-        rows = _tune.check_rows(q.shape[1] if layout == "bshd" else q.shape[2])
-        return bool(torch.isfinite(_tune.reference(q, k, v, mask, scale, layout, rows)).all())
+        rows = _check.samples(q, layout)
+        return bool(torch.isfinite(_check.reference(q, k, v, mask, scale, layout, rows)).all())
 
 
 class LateCount:

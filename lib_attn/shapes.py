@@ -16,7 +16,10 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-MODELS = ("sd15", "sd2", "sdxl", "sd3", "flux", "vae")
+IMAGE_MODELS = ("sd15", "sd2", "sdxl", "sd3", "flux", "vae")
+#: Video models, whose calls run to 30k-120k tokens: run when named, never by "all".
+VIDEO_MODELS = ("wan", "hunyuan-video")
+MODELS = IMAGE_MODELS + VIDEO_MODELS
 MODEL_LABELS = {
     "sd15": "SD1.5",
     "sd2": "SD2.x",
@@ -24,10 +27,17 @@ MODEL_LABELS = {
     "sd3": "SD3-medium",
     "flux": "Flux.1-dev",
     "vae": "VAE decoder",
+    "wan": "Wan 2.1/2.2 14B, 81 frames",
+    "hunyuan-video": "HunyuanVideo, 129 frames",
 }
 # Resolution each model is trained for; the VAE default is the 1024² decode that
-# SDXL, SD3 and Flux run, where its single 512-wide head is a memory hazard.
+# SDXL, SD3 and Flux run, where its single 512-wide head is a memory hazard. A video
+# model's resolution is its frame height (its ``VIDEO_SIZES`` width), every one of
+# ``VIDEO_RES`` by default.
 NATIVE_RES = {"sd15": 512, "sd2": 768, "sdxl": 1024, "sd3": 1024, "flux": 1024, "vae": 1024}
+VIDEO_RES = {"wan": (480, 720), "hunyuan-video": (720,)}
+#: Frame width for a height, as the models' own presets size them; other heights are 16:9.
+VIDEO_SIZES = {480: 832, 544: 960, 720: 1280}
 
 LATENT_FACTOR = 8  # every model here works on a latent of (H/8, W/8)
 
@@ -128,6 +138,26 @@ class VAESpec:
     batch: int
 
 
+@dataclass(frozen=True)
+class VideoSpec:
+    """A video DiT over (frames, height, width) latent patches. The VAE compresses time by
+    ``time_stride`` (frame 0 alone, then groups) and space by 8; a patch is ``patch`` x ``patch``
+    latent pixels of one latent frame. ``joint``: text and video tokens in one self-attention
+    (HunyuanVideo's double and single blocks); else self-attention over the video tokens and
+    cross-attention to the text (Wan). ``passes``: model calls per step (2 where the conditional
+    and unconditional passes run one after the other, as Wan's reference code does)."""
+
+    blocks: int
+    heads: int
+    head_dim: int
+    patch: int
+    time_stride: int
+    frames: int
+    text_tokens: int
+    joint: bool
+    passes: int
+
+
 # CompVis v1-inference.yaml: 320 ch, mult 1/2/4/4, attention at ds 4/2/1, 8 fixed heads.
 SD15 = UNetSpec(320, (1, 2, 4, 4), (4, 2, 1), 2, (1, 1, 1, 1), 1, 8, None, 77, 2)
 # Stability-AI v2-inference(-v).yaml: same UNet with 64-channel heads.
@@ -143,8 +173,19 @@ FLUX_DEV = DiTSpec(blocks=19 + 38, heads=24, head_dim=3072 // 24, patch=2, text_
 # ddconfig ch 128, ch_mult 1/2/4/4: mid.attn_1 is AttnBlock(512).
 VAE = VAESpec(base_channels=128, channel_mult=(1, 2, 4, 4), batch=1)
 
-SPECS = {"sd15": SD15, "sd2": SD2, "sdxl": SDXL, "sd3": SD3_MEDIUM, "flux": FLUX_DEV, "vae": VAE}
-ROLES = {"sd15": "unet", "sd2": "unet", "sdxl": "unet", "sd3": "dit", "flux": "dit", "vae": "vae"}
+# Wan 2.1 14B (and each expert of Wan 2.2 A14B): dim 5120 in 40 heads, 40 blocks, Wan-VAE 4x8x8,
+# patch (1, 2, 2), umT5 context 512 tokens; 81 frames. 480p: 21 x 30 x 52 = 32,760 tokens.
+WAN_14B = VideoSpec(blocks=40, heads=40, head_dim=128, patch=2, time_stride=4, frames=81, text_tokens=512,
+                    joint=False, passes=2)
+# HunyuanVideo 13B: hidden 3072 in 24 heads, 20 double + 40 single blocks, causal 3D VAE 4x8x8, patch
+# (1, 2, 2), 256 text tokens, guidance-distilled (one pass); 129 frames at 720p: 119,056 tokens.
+HUNYUAN_VIDEO = VideoSpec(blocks=20 + 40, heads=24, head_dim=128, patch=2, time_stride=4, frames=129,
+                          text_tokens=256, joint=True, passes=1)
+
+SPECS = {"sd15": SD15, "sd2": SD2, "sdxl": SDXL, "sd3": SD3_MEDIUM, "flux": FLUX_DEV, "vae": VAE,
+         "wan": WAN_14B, "hunyuan-video": HUNYUAN_VIDEO}
+ROLES = {"sd15": "unet", "sd2": "unet", "sdxl": "unet", "sd3": "dit", "flux": "dit", "vae": "vae",
+         "wan": "dit", "hunyuan-video": "dit"}
 
 
 def _check_res(res: int, multiple: int) -> None:
@@ -191,6 +232,36 @@ def _vae_calls(model: str, spec: VAESpec, res: int) -> List[AttentionCall]:
                           channels, 1)]
 
 
+def _video_calls(model: str, spec: VideoSpec, res: int) -> List[AttentionCall]:
+    step = LATENT_FACTOR * spec.patch
+    _check_res(res, step)
+    width = VIDEO_SIZES.get(res, round(res * 16 / 9 / step) * step)
+    latent_frames = (spec.frames - 1) // spec.time_stride + 1
+    video = latent_frames * (res // step) * (width // step)
+    where = f"{res}p"
+    if spec.joint:
+        tokens = video + spec.text_tokens
+        return [AttentionCall(model, res, f"joint {where}", "self", "dit", 1, spec.heads, tokens, tokens,
+                              spec.head_dim, spec.blocks * spec.passes)]
+    return [AttentionCall(model, res, f"{kind} {where}", kind, "dit", 1, spec.heads, video, kv, spec.head_dim,
+                          spec.blocks * spec.passes)
+            for kind, kv in (("self", video), ("cross", spec.text_tokens))]
+
+
+def scaled_down(call: AttentionCall, factor: int) -> AttentionCall:
+    """``call`` with its video tokens and its heads divided by ``factor`` (at least one of each), its
+    text tokens kept: a long call brought within a CPU's reach, at the same head size. Calls of image
+    models, and any call at factor 1, are returned as they are."""
+    spec = SPECS[call.model]
+    if factor == 1 or not isinstance(spec, VideoSpec):
+        return call
+    text = spec.text_tokens if spec.joint else 0
+    q_len = max(1, (call.q_len - text) // factor) + text
+    kv_len = q_len if call.kind == "self" else call.kv_len
+    return AttentionCall(call.model, call.res, f"{call.where} ÷{factor}", call.kind, call.role, call.b,
+                         max(1, call.heads // factor), q_len, kv_len, call.head_dim, call.calls)
+
+
 def _merge_identical(calls: List[AttentionCall]) -> List[AttentionCall]:
     """Join calls of identical shape and kind (e.g. SDXL's level 2 and middle)."""
     merged: Dict[tuple, AttentionCall] = {}
@@ -213,8 +284,10 @@ def model_calls(model: str, res: Optional[int] = None) -> List[AttentionCall]:
     """
     if model not in SPECS:
         raise ValueError(f"model must be one of {', '.join(MODELS)}; got {model!r}")
-    res = NATIVE_RES[model] if res is None else res
     spec = SPECS[model]
+    if isinstance(spec, VideoSpec):
+        return [c for r in ((res,) if res is not None else VIDEO_RES[model]) for c in _video_calls(model, spec, r)]
+    res = NATIVE_RES[model] if res is None else res
     if isinstance(spec, UNetSpec):
         calls = _unet_calls(model, spec, res)
     elif isinstance(spec, DiTSpec):

@@ -1,27 +1,35 @@
 """Tuning: rank the backends that take a call kind by measuring them on its first call, check each
 one's output, and keep the ranking on disk so that later processes do not measure again.
 
-What runs, per call signature (the key the dispatcher caches decisions under), under ``no_grad``:
+What runs, per call signature (the key the dispatcher caches decisions under), under ``no_grad``,
+with no copy of the call's inputs:
 
-* each candidate once on the call's own inputs: that output is checked against a reference, and the
-  call warms the kernel up (lazy initialisation, autotuning, JIT compiles stay out of the timings);
-  a candidate whose checked call took more than ``SLOWER`` times the fastest checked call, or longer
-  than ``BUDGET_S`` and longer than the fastest, stops here (that call is its time);
+* each candidate once on ``check.probe``'s copies of a part of the call (the whole call when small,
+  whose output is then checked as below), compared with the caller's tensors bit for bit: a
+  candidate that writes into them is rejected there, and so never runs on the caller's tensors;
+* each candidate that passed, once on the *timed part* (``timed_part``): views of the caller's
+  tensors, the whole call up to ``TIMED_WORK`` FLOPs, else its first batch items and heads at full
+  lengths with about that much work (never fewer heads than keep every SM busy for
+  ``TILES_PER_UNIT`` waves of query tiles). That call is checked on its sampled rows, the bits of
+  its inputs are summed before and after (``check.checksums``), and it warms the kernel up (lazy
+  initialisation, autotuning, JIT compiles stay out of the timings). A candidate whose checked call
+  took more than ``SLOWER`` times the fastest checked call, or longer than ``BUDGET_S`` and longer
+  than the fastest, stops here (that call is its time);
 * one timed call of each other candidate; those more than ``SLOWER`` times slower than the fastest
   of these, or longer than ``BUDGET_S``, stop here;
 * up to ``REPS`` - 2 rounds of one timed call per remaining candidate, as many as fit in
   ``BUDGET_S``; rounds interleave the candidates, so drift affects them alike.
 
-So a signature costs one checked call of each candidate, about one more of each that may win, and at
-most ``BUDGET_S`` of rounds. CUDA events time a GPU, ``time.perf_counter`` anything else. The fastest
+Why a part's time ranks the kernels as the whole call would: a fused kernel splits a call into
+query tiles per (batch, head) and runs them in waves over the device's processors; with the same
+lengths, dtype and head size, each (batch, head) is the same code on the same amount of work, so
+once the part fills several waves its time grows in proportion to batch x heads. Stored timings are
+the part's medians divided by its share of the call. So a long video call costs one small probe and
+one part-sized call per candidate, about one more of each that may win, and at most ``BUDGET_S`` of
+rounds, and its extra memory is the probe's copies (at most ``check.PROBE_BYTES``), the reference's
+blocks (``check.BLOCK_BYTES``) and one candidate's output of the part at a time (never more than the
+call's own output). CUDA events time a GPU, ``time.perf_counter`` anything else. The fastest
 median wins.
-
-Output check: the reference is the engine's own chunked ``math`` in fp32 (fp64 for fp64 inputs) over
-at most ``CHECK_ROWS`` evenly spaced query rows, so its memory stays bounded (the VAE's 16384-key call
-needs the fp32 keys and values plus a 64-row score block). A candidate fails when its output has a
-non-finite value, or when its relative L2 error over those rows exceeds the bound of the dtype it
-computes in (``BOUNDS``; autocast's dtype when it is on and its bound is looser; four times that for
-an ``approximate`` backend).
 
 Results are stored in ``tuning.json`` in ``cache_dir()``, keyed by a fingerprint of the machine and
 its software (device facts, driver, torch, CUDA, cuDNN, each backend's version, lib_attn) and by the
@@ -39,7 +47,6 @@ like a directory that cannot be written, costs one log line, and tuning then wor
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -53,11 +60,13 @@ from dataclasses import dataclass, field
 import torch
 
 from . import _compat
+from . import check as _check
 from ._version import __version__
 from .device import device_info
 from .file_lock import FileLock
 from .kernels import REGISTRY, status
-from .kernels.base import as_4d, failure_text, is_sticky
+from .kernels.base import failure_text, is_sticky
+from .shapes import attention_flops
 from .spec import NO_MASK
 
 log = logging.getLogger("lib_attn")
@@ -72,12 +81,6 @@ LOCK_TIMEOUT_S = 5.0
 REPS = 5
 BUDGET_S = 0.3
 SLOWER = 25
-CHECK_ROWS = 64
-#: Largest relative L2 error a kernel computing in this dtype may show against the fp32 reference.
-BOUNDS = {torch.float16: 2e-2, torch.bfloat16: 4e-2, torch.float32: 5e-3, torch.float64: 1e-6}
-APPROXIMATE_FACTOR = 4
-
-
 @dataclass(frozen=True)
 class Candidate:
     """One backend that takes the call: ``run`` takes (q, k, v, mask, scale) as the caller passes
@@ -393,17 +396,13 @@ def table(device=None) -> dict:
     return {"file": cache_path(), "fingerprint": fp, "entries": entries}
 
 
-#: The start of every reason ``check`` gives: a stored rejection with it is the guard's to apply.
-CHECK_FAILED = "output check failed"
-
-
 def rejections(spec, fp32: str) -> dict:
     """{backend id: reason} of the backends whose output failed its check on this call signature on
     this machine (by tuning or by the guard, in this process or an earlier one)."""
     entry = lookup(spec, fp32)
     if entry is None:
         return {}
-    return {bid: str(r) for bid, r in entry["rejected"].items() if str(r).startswith(CHECK_FAILED)}
+    return {bid: str(r) for bid, r in entry["rejected"].items() if str(r).startswith(_check.CHECK_FAILED)}
 
 
 def reject(spec, fp32: str, backend_id: str, reason: str) -> None:
@@ -424,67 +423,11 @@ def reject(spec, fp32: str, backend_id: str, reason: str) -> None:
 def remembered(device=None) -> list:
     """The stored check failures of this machine, sorted: ``{"signature", "backend", "reason"}`` each."""
     found = sorted((e["signature"], bid, str(r)) for e in table(device)["entries"]
-                   for bid, r in e["rejected"].items() if str(r).startswith(CHECK_FAILED))
+                   for bid, r in e["rejected"].items() if str(r).startswith(_check.CHECK_FAILED))
     return [{"signature": sig, "backend": bid, "reason": why} for sig, bid, why in found]
 
 
 # --- measuring --------------------------------------------------------------------------------
-
-def _bhsd(t, layout: str):
-    return t.transpose(1, 2) if layout == "bshd" else t
-
-
-def check_rows(q_len: int) -> torch.Tensor:
-    if q_len <= CHECK_ROWS:
-        return torch.arange(q_len)
-    return torch.linspace(0, q_len - 1, CHECK_ROWS).round().long().unique()
-
-
-def reference(q, k, v, mask, scale, layout: str, rows: torch.Tensor) -> torch.Tensor:
-    """The engine's bounded math in fp32 (fp64 for fp64 inputs) on ``rows`` of the queries, bhsd."""
-    q, k, v = (_bhsd(t, layout) for t in (q, k, v))
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    rows = rows.to(q.device)
-    if mask is not None:
-        mask = as_4d(mask)
-        if mask.shape[-2] != 1:
-            mask = mask[..., rows, :]
-    # The hosts run under autocast, which would compute these matmuls in half precision.
-    off = torch.autocast(q.device.type, enabled=False) if q.device.type in ("cuda", "cpu") else contextlib.nullcontext()
-    with off:
-        return REGISTRY["math"].run(q[:, :, rows].to(compute), k.to(compute), v.to(compute), mask, scale)
-
-
-def bound(dtype, device_type: str, approximate: bool) -> float:
-    """The relative error a kernel computing in ``dtype`` may show: ``BOUNDS``' value, autocast's when
-    it is on and looser (the hosts run under it), times ``APPROXIMATE_FACTOR`` for an approximate one."""
-    b = max(BOUNDS.get(dtype, BOUNDS[torch.float16]), BOUNDS.get(_compat.autocast_dtype(device_type), 0.0))
-    return b * (APPROXIMATE_FACTOR if approximate else 1)
-
-
-def shape_mismatch(out, expected_shape) -> str:
-    """"" when ``out`` is a tensor of ``expected_shape``, else the reason it fails."""
-    if isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(expected_shape):
-        return ""
-    shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-    return f"{CHECK_FAILED}: shape {shape}, expected {tuple(expected_shape)}"
-
-
-def check(out, expected_shape, layout: str, rows, ref, bound: float) -> str:
-    """"" when ``out`` agrees with ``ref`` on ``rows``, else the reason it fails."""
-    wrong = shape_mismatch(out, expected_shape)
-    if wrong:
-        return wrong
-    got = _bhsd(out, layout)[:, :, rows.to(out.device)].to(ref.dtype)
-    if not bool(torch.isfinite(ref).all()):
-        return ""  # non-finite inputs: every kernel returns what they make of them
-    if not bool(torch.isfinite(got).all()):
-        return f"{CHECK_FAILED}: non-finite values"
-    err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
-    if err > bound:
-        return f"{CHECK_FAILED}: rel err {err:.1e} > {bound:.1e}"
-    return ""
-
 
 class _Timer:
     def __init__(self, device: torch.device):
@@ -524,64 +467,124 @@ def _median(values: list) -> float:
     return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
+#: Work (forward FLOPs, ``shapes.attention_flops``) above which candidates are timed on a part of
+#: the call, per device type (others: the CPU's).
+TIMED_WORK = {"cuda": 2e12, "cpu": 4e9}
+#: A timed part keeps at least this many query tiles of ``TILE_ROWS`` rows per processor (an SM on
+#: CUDA, a thread elsewhere), so that the device runs full waves as it does on the whole call.
+TILES_PER_UNIT = 4
+TILE_ROWS = 128
+
+
+def _processors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return torch.get_num_threads()
+
+
+def timed_part(q, k, v, mask, layout: str) -> tuple[tuple, float]:
+    """((q, k, v, mask), share): the part of the call candidates are timed on, as views of the
+    caller's tensors, and the share of the call's work it is. The whole call (share 1) up to
+    ``TIMED_WORK``; above it the first batch items and heads whose work is about ``TIMED_WORK``, at
+    the call's full lengths, and never fewer heads than keep the device full."""
+    bq = q.transpose(1, 2) if layout == "bshd" else q
+    b, h, n, d = bq.shape
+    kv = k.shape[1] if layout == "bshd" else k.shape[2]
+    per_head = attention_flops(1, 1, n, kv, d)
+    limit = TIMED_WORK.get(q.device.type, TIMED_WORK["cpu"])
+    if b * h * per_head <= limit:
+        return (q, k, v, mask), 1.0
+    full = -(-_processors(q.device) * TILES_PER_UNIT // -(-n // TILE_ROWS))
+    units = min(b * h, max(1, full, int(limit // per_head)))
+    batch, heads = (1, units) if units <= h else (-(-units // h), h)
+    return _check.part(q, k, v, mask, layout, batch, heads, n, kv), batch * heads / (b * h)
+
+
 def measure(candidates: list, q, k, v, mask, scale, layout: str) -> Ranking:
     """Check and time every candidate on this call (see the module's docstring for the bounds)."""
     timer = _Timer(q.device)
-    rows = check_rows(_bhsd(q, layout).shape[2])
-    samples, rejected = {}, {}
-    calls = {c.id: (lambda run=c.run: run(q, k, v, mask, scale)) for c in candidates}
-
-    def timed(bid: str, n: int) -> None:
-        try:
-            samples[bid] += timer.times(calls[bid], n)
-        except Exception as exc:  # noqa: BLE001 - a failing candidate is a reason, as at run time
-            if is_sticky(exc):
-                raise
-            del samples[bid]
-            rejected[bid] = failure_text(exc)
-
+    samples, rejected, first = {}, {}, {}
     with torch.no_grad():
-        ref = reference(q, k, v, mask, scale, layout, rows)
-        first = {}
+        probe = _check.probe(q, k, v, mask, layout)
+        part, share = timed_part(q, k, v, mask, layout)
+        rows = _check.samples(part[0], layout)
+        ref = _check.reference(*part, scale, layout, rows)
+        calls = {c.id: (lambda run=c.run: run(*part, scale)) for c in candidates}
+
+        def checked(fn, limit: float) -> tuple[str, float]:
+            """A run of ``fn`` on the timed part (or the whole probe): its verdict and its time."""
+            timer.sync()
+            t0 = time.perf_counter()
+            out = fn()
+            timer.sync()
+            return _check.check(out, part[0].shape, layout, rows, ref, limit), time.perf_counter() - t0
+
         for c in candidates:  # the checked call, which also warms the kernel up
+            limit = _check.bound(c.dtype, q.device.type, c.approximate)
             try:
-                timer.sync()
-                t0 = time.perf_counter()
-                out = calls[c.id]()
-                timer.sync()
-                first[c.id] = time.perf_counter() - t0
-                reason = check(out, q.shape, layout, rows, ref, bound(c.dtype, q.device.type, c.approximate))
-                del out
-            except Exception as exc:  # noqa: BLE001 - as above
+                if not probe.untouched():  # the last candidate wrote into the copies
+                    probe = probe.renewed()
+                if probe.whole:
+                    reason, t = checked(lambda: c.run(*probe.args, scale), limit)
+                else:
+                    c.run(*probe.args, scale)
+                if not probe.untouched():
+                    reason = f"{_check.CHECK_FAILED}: {_check.WROTE_INPUTS}"
+                elif not probe.whole:
+                    # On the caller's tensors, now that the probe saw it leave its inputs alone.
+                    before = _check.checksums(*part[:3])
+                    reason, t = checked(calls[c.id], limit)
+                    if _check.changed(before, *part[:3]):
+                        reason = f"{_check.CHECK_FAILED}: {_check.WROTE_AT_FULL_SIZE}"
+                        ref = _check.reference(*part, scale, layout, rows)  # what the others now see
+            except Exception as exc:  # noqa: BLE001 - a failing candidate is a reason, as at run time
                 if is_sticky(exc):
                     raise
                 reason = failure_text(exc)
             if reason:
                 rejected[c.id] = reason
-                first.pop(c.id, None)
-        if first:
-            fastest = min(first.values())
-            for bid, t in first.items():
-                samples[bid] = []
-                if bid != min(first, key=first.get) and (t > SLOWER * fastest or (t > BUDGET_S and t > fastest)):
-                    # Clearly slower, even counting its one-time costs: the checked call is its time.
-                    samples[bid] = [t]
-            # Rounds over the candidates still in the race, so that drift affects them alike.
-            racing = [bid for bid in first if not samples[bid]]
-            for bid in racing:
-                timed(bid, 1)
-            racing = [bid for bid in racing if bid in samples]
-            if racing:
-                best = min(samples[bid][0] for bid in racing)
-                racing = [bid for bid in racing if samples[bid][0] <= min(SLOWER * best, BUDGET_S)]
-                round_s = sum(samples[bid][0] for bid in racing)
-                for _ in range(min(REPS - 2, int(BUDGET_S / max(round_s, 1e-9)))):
-                    for bid in racing:
-                        if bid in samples:
-                            timed(bid, 1)
-    timings = {bid: _median(ts) for bid, ts in samples.items() if ts}
+            else:
+                first[c.id] = t
+        _race(first, samples, rejected, calls, timer)
+    # A part's time stands for the whole call's: time grows with batch x heads once the device is full.
+    timings = {bid: _median(ts) / share for bid, ts in samples.items() if ts}
     ordered = dict(sorted(timings.items(), key=lambda item: item[1]))
     return Ranking("measured", ordered, rejected, not any("out of memory" in r.lower() for r in rejected.values()))
+
+
+def _race(first: dict, samples: dict, rejected: dict, calls: dict, timer: _Timer) -> None:
+    """Time the candidates that passed their checked call (``first``: its time), into ``samples``."""
+
+    def timed(bid: str, n: int) -> None:
+        try:
+            samples[bid] += timer.times(calls[bid], n)
+        except Exception as exc:  # noqa: BLE001 - as in measure
+            if is_sticky(exc):
+                raise
+            del samples[bid]
+            rejected[bid] = failure_text(exc)
+
+    if not first:
+        return
+    fastest = min(first.values())
+    for bid, t in first.items():
+        samples[bid] = []
+        if bid != min(first, key=first.get) and (t > SLOWER * fastest or (t > BUDGET_S and t > fastest)):
+            # Clearly slower, even counting its one-time costs: the checked call is its time.
+            samples[bid] = [t]
+    # Rounds over the candidates still in the race, so that drift affects them alike.
+    racing = [bid for bid in first if not samples[bid]]
+    for bid in racing:
+        timed(bid, 1)
+    racing = [bid for bid in racing if bid in samples]
+    if racing:
+        best = min(samples[bid][0] for bid in racing)
+        racing = [bid for bid in racing if samples[bid][0] <= min(SLOWER * best, BUDGET_S)]
+        round_s = sum(samples[bid][0] for bid in racing)
+        for _ in range(min(REPS - 2, int(BUDGET_S / max(round_s, 1e-9)))):
+            for bid in racing:
+                if bid in samples:
+                    timed(bid, 1)
 
 
 def rank(spec, fp32: str, candidates: list, inputs: tuple | None) -> Ranking | None:

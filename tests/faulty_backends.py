@@ -3,7 +3,9 @@
 Each computes PyTorch's SDPA and then spoils it in one way: ``fk-nan`` returns NaN on every call,
 ``fk-nan3`` on every third call (an approximate kernel, as the quantised ones that fail on some
 inputs are), ``fk-drift`` is 10% off, ``fk-shape`` drops the last query row, ``fk-writes`` returns
-the right answer but zeroes its v. ``CALLS`` counts the calls of each.
+the right answer but zeroes its v, ``fk-writes-long`` does so only on calls of more than
+``LONG`` queries (a write that a short probe cannot show). ``CALLS`` counts the calls of each, and
+``SEEN`` lists the storage of the q, k and v each call was given.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import torch.nn.functional as F
 import lib_attn
 
 CALLS: Counter = Counter()
+SEEN: dict = {}
+LONG = 1000
 
 
 class _Faulty(lib_attn.Backend):
@@ -23,6 +27,7 @@ class _Faulty(lib_attn.Backend):
 
     def run(self, q, k, v, mask, scale):
         CALLS[self.id] += 1
+        SEEN.setdefault(self.id, []).append(tuple(t.untyped_storage().data_ptr() for t in (q, k, v)))
         return self.spoil(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale), q, k, v)
 
     def spoil(self, out, q, k, v):
@@ -65,16 +70,27 @@ class WritesInputs(_Faulty):
         return out
 
 
+class WritesInputsWhenLong(_Faulty):
+    id, label = "fk-writes-long", "writes into its inputs on long calls"
+
+    def spoil(self, out, q, k, v):
+        if q.shape[2] > LONG:
+            v.zero_()
+        return out
+
+
+#: Faulty on every call kind (``fk-writes-long`` is right on short calls, and registered beside them).
 BACKENDS = (NaNAlways, NaNEveryThird, Drift, WrongShape, WritesInputs)
 IDS = tuple(b.id for b in BACKENDS)
 
 
 def register() -> None:
-    for backend in BACKENDS:
+    for backend in BACKENDS + (WritesInputsWhenLong,):
         lib_attn.register_backend(backend())
     CALLS.clear()
+    SEEN.clear()
 
 
 def unregister() -> None:
-    for bid in IDS:
+    for bid in IDS + (WritesInputsWhenLong.id,):
         lib_attn.unregister_backend(bid)

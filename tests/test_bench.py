@@ -60,8 +60,8 @@ def test_json_schema(short_run):
     for r in doc["results"]:
         assert r["status"] in ("ok", "unsupported", "fell back", "failed")
         assert set(r) >= {"model", "res", "dtype", "where", "backend", "reason", "ran", "median_us",
-                          "p20_us", "p80_us", "samples", "tflops", "peak_extra_mib", "rel_l2_error",
-                          "max_abs_error", "h200_floor_pct"}
+                          "p20_us", "p80_us", "samples", "tflops", "peak_extra_mib", "first_call_extra_mib",
+                          "rel_l2_error", "max_abs_error", "h200_floor_pct"}
         assert r["h200_floor_pct"] is None  # only on an H200
 
 
@@ -139,6 +139,11 @@ def test_memory_separates_quadratic_from_fused(short_run):
     cells = {r["backend"]: r for r in doc["results"] if r["where"] == call.where}
     assert cells["sdpa-math"]["peak_extra_mib"] >= scores_mib
     assert output_mib * 0.9 <= cells["auto"]["peak_extra_mib"] < scores_mib / 4
+    # The guard's first check of sdpa-math copies nothing: its first call needs what a steady one does.
+    assert cells["sdpa-math"]["first_call_extra_mib"] < cells["sdpa-math"]["peak_extra_mib"] + output_mib / 2
+    row = next(l for l in short_run["stdout"].split("peak extra memory per call")[1].splitlines()
+               if l.startswith(call.where))
+    assert f"{cells['sdpa-math']['peak_extra_mib']:.1f} ({cells['sdpa-math']['first_call_extra_mib']:.1f})" in row
 
 
 def test_overhead_is_measured_against_direct_sdpa(short_run):
@@ -365,3 +370,38 @@ def test_the_scheduled_overhead_runs_under_the_rule_at_its_step_and_restores_eve
     lines = text_out.splitlines()
     at = lines.index(f"  with a schedule in force ({text}), at step 10 of 20:")
     assert "(ran math)" in lines[at + 1] and "includes the kernel" in lines[at + 2]
+
+
+def test_the_video_presets_run_scaled_down_on_the_cpu_and_say_so(tmp_path):
+    out = tmp_path / "wan.json"
+    proc = subprocess.run([sys.executable, "-m", "lib_attn", "bench", "--model", "wan", "--res", "480",
+                           "--video-scale", "32", "--backends", "auto", "sdpa", "--budget", "0.02",
+                           "--no-overhead", "--no-progress", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["video_scale"] == 32
+    # Wan 2.1/2.2 14B at 832x480, 81 frames: 21 x 30 x 52 = 32,760 tokens in 40 heads of 128; 512 text tokens.
+    calls = {c["where"]: c for c in doc["calls"]}
+    assert set(calls) == {"self 480p ÷32", "cross 480p ÷32"}
+    assert (calls["self 480p ÷32"]["heads"], calls["self 480p ÷32"]["q_len"], calls["self 480p ÷32"]["kv_len"]) == \
+        (1, 32760 // 32, 32760 // 32)
+    assert (calls["cross 480p ÷32"]["q_len"], calls["cross 480p ÷32"]["kv_len"]) == (32760 // 32, 512)
+    assert all(c["head_dim"] == 128 and c["calls"] == 80 for c in calls.values())
+    for r in doc["results"]:
+        assert r["status"] == "ok" and r["first_call_extra_mib"] is not None and r["peak_extra_mib"] is not None
+    assert "video calls at 1/32 of their video tokens and heads (--video-scale 32)" in proc.stdout
+    assert "Wan 2.1/2.2 14B, 81 frames @ 480, float32" in proc.stdout
+
+
+def test_video_calls_follow_the_models_facts():
+    wan = {c.where: c for c in shapes.model_calls("wan")}
+    assert wan["self 720p"].shape == (1, 40, 75600, 75600, 128) and wan["cross 720p"].shape == (1, 40, 75600, 512, 128)
+    assert wan["self 480p"].q_len == 32760 and wan["self 720p"].calls == 40 * 2
+    (hv,) = shapes.model_calls("hunyuan-video")
+    assert hv.shape == (1, 24, 118800 + 256, 118800 + 256, 128) and hv.calls == 60
+    scaled = shapes.scaled_down(hv, 8)
+    assert (scaled.heads, scaled.q_len, scaled.kv_len) == (3, 118800 // 8 + 256, 118800 // 8 + 256)
+    assert shapes.scaled_down(shapes.model_calls("sd15")[0], 8) == shapes.model_calls("sd15")[0]
+    with pytest.raises(ValueError, match="res must be a positive multiple of 16"):
+        shapes.model_calls("wan", 500)

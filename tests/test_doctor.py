@@ -53,7 +53,7 @@ def test_json_lists_every_backend_with_a_reason_when_unavailable(doctor_json):
 
 def test_json_decisions_cover_every_model_call(doctor_json):
     decisions = doctor_json["decisions"]
-    for model in shapes.MODELS:
+    for model in shapes.IMAGE_MODELS:
         mine = [d for d in decisions if d["model"] == model]
         assert sum(d["calls"] for d in mine) == shapes.calls_per_step(model)
         assert [tuple(d["shape"]) for d in mine] == [c.shape for c in shapes.model_calls(model)]
@@ -130,7 +130,7 @@ def test_text_report_names_versions_backends_and_models():
         assert ("yes" in line) == b.available
         if not b.available:
             assert b.reason in line
-    for model in shapes.MODELS:
+    for model in shapes.IMAGE_MODELS:
         assert f"{shapes.MODEL_LABELS[model]} @ {shapes.NATIVE_RES[model]}" in text
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import lib_attn
-from lib_attn import dispatch, guard, tune
+from lib_attn import check, dispatch, guard, tune
 from lib_attn.report import Report
 from tests import faulty_backends
 from tests.engine_helpers import fresh_engine_with, make_qkv
@@ -58,7 +58,7 @@ def test_a_rejection_names_the_call_and_the_bound():
     (line,) = Report.from_recording(rec).guard_lines()
     assert line.startswith("guard: fk-drift rejected for unet 2×8×64×77×40 bf16: rel err ")
     err, bound = (float(x) for x in line.split("rel err ")[1].split(" →")[0].split(" > "))
-    assert 0.05 < err < 0.2 and bound == tune.BOUNDS[torch.bfloat16]
+    assert 0.05 < err < 0.2 and bound == check.BOUNDS[torch.bfloat16]
 
 
 def test_a_late_fault_of_a_trusted_approximate_kernel_is_recomputed_and_demotes_it():
@@ -179,8 +179,8 @@ def test_the_webuis_flag_and_setting():
 
 def test_a_kernel_is_checked_once_per_process_not_at_every_configuration_change(monkeypatch):
     checked = []
-    real = guard.checked_call
-    monkeypatch.setattr(guard, "checked_call", lambda *a: checked.append(1) or real(*a))
+    real = guard.first_check
+    monkeypatch.setattr(guard, "first_check", lambda *a, **kw: checked.append(1) or real(*a, **kw))
     q, k, v = qkv(0)
     for strict in (False, True, False):  # a webui changes the configuration around every generation
         lib_attn.configure(preference=["sdpa"], strict=strict)
@@ -190,3 +190,111 @@ def test_a_kernel_is_checked_once_per_process_not_at_every_configuration_change(
     lib_attn.attention(q, k, v)
     lib_attn.attention(q, k, v)
     assert len(checked) == 3
+
+
+def long_qkv(seed, dtype=torch.float32, n=1500):
+    """A call above the probe's size: the probe runs on a part of it, the check on the whole."""
+    q, k, v = make_qkv(2, 4, n, 300, 32, dtype, seed=seed)
+    assert sum(t.numel() * t.element_size() for t in (q, k, v)) > check.PROBE_BYTES
+    return q, k, v
+
+
+def storage(*tensors):
+    return tuple(t.untyped_storage().data_ptr() for t in tensors)
+
+
+@pytest.mark.parametrize("bid, what", [
+    ("fk-nan", "non-finite values"), ("fk-drift", "rel err"), ("fk-shape", "shape"),
+    ("fk-writes", "wrote into its inputs")])
+def test_a_long_calls_first_check_catches_every_fault_without_copying_the_call(bid, what):
+    lib_attn.configure(preference=[bid])
+    q, k, v = long_qkv(1)
+    kept = tuple(t.clone() for t in (q, k, v))
+    with lib_attn.recording() as rec:
+        out = lib_attn.attention(q, k, v)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), kept)), "the caller's inputs changed"
+    assert torch.equal(out, sdpa(*kept))
+    ((_, caught, said, ran_on, recomputed), n), = rec.guard.items()
+    assert (caught, ran_on, recomputed, n) == (bid, "sdpa", True, 1) and what in said
+    first = faulty_backends.SEEN[bid][0]
+    assert not set(first) & set(storage(q, k, v)), "the kernel's first run was on the caller's tensors"
+    if bid == "fk-writes":  # caught on the probe: it never saw the caller's tensors
+        assert CALLS[bid] == 1
+
+
+def test_a_kernel_that_passes_the_first_check_of_a_long_call_runs_on_the_callers_tensors_from_then_on():
+    lib_attn.configure(preference=["fk-nan3"])  # right on its first two calls: the probe and the call
+    q, k, v = long_qkv(2)
+    with lib_attn.recording() as rec:
+        out = lib_attn.attention(q, k, v)
+    assert not rec.guard and torch.equal(out, sdpa(q, k, v))
+    probe_run, call_run = faulty_backends.SEEN["fk-nan3"]
+    assert not set(probe_run) & set(storage(q, k, v)) and call_run == storage(q, k, v)
+    assert lib_attn.explain(q, k, v).backend == "fk-nan3"
+
+
+def test_a_write_the_probe_cannot_show_is_caught_by_the_checksums(caplog):
+    lib_attn.configure(preference=["fk-writes-long"])
+    q, k, v = long_qkv(3, n=faulty_backends.LONG + 500)
+    with caplog.at_level(logging.WARNING, logger="lib_attn"), lib_attn.recording() as rec:
+        out = lib_attn.attention(q, k, v)
+    ((_, caught, said, ran_on, _), _), = rec.guard.items()
+    assert caught == "fk-writes-long" and ran_on == "sdpa"
+    assert said.endswith("wrote into its inputs at full size (the caller's tensors changed before it was caught)")
+    assert torch.equal(out, sdpa(q, k, v))  # recomputed on what the inputs now hold, and said so
+    assert not v.any()
+    assert any("at full size" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("where", ["probe", "checksums", "reference"])
+def test_no_memory_for_the_check_skips_it_for_that_call_and_the_call_runs(where, monkeypatch, caplog):
+    real = getattr(check, where)
+    failing = [True]
+
+    def out_of_memory(*args, **kwargs):
+        if failing[0]:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.30 GiB")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(check, where, out_of_memory)
+    lib_attn.configure(preference=["sdpa"])
+    q, k, v = long_qkv(4)
+    with caplog.at_level(logging.WARNING, logger="lib_attn"), lib_attn.recording() as rec:
+        out = lib_attn.attention(q, k, v)
+        assert torch.equal(out, sdpa(q, k, v)) and rec.calls == {("unet", "sdpa"): 1} and not rec.guard
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert line.startswith("attention guard: sdpa could not be checked on unet 2×4×1500×300×32 fp32, not checked "
+                               "(RuntimeError: CUDA out of memory") and line.endswith("the next one is checked")
+        checked = []
+        monkeypatch.setattr(guard, "first_check", lambda *a, **kw: checked.append(1) or real_first(*a, **kw))
+        failing[0] = False
+        lib_attn.attention(q, k, v)  # the next call is checked, and passes
+        assert checked == [1]
+        lib_attn.attention(q, k, v)
+        assert checked == [1]  # trusted from then on
+
+
+real_first = guard.first_check
+
+
+def test_tuning_never_runs_a_candidate_on_the_callers_tensors_before_it_is_seen_not_to_write():
+    lib_attn.configure(preference=["fk-writes", "fk-drift", "sdpa"], tune="on")
+    for q, k, v in (qkv(5), long_qkv(5)):
+        kept = tuple(t.clone() for t in (q, k, v))
+        out = lib_attn.attention(q, k, v)
+        assert all(torch.equal(a, b) for a, b in zip((q, k, v), kept)), "the caller's tensors changed"
+        assert torch.equal(out, sdpa(*kept))
+        d = lib_attn.explain(q, k, v)
+        assert d.backend == "sdpa" and d.source == "measured"
+        assert d.reasons_for("fk-writes") == ["output check failed: wrote into its inputs"]
+        assert d.reasons_for("fk-drift")[0].startswith("output check failed: rel err")
+        assert all(not set(seen) & set(storage(q, k, v)) for seen in faulty_backends.SEEN.pop("fk-writes"))
+
+
+def test_tuning_catches_a_write_at_full_size_by_the_checksums():
+    lib_attn.configure(preference=["fk-writes-long", "sdpa"], tune="on")
+    q, k, v = long_qkv(6, n=faulty_backends.LONG + 500)
+    out = lib_attn.attention(q, k, v)
+    d = lib_attn.explain(q, k, v)
+    assert d.backend == "sdpa" and d.reasons_for("fk-writes-long") == [
+        "output check failed: wrote into its inputs at full size (the caller's tensors changed before it was caught)"]
+    assert torch.equal(out, sdpa(q, k, v))

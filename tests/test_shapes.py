@@ -133,8 +133,10 @@ def test_h200_floor_matches_reference(shape, floor_us):
 
 
 def test_native_resolution_is_the_default():
-    for model in shapes.MODELS:
+    for model in shapes.IMAGE_MODELS:
         assert shapes.model_calls(model) == shapes.model_calls(model, shapes.NATIVE_RES[model])
+    for model in shapes.VIDEO_MODELS:  # every preset resolution
+        assert shapes.model_calls(model) == [c for r in shapes.VIDEO_RES[model] for c in shapes.model_calls(model, r)]
 
 
 @pytest.mark.parametrize("model, res", [("sd15", 500), ("sd15", 0), ("flux", 1000), ("sd3", -16)])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lib_attn
-from lib_attn import _compat, tune
+from lib_attn import _compat, check, tune
 from lib_attn.dispatch import default_chain
 from tests import tune_backends
 from tests.engine_helpers import fresh_engine_with, make_qkv, reference, rel_err
@@ -46,7 +46,7 @@ def test_tuning_picks_the_fastest_correct_backend_and_says_why_the_others_lost()
     assert d.timings["tt-quick"] < d.timings["tt-slow"]
     wrong = d.reasons_for("tt-wrong")
     assert len(wrong) == 1 and wrong[0].startswith("output check failed: rel err ")
-    bound = tune.BOUNDS[torch.float32]
+    bound = check.BOUNDS[torch.float32]
     assert wrong[0].endswith(f" > {bound:.1e}") and float(wrong[0].split()[5]) > bound
     assert d.reasons_for("tt-raise") == ["RuntimeError: no kernel image for this device"]
     # The head of the chain took the call and only lost on time: no fallback to count or report.
@@ -265,23 +265,6 @@ def test_the_compile_gate_is_real():
     assert probe(torch.zeros(1)).item() == -1.0
 
 
-def test_output_check_bounds_and_reference_rows():
-    rows = tune.check_rows(16384)
-    assert len(rows) == tune.CHECK_ROWS and rows[0] == 0 and rows[-1] == 16383
-    q, k, v = make_qkv(1, 1, 300, 200, 64, torch.float16, seed=3)
-    ref = tune.reference(q, k, v, None, None, "bhsd", tune.check_rows(300))
-    assert ref.dtype == torch.float32 and ref.shape == (1, 1, 64, 64)
-    good = reference(q, k, v).to(torch.float16)
-    assert tune.check(good, q.shape, "bhsd", tune.check_rows(300), ref, tune.BOUNDS[torch.float16]) == ""
-    noisy = good + 0.2 * torch.randn_like(good)
-    reason = tune.check(noisy, q.shape, "bhsd", tune.check_rows(300), ref, tune.BOUNDS[torch.float16])
-    assert reason.startswith("output check failed: rel err ") and reason.endswith("> 2.0e-02")
-    bad = good.clone()
-    bad[0, 0, 0, 0] = float("nan")
-    assert tune.check(bad, q.shape, "bhsd", tune.check_rows(300), ref, 1.0) == "output check failed: non-finite values"
-    assert "shape" in tune.check(good[:, :, :10], q.shape, "bhsd", tune.check_rows(300), ref, 1.0)
-
-
 def test_a_masked_bshd_call_is_checked_on_its_own_rows():
     lib_attn.configure(preference=["tt-slow", "tt-quick"], tune="on")
     q, k, v = make_qkv(2, 2, 70, 30, 16, torch.float32, layout="bshd", seed=4)
@@ -372,7 +355,7 @@ def test_tune_setting_values():
 
 def test_a_failing_measurement_leaves_the_fixed_order_and_the_call_intact(monkeypatch, caplog):
     ranked_chain()
-    monkeypatch.setattr(tune, "reference", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    monkeypatch.setattr(check, "reference", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
     q, k, v = qkv()
     with caplog.at_level(logging.WARNING, logger="lib_attn"):
         out = lib_attn.attention(q, k, v)
@@ -454,15 +437,6 @@ def test_a_candidate_out_of_memory_is_rejected_for_now_but_not_stored(monkeypatc
     assert tune.table()["entries"] == []  # the next process measures again
 
 
-def test_the_reference_stays_fp32_under_autocast():
-    q, k, v = make_qkv(1, 2, 80, 50, 32, torch.float32, seed=7)
-    rows = tune.check_rows(80)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref = tune.reference(q, k, v, None, None, "bhsd", rows)
-    assert ref.dtype == torch.float32
-    assert rel_err(ref, reference(q, k, v)[:, :, rows]) < 1e-6
-
-
 def test_under_autocast_kernels_are_held_to_autocasts_bound():
     lib_attn.configure(tune="on")
     q, k, v = make_qkv(2, 4, 96, 77, 40, torch.float32, seed=8)
@@ -470,13 +444,56 @@ def test_under_autocast_kernels_are_held_to_autocasts_bound():
         out = lib_attn.attention(q, k, v)
         d = lib_attn.explain(q, k, v)
     assert d.source == "measured" and set(d.timings) == {"sdpa", "math"} and not d.rejected, str(d)
-    assert rel_err(out, reference(q, k, v)) < tune.BOUNDS[torch.bfloat16]
+    assert rel_err(out, reference(q, k, v)) < check.BOUNDS[torch.bfloat16]
 
 
 def test_when_every_backend_fails_its_check_the_call_still_runs(monkeypatch):
     lib_attn.configure(tune="on", guard="off")  # tuning's own rule (the guard would go on to math)
-    monkeypatch.setattr(tune, "check", lambda *a: "output check failed: rel err 1.0e+00 > 5.0e-03")
+    monkeypatch.setattr(check, "check", lambda *a: "output check failed: rel err 1.0e+00 > 5.0e-03")
     q, k, v = qkv()
     out = lib_attn.attention(q, k, v)
     assert rel_err(out, reference(q, k, v)) < 1e-5
     assert lib_attn.explain(q, k, v).backend == "sdpa"
+
+
+def test_a_long_call_is_timed_on_a_part_that_keeps_the_device_full(monkeypatch):
+    q, k, v = make_qkv(2, 24, 4096, 4096, 64, torch.float16, layout="bshd", seed=0)
+    mask = torch.ones(2, 1, 1, 4096, dtype=torch.bool)
+    per_head = 4 * 4096 * 4096 * 64
+    monkeypatch.setattr(tune, "_processors", lambda device: 132)  # an H100's SMs
+    monkeypatch.setattr(tune, "TIMED_WORK", {"cpu": 2 * 24 * per_head})
+    assert tune.timed_part(q, k, v, mask, "bshd") == ((q, k, v, mask), 1.0)
+    monkeypatch.setattr(tune, "TIMED_WORK", {"cpu": 3 * per_head})
+    (pq, pk, pv, pm), share = tune.timed_part(q, k, v, mask, "bshd")
+    # 4096 queries are 32 tiles of 128 rows a head: 4 waves over 132 SMs need 17 heads, more than the work budget.
+    assert pq.shape == (1, 4096, 17, 64) and pk.shape == pv.shape == (1, 4096, 17, 64) and pm.shape == (1, 1, 1, 4096)
+    assert share == 17 / 48
+    assert pq.data_ptr() == q.data_ptr() and pk.data_ptr() == k.data_ptr()  # views: nothing copied
+    monkeypatch.setattr(tune, "_processors", lambda device: 2)
+    (pq, *_), share = tune.timed_part(q, k, v, mask, "bshd")
+    assert pq.shape == (1, 4096, 3, 64) and share == 3 / 48  # the work budget rules
+    monkeypatch.setattr(tune, "TIMED_WORK", {"cpu": 30 * per_head})
+    (pq, *_), share = tune.timed_part(q, k, v, mask, "bshd")
+    assert pq.shape == (2, 4096, 24, 64) and share == 1.0  # past one item's heads: whole items
+
+
+def test_a_parts_timings_stand_for_the_whole_call(monkeypatch):
+    shapes_seen = []
+    real = tune_backends.Quick.run
+
+    def run(self, q, k, v, mask, scale):
+        shapes_seen.append(tuple(q.shape))
+        return real(self, q, k, v, mask, scale)
+    monkeypatch.setattr(tune_backends.Quick, "run", run)
+    monkeypatch.setattr(tune._Timer, "times", lambda self, fn, n: [fn() is None or 1e-3 for _ in range(n)])
+    monkeypatch.setattr(tune, "TIMED_WORK", {"cpu": 1.0})
+    monkeypatch.setattr(tune, "_processors", lambda device: 1)
+    lib_attn.configure(preference=["tt-quick", "tt-slow"], tune="on")
+    q, k, v = make_qkv(1, 4, 600, 300, 32, torch.float32, seed=2)
+    out = lib_attn.attention(q, k, v)
+    assert rel_err(out, reference(q, k, v)) < 1e-5
+    d = lib_attn.explain(q, k, v)
+    assert d.source == "measured" and d.timings == {"tt-quick": pytest.approx(4e-3), "tt-slow": pytest.approx(4e-3)}
+    probe, part, *timed, call = shapes_seen
+    assert probe[:2] == (1, 1) and probe[2] < 600  # the probe's copies
+    assert part == (1, 1, 600, 32) and all(t == part for t in timed) and call == (1, 4, 600, 32)

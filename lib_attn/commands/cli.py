@@ -28,8 +28,11 @@ MODEL_CHOICES = (*shapes.MODELS, "all")
 def _add_workload(p: argparse.ArgumentParser, verb: str) -> None:
     """``--model``, ``--res`` and ``--dtype``: which calls a command runs ("model whose calls to <verb>")."""
     p.add_argument("--model", default=None, choices=MODEL_CHOICES,
-                   help=f"model whose calls to {verb} (default: sd15 on CPU, all on a GPU)")
-    p.add_argument("--res", type=int, default=None, help="image side in pixels (default: each model's native size)")
+                   help=f"model whose calls to {verb} (default: sd15 on CPU, all on a GPU; all: every image "
+                        f"model; the video models {', '.join(shapes.VIDEO_MODELS)} when named)")
+    p.add_argument("--res", type=int, default=None,
+                   help="image side, or video frame height, in pixels (default: each model's native size; "
+                        "wan: 480 and 720)")
     p.add_argument("--dtype", nargs="+", default=None,
                    help="fp16, bf16 and/or fp32 (default: fp32 on CPU; fp16 UNet/VAE and bf16 DiT on a GPU)")
 
@@ -65,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"'{bench.SCHEDULE}'; off: not measured)")
     b.add_argument("--no-memory", action="store_true", help="skip the peak memory measurement")
     b.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
+    b.add_argument("--video-scale", type=int, default=None, metavar="N",
+                   help="run video calls at 1/N of their video tokens and heads (default: 8 on CPU, 1 on a GPU)")
     b.add_argument("--tune", choices=("on", "off"), default="on",
                    help="the auto column with tuning on (default: it runs what tuning ranks fastest) or off "
                         "(the fixed order)")
@@ -112,7 +117,7 @@ def _models(model: Optional[str], res: Optional[int], device: torch.device,
     """The models whose calls to run (default: every model on a GPU, SD1.5 elsewhere), with
     ``res`` checked against each of them."""
     model = model or ("all" if device.type == "cuda" else "sd15")
-    models = list(shapes.MODELS) if model == "all" else [model]
+    models = list(shapes.IMAGE_MODELS) if model == "all" else [model]
     try:
         for m in models:
             shapes.model_calls(m, res)
@@ -163,6 +168,8 @@ def _bench(args, parser: argparse.ArgumentParser) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     models = _models(args.model, args.res, device, parser)
+    if args.video_scale is not None and args.video_scale < 1:
+        parser.error(f"--video-scale {args.video_scale}: must be a whole number of 1 or more")
     try:
         schedule = lib_schedule.parse(bench.SCHEDULE if args.schedule is None else args.schedule)
     except ValueError as exc:
@@ -172,7 +179,8 @@ def _bench(args, parser: argparse.ArgumentParser) -> int:
                                    backends=backends, device=str(device), budget_s=args.budget,
                                    overhead=not args.no_overhead, overhead_rounds=args.overhead_rounds,
                                    schedule=schedule.text if schedule is not None else None,
-                                   memory=not args.no_memory, progress=not args.no_progress, tune=args.tune)
+                                   memory=not args.no_memory, progress=not args.no_progress, tune=args.tune,
+                                   video_scale=args.video_scale)
     doc = bench.run(settings)
     _print(bench.render(doc))
     if args.json_path:

@@ -64,7 +64,7 @@ def _described(call: shapes.AttentionCall, dtype: torch.dtype, info):
 
 
 def decisions(device: torch.device, dtype: Optional[torch.dtype] = None,
-              models=shapes.MODELS, res: Optional[int] = None, info=None) -> List[dict]:
+              models=shapes.IMAGE_MODELS, res: Optional[int] = None, info=None) -> List[dict]:
     """For each model's calls: the backend the current configuration picks, and why
     the ones before it were passed over. With ``info`` (a described device) from metadata alone."""
     out = []

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import lib_attn
-from lib_attn import tune
+from lib_attn import check, tune
 from tests.engine_helpers import make_qkv, reference, rel_err
 
 # SD1.5's cross-attention and self-attention at 512², the VAE's single 512-wide head at 256².
@@ -32,7 +32,7 @@ def test_auto_tunes_on_a_gpu_and_runs_the_fastest_correct_kernel(role, shape, mo
     assert dec.source == "measured" and dec.timings, str(dec)
     assert dec.backend == min(dec.timings, key=dec.timings.get)
     assert all(0 < t < 1 for t in dec.timings.values())
-    assert rel_err(out, reference(q, k, v)) < tune.BOUNDS[torch.float16]
+    assert rel_err(out, reference(q, k, v)) < check.BOUNDS[torch.float16]
     print(f"{role} {shape}: {dec}")
     monkeypatch.setattr(tune, "measure", lambda *a, **kw: pytest.fail("measured again"))
     lib_attn.reset()
@@ -54,6 +54,6 @@ def test_no_tuning_while_a_cuda_graph_is_captured():
     torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
     torch.cuda.synchronize()
-    assert rel_err(out, reference(q2, k, v)) < tune.BOUNDS[torch.float16]
+    assert rel_err(out, reference(q2, k, v)) < check.BOUNDS[torch.float16]
     lib_attn.attention(q2, k, v)  # outside the capture the signature tunes
     assert lib_attn.explain(q2, k, v).source == "measured"

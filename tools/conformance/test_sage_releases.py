@@ -23,14 +23,14 @@ from .sources import fetch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from lib_attn import tune  # noqa: E402
+from lib_attn import check  # noqa: E402
 from lib_attn.device import DeviceInfo  # noqa: E402
 from lib_attn import kernels  # noqa: E402
 from lib_attn.kernels import REGISTRY  # noqa: E402
 from lib_attn.spec import CallSpec  # noqa: E402
 
 #: The bound the engine holds an approximate fp16 kernel to (tuning's output check).
-BOUND = tune.BOUNDS[torch.float16] * tune.APPROXIMATE_FACTOR
+BOUND = check.BOUNDS[torch.float16] * check.APPROXIMATE_FACTOR
 RTX_3090 = DeviceInfo("cuda", 0, "RTX 3090", (8, 6))
 
 
@@ -102,3 +102,63 @@ def test_left_alone_the_package_writes_into_the_callers_keys(engine_sees):
     kept = k.clone()
     engine_sees.sageattn(q, k, v, tensor_layout="HND", is_causal=False)
     assert not torch.equal(k, kept)
+
+
+@pytest.fixture
+def raw_sage(engine_sees, tmp_path, monkeypatch):
+    """SageAttention 1.0.6 registered as a backend that takes every call, unprotected: the guard alone
+    stands between its faults and the caller. ``protect``: hand it a copy of k (its write then stays
+    in the copy), so that its output is what the check sees."""
+    import lib_attn
+    from lib_attn import tune
+
+    class RawSage(lib_attn.Backend):
+        id, label, approximate = "raw-sage", "sageattn 1.0.6, unprotected", True
+        devices, dtypes = ("cpu",), (torch.float16,)
+        protect = False
+
+        def run(self, q, k, v, mask, scale):
+            k = k.clone() if self.protect else k
+            return engine_sees.sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=scale)
+
+    monkeypatch.setenv(tune.ENV_DIR, str(tmp_path))
+    tune.forget_memory()
+    lib_attn.reset()
+    lib_attn.register_backend(RawSage())
+    yield RawSage
+    lib_attn.unregister_backend("raw-sage")
+    lib_attn.reset()
+    tune.forget_memory()
+
+
+@pytest.mark.parametrize("tune_mode", ["off", "on"])
+@pytest.mark.parametrize("n", [96, 700])  # a call probed whole, and one probed on a part
+def test_the_guard_catches_the_real_kernel_on_its_first_call_and_the_callers_tensors_stay_as_they_were(
+        raw_sage, n, tune_mode):
+    import lib_attn
+    from lib_attn import tune
+
+    lib_attn.configure(preference=["raw-sage"], tune=tune_mode)
+    q, k, v = engine.inputs(b=1, h=2, n=n, kv=77, d=64, seed=n)
+    kept = tuple(t.clone() for t in (q, k, v))
+    out = lib_attn.attention(q, k, v)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), kept)), "the kernel wrote into the caller's tensors"
+    d = lib_attn.explain(q, k, v)
+    assert d.backend == "sdpa" and d.reasons_for("raw-sage") == ["output check failed: wrote into its inputs"]
+    assert relative_error(out, q, k, v) < check.BOUNDS[torch.float16]
+
+    # Its padding fault alone (the write kept in a copy): caught on the first call too, by its error.
+    raw_sage.protect = True
+    tune.clear()  # the rejection above is remembered for this signature
+    lib_attn.reset()
+    lib_attn.configure(preference=["raw-sage"], tune=tune_mode)
+    q, k, v = engine.inputs(b=1, h=2, n=n, kv=77, d=64, seed=n + 1)
+    out = lib_attn.attention(q, k, v)
+    (reason,) = lib_attn.explain(q, k, v).reasons_for("raw-sage")
+    err, bound = (float(x) for x in reason.split("rel err ")[1].split(" > "))
+    assert err > 0.2 and bound == BOUND
+    assert relative_error(out, q, k, v) < check.BOUNDS[torch.float16]
+    # ... and where it computes right (kv a multiple of 64), it serves the call.
+    q, k, v = engine.inputs(b=1, h=2, n=n, kv=128, d=64, seed=n + 2)
+    out = lib_attn.attention(q, k, v)
+    assert lib_attn.explain(q, k, v).backend == "raw-sage" and relative_error(out, q, k, v) <= BOUND

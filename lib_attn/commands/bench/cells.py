@@ -34,7 +34,8 @@ class Cell:
     samples: int = 0
     wall_us: Optional[float] = None
     tflops: Optional[float] = None
-    peak_extra_mib: Optional[float] = None
+    peak_extra_mib: Optional[float] = None  # a steady call of the signature
+    first_call_extra_mib: Optional[float] = None  # its first call: the guard's first check, auto's tuning
     rel_l2_error: Optional[float] = None
     max_abs_error: Optional[float] = None
     h200_floor_pct: Optional[float] = None

@@ -1,10 +1,11 @@
-"""Peak extra memory of one attention call, over the memory in use before it.
+"""Peak extra memory of one attention call, over the memory in use before it: the first call of its
+signature (the guard's first check runs there, and the auto column's tuning) and a steady call.
 
 On CUDA: the allocator's peak after ``reset_peak_memory_stats`` over ``memory_allocated`` before the
 call. On the CPU: the resident-set high-water mark (Linux ``/proc/self/clear_refs`` resets it) over
-the resident set before the call, one call at a time in a fresh subprocess whose glibc returns every
-block of 64 KiB or more to the OS on free, so that what earlier calls freed does not hide the peak.
-The output tensor is included either way.
+the resident set before the call, each cell's two calls in a fresh subprocess whose glibc returns
+every block of 64 KiB or more to the OS on free, so that what earlier calls freed does not hide the
+peak. The output tensor is included either way.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from .inputs import make_inputs
 
 MIB = 1024 * 1024
 CPU_MEMORY_METHOD = ("RSS high-water mark (/proc/self/clear_refs + VmHWM) over RSS before the call, "
-                     "one call per cell in a fresh subprocess with MALLOC_MMAP_THRESHOLD_=65536; "
+                     "the first and a steady call per cell in a fresh subprocess with MALLOC_MMAP_THRESHOLD_=65536; "
                      "output tensor included")
 CUDA_MEMORY_METHOD = ("torch.cuda max_memory_allocated after reset_peak_memory_stats, over "
                       "memory_allocated before the call; output tensor included")
@@ -57,16 +58,14 @@ def cpu_peak_supported() -> bool:
         return False
 
 
-def cuda_peak_extra_mib(fn: Callable[[], object], device: torch.device) -> float:
-    """MiB the allocator's peak rose during one ``fn()`` over what was allocated before it."""
+def cuda_peak(fn: Callable[[], object], device: torch.device) -> Tuple[object, float]:
+    """``fn()``'s result and the MiB the allocator's peak rose during it over what was allocated before it."""
     gc.collect()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     out = fn()
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    del out
-    return (peak - before) / MIB
+    return out, (torch.cuda.max_memory_allocated(device) - before) / MIB
 
 
 def _worker() -> None:
@@ -88,13 +87,16 @@ def _worker() -> None:
                 lib_attn.attention(*make_inputs(tiny, dtype, cpu), role=call.role, backend=backend)
                 warmed.add(key)
             q, k, v = make_inputs(call, dtype, cpu)
-            gc.collect()
-            before = _status_kib("VmRSS")
-            _reset_rss_peak()
-            out = lib_attn.attention(q, k, v, role=call.role, backend=backend)
-            peak = _status_kib("VmHWM")
-            del out, q, k, v
-            result = {"peak_extra_bytes": max(peak - before, 0) * 1024}
+            result = {}
+            for name in ("first_call_extra_bytes", "peak_extra_bytes"):  # the signature's first call, then a steady one
+                gc.collect()
+                before = _status_kib("VmRSS")
+                _reset_rss_peak()
+                out = lib_attn.attention(q, k, v, role=call.role, backend=backend)
+                peak = _status_kib("VmHWM")
+                del out
+                result[name] = max(peak - before, 0) * 1024
+            del q, k, v
         except (RuntimeError, ValueError, MemoryError) as exc:
             result = {"error": first_line(exc)}
         sys.stdout.write(json.dumps(result) + "\n")
@@ -103,8 +105,8 @@ def _worker() -> None:
 
 def measure_cpu_memory(jobs: List[Tuple[shapes.AttentionCall, str, Optional[str]]],
                        on_result: Optional[Callable[[int], None]] = None) -> List[dict]:
-    """Peak extra bytes of one call per job ``(call, dtype name, backend or None)``, measured in
-    a fresh subprocess (see ``CPU_MEMORY_METHOD``)."""
+    """Peak extra bytes of the first and of a steady call per job ``(call, dtype name, backend or
+    None)``, measured in a fresh subprocess (see ``CPU_MEMORY_METHOD``)."""
     if not jobs:
         return []
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(lib_attn.__file__)))

@@ -54,6 +54,10 @@ def render(doc: dict) -> str:
                                f"{doc['settings'].get('tuning_file')}) each call kind's candidates and runs the "
                                "fastest correct one; 'auto ran' says measured or stored" if tuned == "on" else
                                f"tuning {tuned}: the engine's fixed order"))
+    scale = doc["settings"].get("video_scale")
+    if scale and scale > 1:
+        out.append(f"video calls at 1/{scale} of their video tokens and heads (--video-scale {scale}), head size and "
+                   "text kept: time, FLOPs and memory are those of the scaled call")
     results = doc["results"]
     columns = doc["settings"]["columns"]
     h200 = doc["settings"]["h200_floor"]
@@ -88,24 +92,23 @@ def render(doc: dict) -> str:
         rows += [step_row + [""], tput_row + [""]]
         out.append(format_table(base + columns + ["auto ran"], rows, right_from=2))
 
-        def metric_table(title: str, key: str, fmt) -> None:
+        def metric_table(title: str, fmt) -> None:
             mrows = []
             for c in calls:
                 row = [c["where"]]
                 for col in columns:
                     cell = index[(model, res, dt, c["where"], col)]
-                    row.append(fmt(cell[key]) if cell["status"] == "ok" else "-")
+                    row.append(fmt(cell) if cell["status"] == "ok" else "-")
                 mrows.append(row)
             out.append("")
             out.append(title)
             out.append(format_table(["call"] + columns, mrows))
 
-        metric_table("peak extra memory per call, MiB", "peak_extra_mib",
-                     lambda x: "-" if x is None else f"{x:.1f}")
-        metric_table("relative L2 error vs float64", "rel_l2_error", lambda x: fmt_sig(x, 2))
+        metric_table("peak extra memory per call, MiB: a steady call (the signature's first call)", _memory)
+        metric_table("relative L2 error vs float64", lambda cell: fmt_sig(cell["rel_l2_error"], 2))
         if h200:
-            metric_table("% of the H200 floor (fused 16-bit)", "h200_floor_pct",
-                         lambda x: "-" if x is None else f"{x:.0f}%")
+            metric_table("% of the H200 floor (fused 16-bit)",
+                         lambda cell: "-" if cell["h200_floor_pct"] is None else f"{cell['h200_floor_pct']:.0f}%")
         if notes.items:
             out.append("")
             out.append(notes.render())
@@ -139,6 +142,14 @@ def render(doc: dict) -> str:
     out.append(f"memory: {doc['settings']['memory_method']}")
     out.append(f"error: {doc['settings']['reference']}")
     return "\n".join(out)
+
+
+def _memory(cell: dict) -> str:
+    """``1.2 (2.0)``: a steady call's peak extra MiB, and its first call's."""
+    steady, first = cell["peak_extra_mib"], cell.get("first_call_extra_mib")
+    if steady is None:
+        return "-"
+    return f"{steady:.1f}" + ("" if first is None else f" ({first:.1f})")
 
 
 def _overhead_row(m: dict) -> list:

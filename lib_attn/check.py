@@ -1,0 +1,269 @@
+"""The output check that the guard and tuning share: a kernel's answer against the engine's own
+reference, at a memory cost that does not grow with the call.
+
+* **Samples.** The reference covers query rows of at most ``PAIRS`` (batch, head) pairs, spread
+  evenly over the call's pairs, and at most ``SAMPLES`` rows in all, spread evenly over each pair's
+  queries (every row of a small call).
+* **Reference.** Attention in fp32 (fp64 for fp64 inputs) on those rows, ``ROWS_PER_BLOCK`` rows at
+  a time, streamed over the keys a block of at most ``BLOCK_BYTES`` of scores at a time with a
+  running maximum and sum (the online softmax). No score matrix, no fp32 copy of k or v, nothing
+  proportional to the call is held: at Wan 2.2's 75,600-token call it holds at most 8 MiB on a GPU
+  where the inputs are 774 MiB each.
+* **Probe.** A kernel is first run on copies of a part of the call (``probe``): the whole call when
+  its q, k and v take at most ``PROBE_BYTES``; else its first batch item and head, with each
+  sequence cut to fit that size while keeping its length modulo ``PROBE_ALIGN`` (the partial last
+  block a tiled kernel pads). The copies are then compared bit for bit with the caller's: a kernel
+  that writes into its inputs is caught before it ever sees the caller's tensors.
+* **Checksums.** ``checksums`` sums the bits of q, k and v as integers, wrapping around, with no
+  temporary: a kernel that wrote into the caller's tensors at full size (where the probe did not
+  show it) changes them.
+
+A check fails when the output has the wrong shape, a non-finite value where the reference has none,
+or a relative L2 error over the sampled rows above the bound of the dtype the kernel computes in
+(``BOUNDS``; autocast's when it is on and looser; ``APPROXIMATE_FACTOR`` times that for an
+``approximate`` kernel). Where the reference itself is non-finite (non-finite inputs, a fully masked
+row) every kernel returns what it makes of them, and the check passes.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from . import _compat
+from .kernels.base import as_4d, default_scale
+
+#: Largest relative L2 error a kernel computing in this dtype may show against the fp32 reference.
+BOUNDS = {torch.float16: 2e-2, torch.bfloat16: 4e-2, torch.float32: 5e-3, torch.float64: 1e-6}
+APPROXIMATE_FACTOR = 4
+#: The start of every reason a check gives: a stored rejection with it is the guard's to apply.
+CHECK_FAILED = "output check failed"
+WROTE_INPUTS = "wrote into its inputs"
+#: A write the probe did not show, found by the checksums after a run on the caller's tensors: they
+#: have changed, so what follows runs on what they now hold.
+WROTE_AT_FULL_SIZE = f"{WROTE_INPUTS} at full size (the caller's tensors changed before it was caught)"
+
+PAIRS = 64
+SAMPLES = 512
+ROWS_PER_BLOCK = 64
+#: Scores held at once by the reference, per device type (others: the CPU's). On a GPU a block a few
+#: MiB large keeps the number of kernel launches small (Wan 2.2's 720p call: 40 blocks, not 1,100).
+BLOCK_BYTES = {"cuda": 8 * 2**20, "cpu": 128 * 2**10}
+PROBE_BYTES = 64 * 2**10
+PROBE_ALIGN = 64
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bound(dtype, device_type: str, approximate: bool) -> float:
+    """The relative error a kernel computing in ``dtype`` may show: ``BOUNDS``' value, autocast's when
+    it is on and looser (the hosts run under it), times ``APPROXIMATE_FACTOR`` for an approximate one."""
+    b = max(BOUNDS.get(dtype, BOUNDS[torch.float16]), BOUNDS.get(_compat.autocast_dtype(device_type), 0.0))
+    return b * (APPROXIMATE_FACTOR if approximate else 1)
+
+
+def shape_mismatch(out, expected_shape) -> str:
+    """"" when ``out`` is a tensor of ``expected_shape``, else the reason it fails."""
+    if isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(expected_shape):
+        return ""
+    shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    return f"{CHECK_FAILED}: shape {shape}, expected {tuple(expected_shape)}"
+
+
+def _bhsd(t, layout: str):
+    return t.transpose(1, 2) if layout == "bshd" else t
+
+
+# --- which rows ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Samples:
+    """The (batch, head) pairs checked and the query rows checked in each of them."""
+
+    batch: torch.Tensor
+    head: torch.Tensor
+    rows: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return len(self.batch) * len(self.rows)
+
+
+def _spread(n: int, most: int) -> torch.Tensor:
+    """At most ``most`` indices spread evenly over range(n), first and last included."""
+    if n <= most:
+        return torch.arange(n)
+    return torch.linspace(0, n - 1, most).round().long().unique()
+
+
+def samples(q, layout: str) -> Samples:
+    """The rows the check looks at for a call whose queries are ``q`` (in ``layout``)."""
+    b, h, n = _bhsd(q, layout).shape[:3]
+    pairs = _spread(b * h, PAIRS)
+    return Samples(pairs // h, pairs % h, _spread(n, max(1, SAMPLES // len(pairs))))
+
+
+# --- the reference --------------------------------------------------------------------------------
+
+def _streamed(q_rows, k, v, mask, compute, out) -> None:
+    """softmax(q_rows kᵀ + mask) v for one (batch, head) into ``out`` (r, dv): q_rows (r, d) already
+    scaled and in ``compute``, k (kv, d), v (kv, dv), mask None or (r or 1, kv or 1); keys a block at
+    a time (online softmax), every running value updated in place."""
+    r, kv = q_rows.shape[0], k.shape[0]
+    block = BLOCK_BYTES.get(q_rows.device.type, BLOCK_BYTES["cpu"])
+    step = max(1, block // (r * torch.finfo(compute).bits // 8))
+    top = torch.full((r, 1), float("-inf"), dtype=compute, device=q_rows.device)
+    total = torch.zeros((r, 1), dtype=compute, device=q_rows.device)
+    out.zero_()
+    for start in range(0, kv, step):
+        stop = min(kv, start + step)
+        scores = q_rows @ k[start:stop].to(compute).T
+        if mask is not None:
+            part = mask if mask.shape[-1] == 1 else mask[:, start:stop]
+            if part.dtype == torch.bool:
+                scores.masked_fill_(~part, float("-inf"))
+            else:
+                scores += part.to(compute)
+        new_top = torch.maximum(top, scores.amax(dim=-1, keepdim=True))
+        # A row with no key yet (all -inf so far) shifts by 0, so that exp gives 0, not NaN.
+        shift = new_top.masked_fill(new_top == float("-inf"), 0.0)
+        keep = top.sub_(shift).exp_()
+        probs = scores.sub_(shift).exp_()
+        total.mul_(keep).add_(probs.sum(dim=-1, keepdim=True))
+        out.mul_(keep).addmm_(probs, v[start:stop].to(compute))
+        top = new_top
+    out.div_(total)  # a fully masked row: 0 / 0, non-finite, as in every kernel
+
+
+def reference(q, k, v, mask, scale, layout: str, s: Samples) -> torch.Tensor:
+    """Attention on the sampled rows, (pairs, rows, dv), in fp32 (fp64 for fp64 inputs)."""
+    q, k, v = (_bhsd(t, layout) for t in (q, k, v))
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = default_scale(scale, q.shape[-1])
+    rows = s.rows.to(q.device)
+    m4 = None if mask is None else as_4d(mask)
+    out = torch.empty((len(s.batch), len(rows), v.shape[-1]), dtype=compute, device=q.device)
+    # The hosts run under autocast, which would compute these matmuls in half precision.
+    off = torch.autocast(q.device.type, enabled=False) if q.device.type in ("cuda", "cpu") else contextlib.nullcontext()
+    with off, torch.no_grad():
+        for i, (b, h) in enumerate(zip(s.batch.tolist(), s.head.tolist())):
+            for start in range(0, len(rows), ROWS_PER_BLOCK):
+                chunk = rows[start:start + ROWS_PER_BLOCK]
+                m = None
+                if m4 is not None:
+                    m = m4[b if m4.shape[0] > 1 else 0, h if m4.shape[1] > 1 else 0]
+                    m = m.index_select(0, chunk) if m.shape[0] > 1 else m
+                q_rows = q[b, h].index_select(0, chunk).to(compute).mul_(scale)
+                _streamed(q_rows, k[b, h], v[b, h], m, compute, out[i, start:start + ROWS_PER_BLOCK])
+    return out
+
+
+def check(out, expected_shape, layout: str, s: Samples, ref, limit: float) -> str:
+    """"" when ``out`` agrees with ``ref`` on the sampled rows within ``limit``, else the reason it fails."""
+    wrong = shape_mismatch(out, expected_shape)
+    if wrong:
+        return wrong
+    if not bool(torch.isfinite(ref).all()):
+        return ""  # non-finite inputs: every kernel returns what they make of them
+    o = _bhsd(out, layout)
+    device = out.device
+    got = o[s.batch.to(device)[:, None], s.head.to(device)[:, None], s.rows.to(device)[None, :]].to(ref.dtype)
+    if not bool(torch.isfinite(got).all()):
+        return f"{CHECK_FAILED}: non-finite values"
+    err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+    if err > limit:
+        return f"{CHECK_FAILED}: rel err {err:.1e} > {limit:.1e}"
+    return ""
+
+
+# --- the probe --------------------------------------------------------------------------------------
+
+def _cut(n: int, most: int) -> int:
+    """``n`` when it is at most ``most``, else a shorter length with the same remainder modulo
+    ``PROBE_ALIGN`` (never shorter than one aligned block plus it)."""
+    if n <= most:
+        return n
+    rest = n % PROBE_ALIGN
+    return min(n, max(PROBE_ALIGN, (most - rest) // PROBE_ALIGN * PROBE_ALIGN) + rest)
+
+
+def _part(t, layout: str, batch: int, heads: int, seq: int):
+    """A view of ``t``'s first ``batch`` items, ``heads`` heads and ``seq`` positions, in its layout."""
+    return t[:batch, :heads, :seq] if layout == "bhsd" else t[:batch, :seq, :heads]
+
+
+def part(q, k, v, mask, layout: str, batch: int, heads: int, q_len: int, kv_len: int) -> tuple:
+    """Views of the call's first ``batch`` items, ``heads`` heads, ``q_len`` queries and ``kv_len``
+    keys: (q, k, v, mask), in its layout."""
+    m = None
+    if mask is not None:
+        m4 = as_4d(mask)
+        m = m4[:batch, :heads, :q_len, :kv_len]  # a size-1 (broadcast) dimension stays as it is
+    return _part(q, layout, batch, heads, q_len), _part(k, layout, batch, heads, kv_len), \
+        _part(v, layout, batch, heads, kv_len), m
+
+
+@dataclass
+class Probe:
+    """Copies of a part of a call (``q``, ``k``, ``v``; ``mask`` a view) and the caller's tensors they
+    were copied from (``sources``: views). ``whole``: the part is the whole call."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: object
+    sources: tuple
+    whole: bool
+
+    @property
+    def args(self) -> tuple:
+        return self.q, self.k, self.v, self.mask
+
+    def untouched(self) -> bool:
+        """The copies are still bit for bit what they were copied from."""
+        return all(same_bits(c, t) for c, t in zip((self.q, self.k, self.v), self.sources))
+
+    def renewed(self) -> "Probe":
+        """Fresh copies, after a kernel wrote into these."""
+        return Probe(*(t.clone() for t in self.sources), self.mask, self.sources, self.whole)
+
+
+def probe(q, k, v, mask, layout: str) -> Probe:
+    """Copies of the part of the call a kernel runs on before it sees the caller's tensors."""
+    if sum(t.numel() * t.element_size() for t in (q, k, v)) <= PROBE_BYTES:
+        sources, m, whole = (q, k, v), mask, True
+    else:
+        n, kv = _bhsd(q, layout).shape[2], _bhsd(k, layout).shape[2]
+        tokens = PROBE_BYTES // (q.shape[-1] * q.element_size())  # rows of q, k and v together
+        kv_part = _cut(kv, tokens // 3)
+        n_part = _cut(n, max(1, tokens - 2 * kv_part))
+        *sources, m = part(q, k, v, mask, layout, 1, 1, n_part, kv_part)
+        whole = False
+    return Probe(*(t.clone() for t in sources), m, tuple(sources), whole)
+
+
+# --- writes -----------------------------------------------------------------------------------------
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaN equals itself)."""
+    as_int = _INT_OF_SIZE[a.element_size()]
+    return torch.equal(a.detach().view(as_int), b.detach().view(as_int))
+
+
+def _bit_sum(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    try:  # two 16-bit values as one 32-bit word where the layout allows: a stronger sum
+        bits = t.view(torch.int32) if t.element_size() == 2 else t.view(_INT_OF_SIZE[t.element_size()])
+    except RuntimeError:
+        bits = t.view(_INT_OF_SIZE[t.element_size()])
+    return bits.sum(dtype=bits.dtype)  # wraps around: no wider copy, and the same in any order
+
+
+def checksums(*tensors) -> list:
+    """One integer per tensor that changes when its bits do (read with ``changed``)."""
+    return [_bit_sum(t) for t in tensors]
+
+
+def changed(before: list, *tensors) -> bool:
+    return any(not torch.equal(a, b) for a, b in zip(before, checksums(*tensors)))
