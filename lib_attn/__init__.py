@@ -23,7 +23,9 @@ from ._version import __version__
 from .config import Config, configure, use
 from .config import current as config
 from .device import DeviceInfo, device_info
-from .dispatch import AttentionFallbackError, Decision, attention, default_chain, explain
+from .chains import default_chain
+from .decision import Decision
+from .dispatch import AttentionFallbackError, attention, explain
 from .kernels import BACKEND_IDS, Backend, Status
 from .report import Report, Vram, VramProbe
 from .schedule import Schedule, ScheduleError

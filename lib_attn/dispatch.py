@@ -1,23 +1,21 @@
-"""The dispatcher: a pure chain over the backends, decided once per call signature.
+"""The dispatcher: the engine's entry, ``attention``, deciding once per call signature.
 
 The decision path flows one way: ``spec`` (what a call is) -> ``kernels`` (each backend's reasons)
--> ``tune`` (ranking by measurement) -> ``guard`` (checking outputs) -> ``graph_op`` (the operator a
-traced call becomes) -> this module, which uses them all and is used by none of them. ``attention``
-is the engine's entry.
+-> ``check`` and ``tune`` (checking and ranking by measurement) -> ``guard`` (watching outputs) ->
+``chains`` (which backends are tried, in order) -> ``decision`` (the backend that takes a call) ->
+``graph_op`` (the operator a traced call becomes) -> this module, which uses them all and is used
+by none of them.
 
-``decide`` walks a role's chain and returns the first backend whose reasons list is empty, keeping
-every rejection. With tuning on, the first call of a signature asks ``tune`` to rank every backend of
-the chain in force that takes it, and the fastest correct one is decided instead (``Decision.source``
-says which way). ``attention`` caches the decision under the call's metadata, so the hot path does a
-dict lookup, one countdown, one counter increment and the kernel call: no probing and no reason
-strings. The countdown tells when the output guard (``guard``) looks at a call: a decision's first
-call, then a sample of its calls (every call of an approximate kernel); a kernel whose output fails
-loses the signature and the call is recomputed on the next backend.
+``attention`` caches the decision under the call's metadata, so the hot path does a dict lookup,
+one countdown, one counter increment and the kernel call: no probing and no reason strings. The
+countdown tells when the output guard (``guard``) looks at a call: a decision's first call, then a
+sample of its calls (every call of an approximate kernel); a kernel whose output fails loses the
+signature and the call is recomputed on the next backend, as is a call whose kernel raises.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -29,10 +27,11 @@ from . import guard as _guard
 from . import schedule as _schedule
 from . import stats
 from . import tune as _tune
-from .kernels import REGISTRY, Status, status
-from .kernels.flash import CK_ARCHS, TRITON_ARCH_PREFIXES
+from . import tuning_file
+from .chains import chain_for, tuning_chain
+from .decision import Decision, decide, decide_tuned, trusted, wrap
+from .kernels import REGISTRY
 from .kernels.base import failure_text, is_sticky
-from .device import DeviceInfo
 from .spec import CallSpec, spec_of, validate
 
 log = logging.getLogger("lib_attn")
@@ -42,319 +41,10 @@ class AttentionFallbackError(RuntimeError):
     """Raised in strict mode when a call would not run on the backend the configuration put first."""
 
 
-#: Default chains, fastest first, from published kernel measurements (see the README). The last
-#: entry of every chain is ``math``, which takes every valid call.
-_HOPPER_FIRST = ("sdpa-cudnn", "sdpa-flash", "xformers", "sdpa-efficient", "sdpa")
-_AMPERE_FIRST = ("sdpa-flash", "sdpa-cudnn", "xformers", "sdpa-efficient", "sdpa")
-_OLDER_GPU = ("xformers", "sdpa-efficient", "sdpa")
-_GPU_VAE = ("sdpa-efficient", "xformers", "sdpa")
-_OTHER_DEVICE = ("sdpa",)
-
-
-#: PyTorch prefers cuDNN attention on Hopper/Blackwell-datacenter only from cuDNN 9.15.1, which fixed
-#: sequence lengths that are not multiples of 128 (SD's 77-key cross-attention is one).
-CUDNN_FIRST_FROM = 91501
-
-
-#: Fused kernels first on an AMD GPU whose torch has AOTriton kernels for it (MI200/MI300, RDNA3/4):
-#: flash-attn (its CK or Triton build) then PyTorch's AOTriton flash and memory-efficient kernels. cuDNN
-#: does not exist there, and xformers' CK kernels are left to the user's choice (no published figure has
-#: them ahead of AOTriton for these shapes).
-_ROCM_FUSED = ("flash-attn", "sdpa-flash", "sdpa-efficient")
-#: Above this many bytes of (b, h, q, kv) scores in the call's dtype, a call on a device with no fused
-#: kernel for it runs on the bounded ``math`` path instead of a full-matrix kernel. At this size the full
-#: matrix and its softmax hold >= 512 MiB at once (PyTorch's ROCm math path and MPS's sdpa_general_mps
-#: both materialise them), which on an 8-16 GiB card or Mac sits on top of the model's own weights and
-#: activations. The bounded path holds one 16 MiB score chunk at a time: measured on CPU (README),
-#: 73 MiB for the VAE's 1024x1024 call and 72 MiB for SDXL's largest, output included, against 2.3 and
-#: 2.9 GiB for PyTorch's full-matrix math kernel. In fp16, cross-attention, the lower UNet levels,
-#: SDXL at 768x768, SD3 and Flux at 512x512 and the VAE up to 768x768 stay below it; the top UNet level
-#: of SD1.5 at 512x512 (2 x 8 x 4096 x 4096 scores, 512 MiB), SDXL at 1024x1024 (640 MiB), SD3 and
-#: Flux from 768x768 and the VAE at 1024x1024 (16384 x 16384, 512 MiB) are above it.
-FULL_MATRIX_MAX_BYTES = 256 * 2**20
-
-
-def score_bytes(spec: CallSpec) -> int:
-    """Bytes of the call's full (b, h, q, kv) score matrix in its dtype."""
-    return spec.batch * spec.heads * spec.q_len * spec.kv_len * (torch.finfo(spec.dtype).bits // 8)
-
-
-def _rocm_chain(role: str, device: DeviceInfo, spec: CallSpec | None) -> tuple:
-    """An AMD GPU: fused kernels where this torch (or flash-attn) has them; where none is, PyTorch's
-    ``sdpa`` (its math kernel, a full score matrix) only for calls whose matrix is small."""
-    # A large call no fused kernel takes (the VAE's head_dim 512 before AOTriton 0.9, or any call while
-    # the experimental switch is off) goes to the bounded path: PyTorch's own choice would be the full matrix.
-    tail = () if spec is not None and score_bytes(spec) > FULL_MATRIX_MAX_BYTES else ("sdpa",)
-    first = _compat.AOTRITON_FIRST_TORCH.get(device.arch)
-    if first is not None and _compat.TORCH_VERSION >= first:
-        return _ROCM_FUSED + tail  # behind the experimental switch too: their reasons name it
-    flash = ("flash-attn",) if device.arch.startswith(TRITON_ARCH_PREFIXES) or device.arch in CK_ARCHS else ()
-    return flash + tail
-
-
-def default_chain(role: str, device: DeviceInfo, fa3: bool | None = None, cudnn: int | None = -1,
-                  spec: CallSpec | None = None) -> tuple:
-    """The backends tried for ``role`` on ``device`` when the user chose none, in order.
-
-    On Hopper (and sm10x) with a recent cuDNN, cuDNN and FlashAttention-3 are the fastest fused
-    kernels, so cuDNN leads there, after flash-attn only when its FA3 build is installed (``fa3``;
-    looked up when None). ``cudnn`` is the cuDNN version as torch reports it (looked up when -1).
-    Elsewhere (Ampere, Ada, consumer Blackwell) flash-attn and PyTorch's flash kernel lead.
-    SageAttention is never in a default chain: it is opt-in, because its 8-bit QK^T changes images
-    on some models.
-
-    On ROCm and MPS the chain also depends on the call's size (``spec``, from the call's metadata, so
-    decided once per signature): see ``_rocm_chain`` and ``FULL_MATRIX_MAX_BYTES``. On MPS PyTorch's
-    SDPA (``sdpa_general_mps``: matmul, softmax, matmul, all in MPSGraph; no fused kernel for
-    these shapes) takes calls whose score matrix is at most that size, and the bounded path the rest:
-    above it the matrix grows toward MPSGraph's 2**32-byte array limit (pytorch issue 149261) and its
-    2**32-element indexing fault (pytorch issue 179352). Without ``spec`` the chain for a small call.
-    """
-    major = device.capability[0] if device.capability else 0
-    if device.platform == "rocm":
-        chain = _rocm_chain(role, device, spec)
-    elif device.platform == "mps":
-        chain = () if spec is not None and score_bytes(spec) > FULL_MATRIX_MAX_BYTES else _OTHER_DEVICE
-    elif device.type != "cuda":
-        chain = _OTHER_DEVICE
-    elif role == "vae":
-        chain = _GPU_VAE
-    elif major in (9, 10) and (torch.backends.cudnn.version() if cudnn == -1 else cudnn or 0) >= CUDNN_FIRST_FROM:
-        if fa3 is None:
-            fa3 = status("flash-attn").available and REGISTRY["flash-attn"].fa3 is not None
-        chain = ("flash-attn",) + _HOPPER_FIRST if fa3 else _HOPPER_FIRST[:1] + ("flash-attn",) + _HOPPER_FIRST[1:]
-    elif major >= 8:
-        chain = ("flash-attn",) + _AMPERE_FIRST
-    else:
-        chain = _OLDER_GPU
-    return chain + ("math",)
-
-
-def _dedupe(ids) -> tuple:
-    seen: dict = {}
-    for i in ids:
-        seen.setdefault(i, None)
-    return tuple(seen)
-
-
-def chain_for(role: str, device: DeviceInfo, backend: str | None, cfg, spec: CallSpec | None = None) -> tuple[tuple, bool]:
-    """The chain for one call and whether its head was named by the user (per call or configured)."""
-    explicit = cfg.preference.get(role)
-    head = ((backend,) if backend else ()) + (explicit or ())
-    return _dedupe(head + _default(role, device, cfg, spec)), bool(head)
-
-
-def _default(role: str, device: DeviceInfo, cfg, spec: CallSpec | None) -> tuple:
-    """The default chain without the backends the configuration avoids."""
-    chain = default_chain(role, device, spec=spec)
-    return tuple(b for b in chain if b not in cfg.avoid) if cfg.avoid else chain
-
-
-def tuning_chain(role: str, device: DeviceInfo, backend: str | None, cfg, spec: CallSpec | None = None) -> tuple | None:
-    """The backends ranked for a call when tuning applies, else None.
-
-    Under Auto, the default chain (never an ``approximate`` backend: those are ranked only where the
-    user's chain names them); the user's own chain when it names more than one backend. A single
-    named backend (per call or configured) is never second-guessed.
-    """
-    if backend is not None or not _tune.enabled(cfg.tune, device.type):
-        return None
-    named = cfg.preference.get(role)
-    if named:
-        return named if len(named) > 1 else None
-    return tuple(b for b in _default(role, device, cfg, spec) if not REGISTRY[b].approximate)
-
-
-@dataclass
-class Decision:
-    """What runs for a call signature. ``backend``: the id that runs; ``rejected``: (id, reasons) for
-    every backend ahead of it in the chain; ``variant``: the package's kernel (e.g. "FA3");
-    ``cast``: the dtype fp32 inputs are cast to, or None; ``preferred``: the backend the configuration
-    put first (the first available one for a default chain); ``source``: how the backend was chosen,
-    ``"measured"`` (tuning ranked the candidates on this call), ``"stored"`` (the ranking came from
-    the tuning file) or ``"order"`` (the chain's fixed order); ``timings``: backend id -> median
-    seconds of each candidate tuning ranked, fastest first (empty under ``"order"``). A candidate
-    tuning rejected is in ``rejected`` with its reason (``output check failed: ...`` or its error), and
-    so is one the guard rejected on this signature. ``checked``: the backend's output passed its check
-    on this signature (or needs none); ``countdown``: calls before the guard looks at one."""
-
-    backend: str
-    rejected: list = field(default_factory=list)
-    variant: str = ""
-    cast: torch.dtype | None = None
-    preferred: str | None = None
-    spec: CallSpec | None = None
-    run: object = field(default=None, repr=False)
-    count_key: tuple = ()
-    fallback_key: tuple | None = None
-    source: str = "order"
-    timings: dict = field(default_factory=dict)
-    final: bool = field(default=True, repr=False)  # False: decided where tuning was blocked, not cached
-    checked: bool = field(default=True, repr=False)
-    countdown: int = field(default=_guard.NEVER, repr=False)
-    late: object = field(default=None, repr=False)  # the guard's device-side count (CUDA, mode on)
-    #: The counters of ``count_key`` and ``fallback_key`` (and of the fallback's whole path: every
-    #: backend passed over and the one that ran): the hot path counts with one increment each.
-    call_cell: object = field(default=None, init=False, repr=False, compare=False)
-    fallback_cell: object = field(default=None, init=False, repr=False, compare=False)
-    path_cell: object = field(default=None, init=False, repr=False, compare=False)
-
-    def __post_init__(self):
-        self.call_cell = stats.call_cell(self.count_key) if self.count_key else None
-        self.fallback_cell = None if self.fallback_key is None else stats.fallback_cell(self.fallback_key)
-        if self.fallback_key is not None:
-            others = tuple((bid, "; ".join(r)) for bid, r in self.rejected if bid != self.preferred)
-            self.path_cell = stats.path_cell((self.fallback_key, others, self.backend))
-
-    @property
-    def fallback(self) -> bool:
-        return self.fallback_key is not None
-
-    def reasons_for(self, backend_id: str) -> list:
-        for bid, reasons in self.rejected:
-            if bid == backend_id:
-                return reasons
-        return []
-
-    def __str__(self) -> str:
-        lines = [f"{self.backend}{f' ({self.variant})' if self.variant else ''}"
-                 f"{f', inputs cast to {self.cast}' if self.cast else ''}"]
-        if self.source != "order":
-            lines[0] += f" [tuned: {self.source}]"
-        lines += [f"  {bid}: median {_tune.ms_text(t)}" for bid, t in self.timings.items()]
-        lines += [f"  passed over {bid}: {'; '.join(reasons)}" for bid, reasons in self.rejected]
-        return "\n".join(lines)
-
-
-def _verdict(spec: CallSpec, bid: str, st: Status, fp32: str, asked: bool, failed: dict | None,
-             excluded: dict | None = None):
-    """(reasons, cast, run_spec) of one backend for ``spec``; no reasons means it takes the call."""
-    if not st.available:
-        return [f"not available: {st.reason}"], None, spec
-    if failed and bid in failed:
-        return [f"failed at run time: {failed[bid]}"], None, spec
-    if excluded and bid in excluded:
-        return [excluded[bid]], None, spec
-    backend = REGISTRY[bid]
-    cast, run_spec = None, spec
-    if spec.dtype == torch.float32 and fp32 == "cast" and not backend.takes_dtype(torch.float32, spec.device.type):
-        cast = spec.device.half_dtype
-        run_spec = spec.with_dtype(cast)
-    reasons = backend.reasons(run_spec, asked=asked)
-    if fp32 == "keep" and spec.dtype == torch.float32:
-        reasons = [r + " (fp32 policy: keep)" if r.startswith("dtype") else r for r in reasons]
-    return reasons, cast, run_spec
-
-
-def _preferred(chain, statuses: dict | None, explicit: bool) -> str | None:
-    if explicit:
-        return chain[0]
-    return next((bid for bid in chain if (statuses[bid] if statuses is not None else status(bid)).available), None)
-
-
-def decide(spec: CallSpec, chain, statuses: dict | None = None, fp32: str = "cast", explicit: bool = False,
-           failed: dict | None = None, excluded: dict | None = None) -> Decision:
-    """Walk ``chain`` for ``spec`` and return the first backend that takes it.
-
-    ``statuses`` maps ids to probe results (the real probes when None); ``explicit`` says the chain's
-    head was named by the user, so its first entry is the preferred one even when not installed;
-    ``failed`` maps ids to a run-time failure that demoted them for this signature; ``excluded``
-    maps ids to the reason tuning rejected them for it.
-    """
-    rejected = []
-    preferred = _preferred(chain, statuses, explicit)
-    for bid in chain:
-        st: Status = statuses[bid] if statuses is not None else status(bid)
-        reasons, cast, run_spec = _verdict(spec, bid, st, fp32, explicit and bid == chain[0], failed, excluded)
-        if reasons:
-            rejected.append((bid, reasons))
-            continue
-        return _decision(REGISTRY[bid], rejected, cast, preferred, spec, run_spec)
-    raise ValueError(f"no backend takes this call ({spec.describe()}): "
-                     + "; ".join(f"{bid}: {', '.join(r)}" for bid, r in rejected))
-
-
-def decide_tuned(spec: CallSpec, chain, pool, fp32: str, explicit: bool, failed: dict | None,
-                 inputs: tuple | None, excluded: dict | None = None) -> Decision | None:
-    """Rank the backends of ``pool`` that take ``spec`` (``tune.rank``) and decide the fastest correct
-    one; None when none takes it or nothing is stored and ``inputs`` is None. ``chain`` is the full
-    chain in force, ``inputs`` the call's (q, k, v, mask, scale) to measure on; ``excluded`` as for
-    ``decide``."""
-    rejected, takers = [], {}
-    for bid in pool:
-        reasons, cast, run_spec = _verdict(spec, bid, status(bid), fp32, explicit and bid == chain[0], failed,
-                                           excluded)
-        if reasons:
-            rejected.append((bid, reasons))
-        else:
-            takers[bid] = (REGISTRY[bid], cast, run_spec)
-    if not takers:
-        return None
-    candidates = [_tune.Candidate(bid, _wrap(b.runner(rs), spec.layout != b.layout, cast), cast or spec.dtype,
-                                  b.approximate) for bid, (b, cast, rs) in takers.items()]
-    ranking = _tune.rank(spec, fp32, candidates, inputs)
-    if ranking is None:
-        return None
-    if ranking.winner is None:  # every candidate failed its check: the rest of the chain, in order
-        try:
-            return decide(spec, chain, fp32=fp32, explicit=explicit, failed=failed,
-                          excluded={**(excluded or {}), **ranking.rejected})
-        except ValueError:  # nothing left: a check must never stop a generation that ran without it
-            return decide(spec, chain, fp32=fp32, explicit=explicit, failed=failed)
-    rejected += [(bid, [reason]) for bid, reason in ranking.rejected.items()]
-    preferred = _preferred(chain, None, explicit)
-    if preferred in ranking.timings:
-        preferred = ranking.winner  # it took the call and passed its check: being slower is no fallback
-    backend, cast, run_spec = takers[ranking.winner]
-    dec = _decision(backend, rejected, cast, preferred, spec, run_spec, ranking.source)
-    dec.timings = dict(ranking.timings)
-    return dec
-
-
-def _decision(backend, rejected, cast, preferred, spec, run_spec, source: str = "order") -> Decision:
-    variant = backend.variant(run_spec)
-    run = _wrap(backend.runner(run_spec), spec.layout != backend.layout, cast)
-    fallback_key = None
-    if preferred is not None and preferred != backend.id:
-        reasons = next((r for bid, r in rejected if bid == preferred), [])
-        fallback_key = (spec.role, preferred, "; ".join(reasons))
-    stats.note_kernel(backend.id, " ".join(p for p in (backend.id, status(backend.id).version, f"({variant})" if variant else "") if p))
-    if source != "order":
-        stats.note_tuned(spec.role, backend.id)
-    # The decision outlives the call: it must not keep the call's tensors alive.
-    spec = replace(spec, tensors=None)
-    dec = Decision(backend.id, rejected, variant, cast, preferred, spec, run, (spec.role, backend.id, spec.rule),
-                   fallback_key, source)
-    # Tuning checked what it ranked; anything else is checked on its first call, once per process
-    # (decisions are dropped at every configuration change, which a webui makes per generation).
-    dec.checked = source != "order" or (backend.id, spec) in _trusted
-    dec.countdown = _guard.countdown(_config.current().guard, backend.id, backend.approximate, dec.checked)
-    return dec
-
-
-def _wrap(run, transpose: bool, cast):
-    """Adapt a backend's kernel call to the caller's layout and dtype; the common case adds nothing."""
-    if not transpose and cast is None:
-        return run
-    if cast is None:
-        def run_transposed(q, k, v, mask, scale):
-            return run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale).transpose(1, 2)
-        return run_transposed
-
-    def run_cast(q, k, v, mask, scale):
-        dtype = q.dtype
-        if transpose:
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        out = run(q.to(cast), k.to(cast), v.to(cast), mask, scale).to(dtype)
-        return out.transpose(1, 2) if transpose else out
-    return run_cast
-
-
 # --- the hot path -----------------------------------------------------------------------------
 
 _cache: dict = {}
 _failed: dict = {}  # signature key -> {backend id: failure text}
-_trusted: set = set()  # (backend id, CallSpec) whose output passed the guard's first check
 _reported: set = set()
 
 
@@ -435,7 +125,7 @@ def _guarded_out(spec: CallSpec, fp32: str, cfg) -> dict | None:
     (none while the guard is off): they do not get the signature."""
     if cfg.guard == "off":
         return None
-    return {bid: reason for bid, reason in _tune.rejections(spec, fp32).items() if bid != "math"} or None
+    return {bid: reason for bid, reason in tuning_file.rejections(spec, fp32).items() if bid != "math"} or None
 
 
 def explain(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", backend=None, fp32=None) -> Decision:
@@ -544,7 +234,7 @@ def _guarded(key, dec: Decision, q, k, v, mask, scale):
         return out
     if not reason:
         if not dec.checked:
-            _trusted.add((dec.backend, dec.spec))
+            trusted.add((dec.backend, dec.spec))
         dec.checked = True
         dec.countdown = _guard.countdown(mode, dec.backend, backend.approximate, True)
         dec.call_cell.n += 1
@@ -574,8 +264,8 @@ def _caught(key, dec: Decision, reason: str, late: int, q, k, v, mask, scale):
                                      "backend")
     layout, role, backend, fp32 = key[-4:] if key is not None else (spec.layout, spec.role, None, None)
     fp32 = fp32 or cfg.fp32
-    _tune.reject(spec, fp32, dec.backend, reason)
-    _trusted.discard((dec.backend, spec))
+    tuning_file.reject(spec, fp32, dec.backend, reason)
+    trusted.discard((dec.backend, spec))
     for other, cached in list(_cache.items()):  # every cached decision of this kernel for this signature
         if cached.backend == dec.backend and cached.spec == spec:
             _cache.pop(other, None)
@@ -641,7 +331,7 @@ def _recover(key, dec: Decision, exc: Exception, q, k, v, mask, scale):
         stats.count_fallback(fallback_key)
         stats.path_cell((fallback_key, (), "math")).n += 1
         _report_once(fallback_key, "math")
-        out = _wrap(REGISTRY["math"].run, dec.spec.layout != "bhsd", None)(q, k, v, mask, scale)
+        out = wrap(REGISTRY["math"].run, dec.spec.layout != "bhsd", None)(q, k, v, mask, scale)
         stats.count_call((dec.spec.role, "math", dec.spec.rule))
         return out
     sticky = is_sticky(exc)
@@ -671,6 +361,6 @@ def reset() -> None:
     """Forget decisions, demotions, tuned marks and the once-only log record (tests)."""
     _cache.clear()
     _failed.clear()
-    _trusted.clear()
+    trusted.clear()
     _reported.clear()
     stats.forget_tuned()

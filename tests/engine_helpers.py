@@ -114,10 +114,10 @@ def install_sage(monkeypatch, facts):
 def fresh_engine_with(monkeypatch, tmp_path, backends):
     """A fresh engine whose tuning file is the test's own, with the test backends of ``backends`` (a module
     with ``register``/``unregister``) registered while the block runs."""
-    from lib_attn import tune
+    from lib_attn import tuning_file
 
-    monkeypatch.setenv(tune.ENV_DIR, str(tmp_path / "cache"))
-    tune.forget_memory()
+    monkeypatch.setenv(tuning_file.ENV_DIR, str(tmp_path / "cache"))
+    tuning_file.forget_memory()
     lib_attn.reset()
     backends.register()
     try:
@@ -125,4 +125,4 @@ def fresh_engine_with(monkeypatch, tmp_path, backends):
     finally:
         backends.unregister()
         lib_attn.reset()
-        tune.forget_memory()
+        tuning_file.forget_memory()

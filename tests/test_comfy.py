@@ -304,11 +304,11 @@ def test_report_on_images_from_the_cache_says_what_ran_when_they_were_made(comfy
 @pytest.mark.parametrize("bid", ["fk-nan", "fk-nan3", "fk-drift", "fk-shape", "fk-writes"])
 def test_a_faulty_kernel_on_the_node_gives_sdpas_image_and_the_report_says_so(comfy_factory, tmp_path, monkeypatch,
                                                                               bid):
-    from lib_attn import tune
+    from lib_attn import tuning_file
     from tests import faulty_backends
 
-    monkeypatch.setenv(tune.ENV_DIR, str(tmp_path))
-    tune.forget_memory()
+    monkeypatch.setenv(tuning_file.ENV_DIR, str(tmp_path))
+    tuning_file.forget_memory()
     comfy, nodes = loaded(comfy_factory)
     faulty_backends.register()
     try:
@@ -323,7 +323,7 @@ def test_a_faulty_kernel_on_the_node_gives_sdpas_image_and_the_report_says_so(co
         assert said and all(s.startswith(f"guard: {bid}") and s.endswith("→ sdpa (recomputed)") for s in said)
     finally:
         faulty_backends.unregister()
-        tune.forget_memory()
+        tuning_file.forget_memory()
 
 
 def test_the_guard_input_off_and_a_bad_value(comfy_factory):

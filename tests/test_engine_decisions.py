@@ -8,7 +8,8 @@ import lib_attn
 from lib_attn import kernels as registry
 from lib_attn.kernels import Status
 from lib_attn.device import DeviceInfo
-from lib_attn.dispatch import decide, default_chain
+from lib_attn.chains import default_chain
+from lib_attn.decision import decide
 from lib_attn.spec import CallSpec
 
 from engine_helpers import install_sage, sage_release

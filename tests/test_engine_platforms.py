@@ -13,7 +13,8 @@ import lib_attn
 from lib_attn import _compat, device as device_mod
 from lib_attn import kernels as registry
 from lib_attn.device import DeviceInfo
-from lib_attn.dispatch import FULL_MATRIX_MAX_BYTES, decide, default_chain, score_bytes
+from lib_attn.chains import FULL_MATRIX_MAX_BYTES, default_chain, score_bytes
+from lib_attn.decision import decide
 from lib_attn.kernels import Status
 from lib_attn.spec import CallSpec
 

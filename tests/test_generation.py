@@ -347,11 +347,11 @@ def recorded_sample(outputs: list):
 @pytest.mark.parametrize("mode", ["a1111", "forge"])
 def test_a_faulty_kernel_named_for_a_generation_gives_the_good_kernels_image(webui_factory, monkeypatch, tmp_path,
                                                                              mode):
-    from lib_attn import tune
+    from lib_attn import tuning_file
     from tests import faulty_backends
 
-    monkeypatch.setenv(tune.ENV_DIR, str(tmp_path))
-    tune.forget_memory()
+    monkeypatch.setenv(tuning_file.ENV_DIR, str(tmp_path))
+    tuning_file.forget_memory()
     faulty_backends.register()
     try:
         runner, _, _ = start(webui_factory, mode, optimization=AUTO_TITLE)
@@ -372,11 +372,11 @@ def test_a_faulty_kernel_named_for_a_generation_gives_the_good_kernels_image(web
             assert said.startswith(f"guard: {bid}") and said.endswith("→ sdpa (recomputed)"), said
             assert f"Attention guard: {said.removeprefix('guard: ')}" in processed.comments
             assert parse_infotext(processed.info)["Attention guard"] == said.removeprefix("guard: ")
-            tune.clear()  # the next start would skip it: each kernel is caught on its own first call here
+            tuning_file.clear()  # the next start would skip it: each kernel is caught on its own first call here
             lib_attn.reset()
     finally:
         faulty_backends.unregister()
-        tune.forget_memory()
+        tuning_file.forget_memory()
 
 
 @pytest.mark.parametrize("mode", ["a1111", "forge"])

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import lib_attn
-from lib_attn import check, dispatch, guard, tune
+from lib_attn import check, dispatch, guard, tuning_file
 from lib_attn.report import Report
 from tests import faulty_backends
 from tests.engine_helpers import fresh_engine_with, make_qkv
@@ -120,19 +120,19 @@ def test_a_rejection_is_remembered_across_starts_and_doctor_lists_it():
     q, k, v = qkv(0)
     lib_attn.attention(q, k, v)
     assert CALLS["fk-drift"] == 1
-    tune.forget_memory()  # a new process reads the file
+    tuning_file.forget_memory()  # a new process reads the file
     dispatch.reset()
     d = lib_attn.explain(q, k, v)
     assert d.backend == "sdpa" and d.reasons_for("fk-drift")[0].startswith("output check failed: rel err")
     lib_attn.attention(q, k, v)
     assert CALLS["fk-drift"] == 1  # not run again
-    (found,) = tune.remembered()
+    (found,) = tuning_file.remembered()
     sig, bid, reason = found["signature"], found["backend"], found["reason"]
-    assert bid == "fk-drift" and sig == tune.signature(d.spec, "cast") and reason.startswith("output check failed")
+    assert bid == "fk-drift" and sig == tuning_file.signature(d.spec, "cast") and reason.startswith("output check failed")
     text = doctor.render(doctor.report(torch.device("cpu")))
     assert "guard     on; 1 output check failures remembered" in text and "python -m lib_attn tune --clear" in text
     assert f"    fk-drift for {sig}: output check failed: rel err" in text
-    assert tune.clear() and tune.remembered() == []
+    assert tuning_file.clear() and tuning_file.remembered() == []
 
 
 def test_strict_mode_stops_and_says_why():

@@ -16,7 +16,8 @@ import torch
 
 import lib_attn
 from lib_attn.device import DeviceInfo
-from lib_attn.dispatch import decide, default_chain
+from lib_attn.chains import default_chain
+from lib_attn.decision import decide
 from lib_attn.kernels import REGISTRY, Status, sage as sage_module, sage_facts
 from lib_attn.kernels.base import release
 from lib_attn.spec import CallSpec

@@ -12,7 +12,8 @@ import torch
 
 import lib_attn
 from lib_attn import _compat, check, tune
-from lib_attn.dispatch import default_chain
+from lib_attn import tuning_file
+from lib_attn.chains import default_chain
 from tests import tune_backends
 from tests.engine_helpers import fresh_engine_with, make_qkv, reference, rel_err
 
@@ -97,7 +98,7 @@ def test_auto_measures_only_on_cuda_devices():
     q, k, v = qkv()
     lib_attn.attention(q, k, v)
     assert lib_attn.config().tune == "auto" and lib_attn.explain(q, k, v).source == "order"
-    assert not os.path.exists(tune.cache_path())
+    assert not os.path.exists(tuning_file.cache_path())
     assert tune.enabled("auto", "cuda") and not tune.enabled("auto", "cpu") and not tune.enabled("off", "cuda")
 
 
@@ -124,7 +125,7 @@ def test_approximate_backends_are_ranked_only_where_the_chain_names_them(monkeyp
 
 
 def run_process(cache: str) -> dict:
-    env = dict(os.environ, **{tune.ENV_DIR: cache})
+    env = dict(os.environ, **{tuning_file.ENV_DIR: cache})
     done = subprocess.run([sys.executable, "-m", "tests.tune_backends"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -157,14 +158,14 @@ def test_a_changed_fingerprint_measures_again(monkeypatch):
     assert lib_attn.explain(q, k, v).source == "order"  # nothing stored for this fingerprint
     lib_attn.attention(q, k, v)
     assert lib_attn.explain(q, k, v).source == "measured" and CALLS["tt-slow"] > slow_calls
-    with open(tune.cache_path()) as f:
+    with open(tuning_file.cache_path()) as f:
         assert len(json.load(f)["machines"]) == 2  # the old machine's entries stay, unused
 
 
 def test_a_corrupt_file_costs_one_log_line_and_is_set_aside(caplog):
-    os.makedirs(tune.cache_dir())
+    os.makedirs(tuning_file.cache_dir())
     corrupt = '{"schema": "lib_attn.tune/1", "machines": {'
-    with open(tune.cache_path(), "w") as f:
+    with open(tuning_file.cache_path(), "w") as f:
         f.write(corrupt)
     ranked_chain()
     with caplog.at_level(logging.WARNING, logger="lib_attn"):
@@ -174,19 +175,19 @@ def test_a_corrupt_file_costs_one_log_line_and_is_set_aside(caplog):
             assert rel_err(out, reference(q, k, v)) < 1e-5
             assert lib_attn.explain(q, k, v).source == "measured"
     lines = [r.getMessage() for r in caplog.records if "tuning" in r.getMessage()]
-    (aside,) = [n for n in os.listdir(tune.cache_dir()) if n.startswith(tune.FILE_NAME + ".corrupt-")]
-    aside = os.path.join(tune.cache_dir(), aside)
-    assert len(lines) == 1 and f"{tune.cache_path()} is no tuning file" in lines[0] and aside in lines[0]
+    (aside,) = [n for n in os.listdir(tuning_file.cache_dir()) if n.startswith(tuning_file.FILE_NAME + ".corrupt-")]
+    aside = os.path.join(tuning_file.cache_dir(), aside)
+    assert len(lines) == 1 and f"{tuning_file.cache_path()} is no tuning file" in lines[0] and aside in lines[0]
     with open(aside) as f:
         assert f.read() == corrupt
-    with open(tune.cache_path()) as f:
+    with open(tuning_file.cache_path()) as f:
         assert len(next(iter(json.load(f)["machines"].values()))["entries"]) == 3
 
 
 def test_an_unwritable_directory_keeps_tuning_in_memory(monkeypatch, tmp_path, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    monkeypatch.setenv(tune.ENV_DIR, str(blocker / "cache"))
+    monkeypatch.setenv(tuning_file.ENV_DIR, str(blocker / "cache"))
     ranked_chain()
     with caplog.at_level(logging.WARNING, logger="lib_attn"):
         for n in (48, 56):
@@ -201,23 +202,23 @@ def test_an_unwritable_directory_keeps_tuning_in_memory(monkeypatch, tmp_path, c
 
 def test_two_writers_keep_each_others_entries(tmp_path):
     ranked_chain()
-    other = tune.Store()
+    other = tuning_file.Store()
     other.load()  # another process read the (missing) file before this one wrote
     q, k, v = qkv()
     lib_attn.attention(q, k, v)
     other.put("elsewhere", {"device": "x"}, "sig", {"timings": {"sdpa": 1.0}, "rejected": {}})
-    with open(tune.cache_path()) as f:
+    with open(tuning_file.cache_path()) as f:
         machines = json.load(f)["machines"]
     assert "elsewhere" in machines and len(machines) == 2
-    assert [p for p in os.listdir(tune.cache_dir()) if p.endswith(".tmp")] == []
+    assert [p for p in os.listdir(tuning_file.cache_dir()) if p.endswith(".tmp")] == []
 
 
 def test_clear_forgets_stored_rankings():
     ranked_chain()
     q, k, v = qkv()
     lib_attn.attention(q, k, v)
-    assert tune.table()["entries"]
-    assert tune.clear() and not os.path.exists(tune.cache_path())
+    assert tuning_file.table()["entries"]
+    assert tuning_file.clear() and not os.path.exists(tuning_file.cache_path())
     lib_attn.reset()
     ranked_chain()
     assert lib_attn.explain(q, k, v).source == "order"
@@ -277,10 +278,10 @@ def test_a_masked_bshd_call_is_checked_on_its_own_rows():
 
 def test_fingerprint_covers_every_device_field_and_backend_versions():
     device = lib_attn.device_info("cpu")
-    fp = tune.fingerprint(device)
+    fp = tuning_file.fingerprint(device)
     assert fp["device"] == json.loads(json.dumps(__import__("dataclasses").asdict(device)))
     assert fp["torch"] == torch.__version__ and "sdpa" in fp["backends"] and "tt-quick" in fp["backends"]
-    assert tune.fingerprint_key(fp) == tune.fingerprint_key(tune.fingerprint(device))
+    assert tuning_file.fingerprint_key(fp) == tuning_file.fingerprint_key(tuning_file.fingerprint(device))
 
 
 # --- registering backends ----------------------------------------------------------------------
@@ -371,17 +372,17 @@ def test_tune_command_ranks_a_models_calls_and_clear_forgets_them(capsys):
     assert main(["tune", "--model", "sd15", "--res", "64"]) == 0
     text = capsys.readouterr().out
     calls = shapes.model_calls("sd15", 64)
-    assert f"results in {tune.cache_path()}" in text and "winner" in text and "fixed order" in text
+    assert f"results in {tuning_file.cache_path()}" in text and "winner" in text and "fixed order" in text
     assert f"tuning cost: " in text and f"for {len(calls)} call kinds" in text
     for call in calls:
         line = next(ln for ln in text.splitlines() if ln.startswith(call.where + " "))
         assert line.split()[-5] in ("sdpa", "math") and line.rstrip().endswith("ms") and "×" in line
-    assert len(tune.table()["entries"]) == len(calls)
+    assert len(tuning_file.table()["entries"]) == len(calls)
     assert lib_attn.config().tune == "auto"  # the command's tuning was scoped
     assert main(["tune", "--model", "sd15", "--res", "64"]) == 0
     assert capsys.readouterr().out.count(" stored") == len(calls)  # a second run measures nothing
     assert main(["tune", "--clear"]) == 0
-    assert "removed" in capsys.readouterr().out and not tune.table()["entries"]
+    assert "removed" in capsys.readouterr().out and not tuning_file.table()["entries"]
 
 
 # --- switches: flag, setting, the webui's layers, the JSON route ---------------------------------
@@ -415,7 +416,7 @@ def test_flag_and_setting_reach_the_engine():
         q, k, v = qkv()
         lib_attn.attention(q, k, v)
         status = state.tuning()
-        assert status["mode"] == "on" and status["active"] and status["file"] == tune.cache_path()
+        assert status["mode"] == "on" and status["active"] and status["file"] == tuning_file.cache_path()
         assert api.tuning()["file"] == "tuning.json"  # the route names the file, never its path
         (entry,) = status["entries"]
         assert entry["call"]["shape"] == [1, 2, 48, 40, 16] and set(entry["timings"]) == {"sdpa", "math"}
@@ -434,7 +435,7 @@ def test_a_candidate_out_of_memory_is_rejected_for_now_but_not_stored(monkeypatc
     lib_attn.attention(q, k, v)
     d = lib_attn.explain(q, k, v)
     assert d.source == "measured" and d.reasons_for("tt-raise")[0].startswith("OutOfMemoryError: CUDA out of memory")
-    assert tune.table()["entries"] == []  # the next process measures again
+    assert tuning_file.table()["entries"] == []  # the next process measures again
 
 
 def test_under_autocast_kernels_are_held_to_autocasts_bound():

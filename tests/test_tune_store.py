@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from lib_attn import tune
+from lib_attn import tuning_file
 from lib_attn.file_lock import FileLock
 
 # Forked workers start in milliseconds; spawned ones would each import torch again.
@@ -21,7 +21,7 @@ KEY, FP = "machine-a", {"device": "a"}
 
 @pytest.fixture(autouse=True)
 def cache(monkeypatch, tmp_path):
-    monkeypatch.setenv(tune.ENV_DIR, str(tmp_path / "cache"))
+    monkeypatch.setenv(tuning_file.ENV_DIR, str(tmp_path / "cache"))
     return tmp_path / "cache"
 
 
@@ -31,9 +31,9 @@ def result(worker: int, i: int) -> dict:
 
 
 def stored() -> dict:
-    with open(tune.cache_path(), encoding="utf-8") as f:
+    with open(tuning_file.cache_path(), encoding="utf-8") as f:
         doc = json.load(f)
-    assert doc["schema"] == tune.SCHEMA
+    assert doc["schema"] == tuning_file.SCHEMA
     return doc["machines"]
 
 
@@ -42,7 +42,7 @@ def warnings_of(caplog) -> list:
 
 
 def set_aside_files(cache) -> list:
-    return sorted(n for n in os.listdir(cache) if n.startswith(tune.FILE_NAME + ".corrupt-"))
+    return sorted(n for n in os.listdir(cache) if n.startswith(tuning_file.FILE_NAME + ".corrupt-"))
 
 
 class _Collect(logging.Handler):
@@ -56,13 +56,13 @@ class _Collect(logging.Handler):
 
 def _put_many(cache: str, worker: int, barrier, timeout: float) -> None:
     """A worker process: EACH results of its own, written one by one right after the others start."""
-    os.environ[tune.ENV_DIR] = cache
-    tune.LOCK_TIMEOUT_S = timeout
+    os.environ[tuning_file.ENV_DIR] = cache
+    tuning_file.LOCK_TIMEOUT_S = timeout
     logger = logging.getLogger("lib_attn")
     logger.setLevel(logging.WARNING)
     collect = _Collect()
     logger.addHandler(collect)
-    store = tune.Store()
+    store = tuning_file.Store()
     barrier.wait(60)
     for i in range(EACH):
         store.put(f"machine-{worker % 2}", {"device": worker % 2}, f"w{worker}-{i}", result(worker, i))
@@ -93,7 +93,7 @@ def test_processes_writing_at_once_keep_every_result(cache):
             assert machine["entries"][f"w{w}-{i}"] == result(w, i)
     assert sum(len(m["entries"]) for m in machines.values()) == WORKERS * EACH
     assert [n for n in os.listdir(cache) if n.endswith(".tmp")] == []
-    fresh = tune.Store()
+    fresh = tuning_file.Store()
     assert fresh.entry("machine-1", f"w7-{EACH - 1}") == result(7, EACH - 1)
 
 
@@ -106,12 +106,12 @@ def _hold(lock_path: str, held, release) -> None:
 
 
 def test_a_lock_held_past_the_timeout_keeps_results_in_memory_with_one_log_line(cache, monkeypatch, caplog):
-    monkeypatch.setattr(tune, "LOCK_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(tuning_file, "LOCK_TIMEOUT_S", 0.5)
     os.makedirs(cache)
     held, release = MP.Event(), MP.Event()
-    holder = MP.Process(target=_hold, args=(tune.cache_path() + tune.LOCK_SUFFIX, held, release))
+    holder = MP.Process(target=_hold, args=(tuning_file.cache_path() + tuning_file.LOCK_SUFFIX, held, release))
     holder.start()
-    store = tune.Store()
+    store = tuning_file.Store()
     try:
         assert held.wait(60)
         with caplog.at_level(logging.WARNING, logger="lib_attn"):
@@ -122,10 +122,10 @@ def test_a_lock_held_past_the_timeout_keeps_results_in_memory_with_one_log_line(
             store.put(KEY, FP, "second", result(0, 2))
             again = time.monotonic() - t0
         assert waited >= 0.5 and again < 0.5  # waits once, then tries without waiting
-        assert not os.path.exists(tune.cache_path())
+        assert not os.path.exists(tuning_file.cache_path())
         assert store.entry(KEY, "first") == result(0, 1) and store.entry(KEY, "second") == result(0, 2)
         (line,) = warnings_of(caplog)
-        assert f"cannot lock {tune.cache_path()}{tune.LOCK_SUFFIX}" in line
+        assert f"cannot lock {tuning_file.cache_path()}{tuning_file.LOCK_SUFFIX}" in line
         assert "more than 0.5 s" in line and "kept in memory" in line
     finally:
         release.set()
@@ -149,9 +149,9 @@ CORRUPT = {
 @pytest.mark.parametrize("content", list(CORRUPT.values()), ids=list(CORRUPT))
 def test_a_corrupt_file_is_set_aside_intact_and_named_in_the_log(cache, caplog, content):
     os.makedirs(cache)
-    with open(tune.cache_path(), "wb") as f:
+    with open(tuning_file.cache_path(), "wb") as f:
         f.write(content)
-    store = tune.Store()
+    store = tuning_file.Store()
     with caplog.at_level(logging.WARNING, logger="lib_attn"):
         assert store.entry(KEY, "sig") is None
         store.put(KEY, FP, "sig", result(1, 1))
@@ -160,21 +160,21 @@ def test_a_corrupt_file_is_set_aside_intact_and_named_in_the_log(cache, caplog, 
     with open(aside, "rb") as f:
         assert f.read() == content
     (line,) = warnings_of(caplog)
-    assert line.startswith(f"attention tuning: {tune.cache_path()} is no tuning file (") and f" {aside} " in line
+    assert line.startswith(f"attention tuning: {tuning_file.cache_path()} is no tuning file (") and f" {aside} " in line
     assert stored() == {KEY: {"fingerprint": FP, "entries": {"sig": result(1, 1)}}}
 
 
 def test_corrupt_files_in_a_row_get_names_of_their_own(cache, caplog, monkeypatch):
-    monkeypatch.setattr(tune, "_stamp", lambda: "20250102-030405")  # all within one second
+    monkeypatch.setattr(tuning_file, "_stamp", lambda: "20250102-030405")  # all within one second
     os.makedirs(cache)
-    earlier = os.path.join(cache, tune.FILE_NAME + ".corrupt-20250102-030405")
+    earlier = os.path.join(cache, tuning_file.FILE_NAME + ".corrupt-20250102-030405")
     with open(earlier, "w") as f:
         f.write("set aside before")
     with caplog.at_level(logging.WARNING, logger="lib_attn"):
         for n in (1, 2):
-            with open(tune.cache_path(), "w") as f:
+            with open(tuning_file.cache_path(), "w") as f:
                 f.write(f"corrupt {n}")
-            tune.Store().put(KEY, FP, f"sig{n}", result(n, n))
+            tuning_file.Store().put(KEY, FP, f"sig{n}", result(n, n))
     names = set_aside_files(cache)
     assert names == [os.path.basename(earlier), os.path.basename(earlier) + "-2", os.path.basename(earlier) + "-3"]
     contents = []
@@ -191,17 +191,17 @@ def test_a_corrupt_file_that_cannot_be_moved_is_not_overwritten(cache, caplog, m
     def refuse(path):
         raise PermissionError(13, "Permission denied", path)
 
-    monkeypatch.setattr(tune, "_set_aside", refuse)
+    monkeypatch.setattr(tuning_file, "_set_aside", refuse)
     os.makedirs(cache)
-    with open(tune.cache_path(), "w") as f:
+    with open(tuning_file.cache_path(), "w") as f:
         f.write("corrupt")
-    store = tune.Store()
+    store = tuning_file.Store()
     with caplog.at_level(logging.WARNING, logger="lib_attn"):
         store.put(KEY, FP, "one", result(1, 1))
         store.put(KEY, FP, "two", result(1, 2))
     (line,) = warnings_of(caplog)
-    assert f"cannot set aside {tune.cache_path()} (PermissionError" in line and "kept in memory" in line
-    with open(tune.cache_path()) as f:
+    assert f"cannot set aside {tuning_file.cache_path()} (PermissionError" in line and "kept in memory" in line
+    with open(tuning_file.cache_path()) as f:
         assert f.read() == "corrupt"
     assert store.entry(KEY, "two") == result(1, 2)
 
@@ -215,7 +215,7 @@ def _no_permission(path):
     if os.name == "nt" or os.geteuid() == 0:
         pytest.skip("file permissions do not stop this user from reading")
     with open(path, "w") as f:
-        json.dump({"schema": tune.SCHEMA, "machines": {}}, f)
+        json.dump({"schema": tuning_file.SCHEMA, "machines": {}}, f)
     os.chmod(path, 0)
     return lambda: os.stat(path).st_size > 0 and os.stat(path).st_mode & 0o777 == 0
 
@@ -223,19 +223,19 @@ def _no_permission(path):
 @pytest.mark.parametrize("make", [_unreadable_directory, _no_permission], ids=["directory", "no-permission"])
 def test_an_unreadable_file_is_left_alone_and_tuning_stays_in_memory(cache, caplog, make):
     os.makedirs(cache)
-    unchanged = make(tune.cache_path())
-    store = tune.Store()
+    unchanged = make(tuning_file.cache_path())
+    store = tuning_file.Store()
     try:
         with caplog.at_level(logging.WARNING, logger="lib_attn"):
             store.put(KEY, FP, "one", result(1, 1))
             store.put(KEY, FP, "two", result(1, 2))
         (line,) = warnings_of(caplog)
-        assert f"cannot use {tune.cache_path()} (" in line and "kept in memory" in line
+        assert f"cannot use {tuning_file.cache_path()} (" in line and "kept in memory" in line
         assert store.entry(KEY, "one") == result(1, 1) and store.entry(KEY, "two") == result(1, 2)
         assert unchanged() and set_aside_files(cache) == []
     finally:
-        if os.path.isfile(tune.cache_path()):
-            os.chmod(tune.cache_path(), 0o600)
+        if os.path.isfile(tuning_file.cache_path()):
+            os.chmod(tuning_file.cache_path(), 0o600)
 
 
 def test_the_lock_excludes_a_second_holder_until_released(cache):

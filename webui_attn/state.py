@@ -15,7 +15,7 @@ import lib_attn
 from lib_attn import _compat
 from lib_attn.config import FP32_POLICIES, GUARD_MODES, TUNE_MODES
 from lib_attn.device import cpu_model
-from lib_attn.dispatch import chain_for
+from lib_attn.chains import chain_for
 from lib_attn.report import Report
 
 from . import host, hosts, layers
@@ -230,17 +230,17 @@ def availability(device=None) -> dict:
 
 
 def guard() -> dict:
-    """The guard's mode and the output check failures this machine remembers (``lib_attn.tune.remembered``)."""
-    from lib_attn import tune
+    """The guard's mode and the output check failures this machine remembers (``tuning_file.remembered``)."""
+    from lib_attn import tuning_file
 
-    return {"mode": lib_attn.config().guard, "rejected": tune.remembered(lib_attn.device_info())}
+    return {"mode": lib_attn.config().guard, "rejected": tuning_file.remembered(lib_attn.device_info())}
 
 
 def tuning() -> dict:
     """The tuning mode, whether it measures on this device, and this machine's stored rankings
-    (``lib_attn.tune.table``: the file, the fingerprint, one entry per call signature)."""
-    from lib_attn import tune
+    (``tuning_file.table``: the file, the fingerprint, one entry per call signature)."""
+    from lib_attn import tune, tuning_file
 
     device = lib_attn.device_info()
     mode = lib_attn.config().tune
-    return dict(tune.table(device), mode=mode, active=tune.enabled(mode, device.type))
+    return dict(tuning_file.table(device), mode=mode, active=tune.enabled(mode, device.type))

@@ -13,7 +13,7 @@ import torch
 
 from lib_attn import schedule as lib_schedule
 from lib_attn import shapes
-from lib_attn import tune as tuning
+from lib_attn import tuning_file
 
 from . import bench, doctor
 from . import tune as tune_command
@@ -194,8 +194,8 @@ def _bench(args, parser: argparse.ArgumentParser) -> int:
 
 def _tune(args, parser: argparse.ArgumentParser) -> int:
     if args.clear:
-        removed = tuning.clear()
-        _print(f"{'removed' if removed else 'no stored results at'} {tuning.cache_path()}")
+        removed = tuning_file.clear()
+        _print(f"{'removed' if removed else 'no stored results at'} {tuning_file.cache_path()}")
         if args.model is None and args.res is None and args.dtype is None:
             return 0
     device = _device(args.device, parser)

@@ -16,6 +16,7 @@ import torch
 
 import lib_attn
 from lib_attn import shapes, tune
+from lib_attn import tuning_file
 from lib_attn.device import default_device, miopen_text
 from lib_attn.spec import spec_of
 
@@ -37,7 +38,7 @@ def _config_dict() -> dict:
 def _tuning_dict(device: torch.device, info=None) -> dict:
     """The tuning mode, whether it measures on this device, and the stored file."""
     mode = lib_attn.config().tune
-    table = tune.table(info or lib_attn.device_info(device))
+    table = tuning_file.table(info or lib_attn.device_info(device))
     return {"mode": mode, "active": tune.enabled(mode, device.type), "file": table["file"],
             "stored": len(table["entries"])}
 
@@ -53,14 +54,15 @@ def _empty_inputs(call: shapes.AttentionCall, dtype: torch.dtype, device: torch.
 
 def _described(call: shapes.AttentionCall, dtype: torch.dtype, info):
     """The decision for ``call`` on a described device, from its metadata alone."""
-    from lib_attn import dispatch
+    from lib_attn.chains import chain_for
+    from lib_attn.decision import decide
     from lib_attn.config import current
     from lib_attn.spec import CallSpec
 
     spec = CallSpec(info, dtype, call.b, call.heads, call.q_len, call.kv_len, call.head_dim, role=call.role)
     cfg = current()
-    chain, explicit = dispatch.chain_for(call.role, info, None, cfg, spec)
-    return dispatch.decide(spec, chain, fp32=cfg.fp32, explicit=explicit)
+    chain, explicit = chain_for(call.role, info, None, cfg, spec)
+    return decide(spec, chain, fp32=cfg.fp32, explicit=explicit)
 
 
 def decisions(device: torch.device, dtype: Optional[torch.dtype] = None,
@@ -77,7 +79,7 @@ def decisions(device: torch.device, dtype: Optional[torch.dtype] = None,
             else:
                 q, k, v = _empty_inputs(call, dt, device)
                 d = lib_attn.explain(q, k, v, role=call.role)
-                stored = tune.lookup(spec_of(q, k, v, None, "bhsd", call.role), lib_attn.config().fp32)
+                stored = tuning_file.lookup(spec_of(q, k, v, None, "bhsd", call.role), lib_attn.config().fp32)
                 del q, k, v
             cast = getattr(d, "cast", None)
             out.append({
@@ -105,7 +107,7 @@ def report(device: Optional[torch.device] = None, dtype: Optional[torch.dtype] =
     doc["config"] = _config_dict()
     doc["tuning"] = _tuning_dict(device, info)
     doc["guard"] = {"mode": lib_attn.config().guard, "clear": CLEAR_COMMAND,
-                    "rejected": tune.remembered(info or lib_attn.device_info(device))}
+                    "rejected": tuning_file.remembered(info or lib_attn.device_info(device))}
     doc["decisions"] = decisions(device, dtype, info=info)
     if info is not None:
         doc["described"] = True

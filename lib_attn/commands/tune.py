@@ -12,8 +12,9 @@ from typing import List, Optional
 import torch
 
 import lib_attn
-from lib_attn import shapes, tune
-from lib_attn.dispatch import chain_for, decide
+from lib_attn import shapes, tuning_file
+from lib_attn.chains import chain_for
+from lib_attn.decision import decide
 from lib_attn.spec import spec_of
 
 from .bench import Timer, make_inputs
@@ -40,7 +41,7 @@ def tune_call(call: shapes.AttentionCall, dtype: torch.dtype, device: torch.devi
     spec = spec_of(q, k, v, None, "bhsd", call.role)
     chain, explicit = chain_for(call.role, spec.device, None, cfg, spec)
     order = decide(spec, chain, fp32=cfg.fp32, explicit=explicit).backend
-    stored = tune.lookup(spec, cfg.fp32) or {}
+    stored = tuning_file.lookup(spec, cfg.fp32) or {}
     timings = dict(d.timings)
     speedup = timings[order] / timings[d.backend] if order in timings and d.backend in timings else None
     return {
@@ -66,7 +67,7 @@ def run(models: List[str], res: Optional[int], dtypes: Optional[List[torch.dtype
 
 def render(rows: List[dict], device: torch.device) -> str:
     """The text report: per model and dtype, a table of each candidate's time per call."""
-    out = [f"lib_attn tune: {environment(device)['device']['description']}; results in {tune.cache_path()}"]
+    out = [f"lib_attn tune: {environment(device)['device']['description']}; results in {tuning_file.cache_path()}"]
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["model"], r["res"], r["dtype"]), []).append(r)

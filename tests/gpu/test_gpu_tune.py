@@ -6,6 +6,7 @@ import torch
 
 import lib_attn
 from lib_attn import check, tune
+from lib_attn import tuning_file
 from tests.engine_helpers import make_qkv, reference, rel_err
 
 # SD1.5's cross-attention and self-attention at 512², the VAE's single 512-wide head at 256².
@@ -14,12 +15,12 @@ CALLS = [("unet", (2, 8, 4096, 77, 40)), ("unet", (2, 8, 1024, 1024, 80)), ("vae
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch, tmp_path):
-    monkeypatch.setenv(tune.ENV_DIR, str(tmp_path))
-    tune.forget_memory()
+    monkeypatch.setenv(tuning_file.ENV_DIR, str(tmp_path))
+    tuning_file.forget_memory()
     lib_attn.reset()
     yield
     lib_attn.reset()
-    tune.forget_memory()
+    tuning_file.forget_memory()
 
 
 @pytest.mark.parametrize("role, shape", CALLS, ids=lambda x: str(x))

@@ -19,7 +19,7 @@ for _path in (ROOT, ROOT / "tests"):
 
 from lib_attn import kernels  # noqa: E402
 from lib_attn.device import DeviceInfo  # noqa: E402
-from lib_attn.dispatch import decide  # noqa: E402
+from lib_attn.decision import decide  # noqa: E402
 from lib_attn.kernels.base import Status  # noqa: E402
 from lib_attn.spec import spec_of  # noqa: E402
 from engine_helpers import reference  # noqa: E402 - the engine tests' float64 attention

@@ -110,7 +110,7 @@ def raw_sage(engine_sees, tmp_path, monkeypatch):
     stands between its faults and the caller. ``protect``: hand it a copy of k (its write then stays
     in the copy), so that its output is what the check sees."""
     import lib_attn
-    from lib_attn import tune
+    from lib_attn import tuning_file
 
     class RawSage(lib_attn.Backend):
         id, label, approximate = "raw-sage", "sageattn 1.0.6, unprotected", True
@@ -121,14 +121,14 @@ def raw_sage(engine_sees, tmp_path, monkeypatch):
             k = k.clone() if self.protect else k
             return engine_sees.sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=scale)
 
-    monkeypatch.setenv(tune.ENV_DIR, str(tmp_path))
-    tune.forget_memory()
+    monkeypatch.setenv(tuning_file.ENV_DIR, str(tmp_path))
+    tuning_file.forget_memory()
     lib_attn.reset()
     lib_attn.register_backend(RawSage())
     yield RawSage
     lib_attn.unregister_backend("raw-sage")
     lib_attn.reset()
-    tune.forget_memory()
+    tuning_file.forget_memory()
 
 
 @pytest.mark.parametrize("tune_mode", ["off", "on"])
@@ -136,7 +136,7 @@ def raw_sage(engine_sees, tmp_path, monkeypatch):
 def test_the_guard_catches_the_real_kernel_on_its_first_call_and_the_callers_tensors_stay_as_they_were(
         raw_sage, n, tune_mode):
     import lib_attn
-    from lib_attn import tune
+    from lib_attn import tuning_file
 
     lib_attn.configure(preference=["raw-sage"], tune=tune_mode)
     q, k, v = engine.inputs(b=1, h=2, n=n, kv=77, d=64, seed=n)
@@ -149,7 +149,7 @@ def test_the_guard_catches_the_real_kernel_on_its_first_call_and_the_callers_ten
 
     # Its padding fault alone (the write kept in a copy): caught on the first call too, by its error.
     raw_sage.protect = True
-    tune.clear()  # the rejection above is remembered for this signature
+    tuning_file.clear()  # the rejection above is remembered for this signature
     lib_attn.reset()
     lib_attn.configure(preference=["raw-sage"], tune=tune_mode)
     q, k, v = engine.inputs(b=1, h=2, n=n, kv=77, d=64, seed=n + 1)

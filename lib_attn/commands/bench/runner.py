@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 import lib_attn
-from lib_attn import shapes, tune
+from lib_attn import shapes, tuning_file
 
 from ..dtypes import default_dtype, dtype_name, parse_dtype
 from ..environment import environment
@@ -286,7 +286,7 @@ def _run(settings: BenchSettings) -> dict:
             "dtypes": sorted({dt for _, dt in rows_calls}), "columns": columns,
             "timer": timer.method, "budget_s_per_row": budget, "min_rounds": settings.min_rounds,
             "max_samples": settings.max_samples, "memory_method": memory_method,
-            "tune": settings.tune, "tuning_file": tune.cache_path(),
+            "tune": settings.tune, "tuning_file": tuning_file.cache_path(),
             "video_scale": video_scale if any(m in shapes.VIDEO_MODELS for m in settings.models) else None,
             "first_run_is_a_sample_above_s": None if timer.cuda else FIRST_RUN_SAMPLE_S,
             "reference": f"float64 softmax(QKᵀ/√d)V on up to {ERROR_ROWS} evenly spaced query rows",
