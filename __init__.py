@@ -23,7 +23,7 @@ def _package(name: str):
     return module
 
 
-for _name in ("lib_attn", "webui_attn", "comfy_attn"):
+for _name in ("lib_attn", "host_attn", "comfy_attn"):
     _package(_name)
 
 from comfy_attn import startup  # noqa: E402

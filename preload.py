@@ -6,7 +6,7 @@ reported with the list of valid ids and the flag is ignored.
 
 On the ldm_patched line (reForge) it also claims the host's own ``--use-flash-attention`` /
 ``--use-sage-attention`` / ``--use-sage-attention3`` when their package is missing and the host has
-not imported its attention module yet (``webui_attn/startup_flags.py``): the webui then starts instead
+not imported its attention module yet (``host_attn/startup_flags.py``): the webui then starts instead
 of exiting, and the extension puts that kernel first, falling back per call.
 """
 import argparse
@@ -82,7 +82,7 @@ def _claim_startup_flags() -> None:
     host_args = getattr(sys.modules.get("ldm_patched.modules.args_parser"), "args", None)
     if host_args is None or "ldm_patched.ldm.modules.attention" in sys.modules:
         return  # not that line, or too late: the host has chosen its attention already
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "webui_attn", "startup_flags.py")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_attn", "startup_flags.py")
     spec = importlib.util.spec_from_file_location("flash_attention_startup_flags", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,20 +1,24 @@
 """The status route on ComfyUI's server: ``GET /flash-attention/v1/status``, the same answer as on the
-webuis (availability, routing, tuning, ``last_report``: the last graph's, with ComfyUI's text of it).
+webuis (``host_attn.status``), with ComfyUI's routing and ``last_report``: the last graph's, in the
+plain lines of ``host_attn.readout``.
 
 ComfyUI has no login of its own, so the answer holds nothing its UI would not show: no file paths
 (the tuning file is named, not placed), no settings of other extensions.
 """
 from __future__ import annotations
 
-from webui_attn import api
+from host_attn import readout
+from host_attn import status as host_status
 
-from . import readout, route, run
+from . import route, run
 
-ROUTE = api.ROUTE
+ROUTE = host_status.ROUTE
 
 
 def status() -> dict:
-    return api.status(route=route.routing(), report=run.last_report(), to_json=readout.to_json)
+    report = run.last_report()
+    return host_status.answer(host_status.availability(), route.routing(),
+                              None if report is None else readout.to_json(report))
 
 
 def register(routes) -> bool:

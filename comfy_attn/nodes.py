@@ -14,10 +14,12 @@ from __future__ import annotations
 import lib_attn
 from lib_attn import schedule as schedules
 from lib_attn.config import FP32_POLICIES, GUARD_MODES, TUNE_MODES
-from webui_attn.flags import parse_ids
-from webui_attn.settings import unavailable_text
+from lib_attn.config import parse_ids
 
-from . import readout, route, run
+from host_attn import readout
+from host_attn.status import unavailable_text
+
+from . import route, run
 
 AUTO = "auto"
 CATEGORY = "advanced/attention"

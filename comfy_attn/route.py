@@ -31,9 +31,9 @@ import lib_attn
 from lib_attn import schedule
 from lib_attn.schedule import where
 
-from webui_attn import heads, host
-from webui_attn.patching import Patches
-from webui_attn.rebind import copies, import_quietly
+from host_attn import convention, voice
+from host_attn.patching import Patches
+from host_attn.rebind import copies, import_quietly
 
 from . import run, steps
 
@@ -59,7 +59,7 @@ _functions: dict = {}
 def precision():
     """ComfyUI's ``get_attn_precision(requested, dtype)``, called as ComfyUI defines it."""
     attention = importlib.import_module(SOURCE)
-    return heads.PrecisionRule(getattr(attention, "get_attn_precision", None), "ComfyUI")
+    return convention.PrecisionRule(getattr(attention, "get_attn_precision", None), "ComfyUI")
 
 
 def fp32_rule(fp32: str | None):
@@ -70,13 +70,13 @@ def fp32_rule(fp32: str | None):
 
 
 def function(role: str, fp32: str | None = None):
-    """The engine's attention function for ``role`` (ComfyUI's form; see ``webui_attn.heads``)."""
+    """The engine's attention function for ``role`` (ComfyUI's form; see ``host_attn.convention``)."""
     key = (role, fp32)
     if key not in _functions:
         if role == "vae":
-            _functions[key] = heads.make_spatial_function(precision(), fp32_rule(fp32))
+            _functions[key] = convention.make_spatial_function(precision(), fp32_rule(fp32))
         else:
-            _functions[key] = heads.make_heads_function(role, precision(), fp32_rule(fp32))
+            _functions[key] = convention.make_heads_function(role, precision(), fp32_rule(fp32))
     return _functions[key]
 
 
@@ -227,10 +227,10 @@ def _global_function(role: str, wrap):
     return _functions[key]
 
 
-def routing() -> host.Routing:
+def routing() -> voice.Routing:
     if _global.active and _global.intact():
-        return host.ROUTED
-    return host.Routing(False, "ComfyUI's own attention, except the models and VAEs an Attention backend "
+        return voice.ROUTED
+    return voice.Routing(False, "ComfyUI's own attention, except the models and VAEs an Attention backend "
                                "node routes", "add the Attention backend nodes, or start ComfyUI with "
                                               "ATTN_COMFY_ROUTE=auto (or a chain of backend ids)")
 

@@ -23,7 +23,7 @@ import weakref
 import lib_attn
 from lib_attn.report import Report, VramProbe
 
-from . import readout
+from host_attn import readout
 
 MESSAGE = "flash-attention.report"
 

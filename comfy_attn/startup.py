@@ -2,7 +2,7 @@
 
 The global route is asked for by ``ATTN_COMFY_ROUTE`` (``auto``, or a chain of backend ids such as
 ``flash-attn,sdpa-cudnn``; empty, ``0`` or ``off``: no global route), or by ComfyUI's own
-``--use-flash-attention`` / ``--use-sage-attention`` (``webui_attn.startup_flags``: ComfyUI would stop
+``--use-flash-attention`` / ``--use-sage-attention`` (``host_attn.startup_flags``: ComfyUI would stop
 at startup where such a flag's package is missing; this package lets it start, and every model runs
 on the engine with that kernel first, falling back per call with the reason).
 
@@ -16,8 +16,9 @@ import os
 
 import lib_attn
 
-from webui_attn import host, startup_flags
-from webui_attn.flags import parse_ids
+from lib_attn.config import parse_ids
+
+from host_attn import startup_flags, voice
 
 from . import route
 
@@ -56,19 +57,19 @@ def start(routes=None, args=None) -> list[str]:
         try:
             api.register(routes)
         except ImportError as exc:  # aiohttp comes with ComfyUI; a bare test process may lack it
-            host.log_once(("comfy-route", str(exc)), f"status route not added: {exc}")
+            voice.log_once(("comfy-route", str(exc)), f"status route not added: {exc}")
     default_schedule()
     try:
         chain, why = requested(args=args)
     except ValueError as exc:
-        host.log_once(("comfy-env", str(exc)), f"{exc}. No global route; the nodes still work.")
+        voice.log_once(("comfy-env", str(exc)), f"{exc}. No global route; the nodes still work.")
         return []
     if not why:
         return []
     config = {"preference": {"unet": chain, "dit": chain}} if chain else None
     routed = route.route_everything(config)
     first = f"{chain[0]} first, " if chain else ""
-    host.log_once(("comfy-global", tuple(routed)),
+    voice.log_once(("comfy-global", tuple(routed)),
                   f"{' and '.join(why)}: every model's attention runs on this extension's engine ({first}falling "
                   f"back per call, with the reason in the report): {', '.join(routed) or 'nothing loaded yet'}")
     return routed
@@ -83,10 +84,10 @@ def default_schedule(environ=os.environ):
     try:
         lib_attn.configure(schedule=text)
     except ValueError as exc:
-        host.log_once(("comfy-schedule", text), f"{ENV_SCHEDULE}={text!r}: {exc}. No default schedule; "
+        voice.log_once(("comfy-schedule", text), f"{ENV_SCHEDULE}={text!r}: {exc}. No default schedule; "
                                                 f"the nodes' schedules still work.")
         return None
     rules = lib_attn.config().schedule
     if rules is not None:
-        host.log_once(("comfy-schedule", text), f"{ENV_SCHEDULE}: default schedule {rules.text!r}")
+        voice.log_once(("comfy-schedule", text), f"{ENV_SCHEDULE}: default schedule {rules.text!r}")
     return rules

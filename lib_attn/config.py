@@ -38,6 +38,18 @@ _config = Config()
 _listeners: list = []
 
 
+def parse_ids(text) -> tuple[list[str], list[str]]:
+    """A chain typed as text, ``"a,b, c"`` (a flag, a setting, a node's input): (known backend ids, unknown
+    ones), each in order, without repeats."""
+    known, unknown = [], []
+    for part in str(text or "").split(","):
+        item = part.strip()
+        if not item or item in known or item in unknown:
+            continue
+        (known if item in BACKEND_IDS else unknown).append(item)
+    return known, unknown
+
+
 def _check_ids(ids, where: str) -> tuple:
     if isinstance(ids, str):
         ids = [part.strip() for part in ids.split(",") if part.strip()]

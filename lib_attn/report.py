@@ -1,10 +1,10 @@
 """The report of one stretch of work (a generation, a graph run) as data: which kernels ran, how
 often, what fell back and why, time, peak memory, notes; and its JSON.
 
-Built from a ``Recording`` plus a memory reading. How it reads is each host's choice: the webuis'
-readout and infotext are written by ``webui_attn.readout``, the ComfyUI node's text by
-``comfy_attn.readout``. Nothing here imports a host module, and CUDA is touched only by
-``VramProbe`` on a CUDA device.
+Built from a ``Recording`` plus a memory reading. Its text is the hosts' to write
+(``host_attn.readout``, and the webuis' readout and infotext on top of it): nothing here is text
+for people but a kernel's description. Nothing here imports a host module, and CUDA is touched only
+by ``VramProbe`` on a CUDA device.
 """
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ class Report:
     ``tuned``: the (role, backend id) pairs that tuning chose rather than the fixed order;
     ``paths``: {fallback key: {(((id, reason), ...) also passed over, id that ran)}};
     ``guard``: {(role, backend id, what, backend that ran instead, recomputed): n}, what the output
-    guard caught (``guard_lines`` says it in words); ``rules``: {(schedule text, rule label, role,
+    guard caught; ``rules``: {(schedule text, rule label, role,
     backend id): n}, the calls a schedule served, per rule (``rule_items`` in the schedule's order).
     """
 
@@ -203,16 +203,6 @@ class Report:
     def guard_items(self) -> list:
         """((role, backend, what, ran_on, recomputed), n) pairs: by role, then most frequent first."""
         return sorted(self.guard.items(), key=lambda item: (role_rank(item[0][0]), -item[1], item[0][1:3]))
-
-    def guard_lines(self) -> list[str]:
-        """What the guard caught, one line each: ``guard: sage ×3 non-finite values → sdpa (recomputed)``,
-        ``guard: sage rejected for unet 2×8×4096×77×40 fp16: rel err 2.8e-01 > 8.0e-02 → sdpa (recomputed)``."""
-        lines = []
-        for (role, backend, what, ran_on, recomputed), n in self.guard_items():
-            count = f" ×{n:,}" if n > 1 or not what.startswith("rejected") else ""
-            done = "recomputed" if recomputed else "found after it returned: not recomputed"
-            lines.append(f"guard: {backend}{count} {what} → {ran_on} ({done})")
-        return lines
 
     @property
     def schedules(self) -> list[str]:

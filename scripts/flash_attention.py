@@ -5,15 +5,17 @@ registration happens here, at import. Everything else lives in ``webui_attn``.
 """
 from modules import script_callbacks, scripts
 
-from webui_attn import host, hosts, panel, state
+from host_attn import voice
+from webui_attn.routing import detect
+from webui_attn.ui import panel
 
-HOST = hosts.detect()
-host.prefix_engine_log()
+HOST = detect.detect()
+voice.prefix_engine_log()
 
 if HOST.adapter:
-    hosts.adapter(HOST).register(script_callbacks)
+    detect.adapter(HOST).register(script_callbacks)
 else:
-    host.log_once("no-host", f"{state.UNRECOGNISED}: attention is left as the webui set it, and nothing is patched")
+    voice.log_once("no-host", f"{detect.UNRECOGNISED}: attention is left as the webui set it, and nothing is patched")
 
 
 def _on_ui_settings():
@@ -31,11 +33,11 @@ def _on_cfg_denoiser(params):
 script_callbacks.on_ui_settings(_on_ui_settings)
 script_callbacks.on_cfg_denoiser(_on_cfg_denoiser)
 script_callbacks.on_app_started(_on_app_started)
-script_callbacks.on_script_unloaded(host.unprefix_engine_log)
+script_callbacks.on_script_unloaded(voice.unprefix_engine_log)
 
 
 class FlashAttentionScript(scripts.Script):
-    """Always-visible script: its UI and generation hooks are ``webui_attn.panel``'s."""
+    """Always-visible script: its UI and generation hooks are ``webui_attn.ui.panel``'s."""
 
     def title(self):
         return panel.title()

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 import lib_attn
-import webui_attn
+import webui_attn.ui
 from tests.doubles.fixtures import webui_factory  # noqa: F401
-from webui_attn import a1111, forwards, host, layers
+from webui_attn.routing import a1111, forwards
+from host_attn import voice
+from webui_attn.settings import layers
 
 TITLES = {
     "flash": "flash-attn - FlashAttention 2/3, falls back per call",
@@ -63,7 +65,7 @@ def test_titles_never_change(webui_factory, monkeypatch):
 
 
 def test_entries_follow_the_engine_probe_and_say_why_once(webui_factory, monkeypatch, capsys):
-    monkeypatch.setattr(host, "_said", set())
+    monkeypatch.setattr(voice, "_said", set())
     simulate_backends(monkeypatch, {"sdpa-efficient", "sdpa", "math"})
     webui = start(webui_factory)
     from modules import shared_items
@@ -148,14 +150,14 @@ def test_flag_for_a_backend_that_cannot_run_still_routes_through_the_engine(
         webui_factory, monkeypatch, capsys, flag, key, backend):
     """CPU: the flag's backend cannot run (no package, or no CUDA); its entry is offered anyway, "Automatic"
     picks it, each call falls back with the reason counted, and startup says so in one line."""
-    monkeypatch.setattr(host, "_said", set())
+    monkeypatch.setattr(voice, "_said", set())
     info = {b.id: b for b in lib_attn.backends()}[backend]
     if info.available:
         pytest.skip(f"{backend} runs here")
     webui = start(webui_factory, [flag], device="cpu")
     assert selected().title() == TITLES[key]
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"{host.PREFIX} --")]
-    assert lines == [f"{host.PREFIX} {flag}: UNet/DiT attention goes through this extension, {backend} first; "
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"{voice.PREFIX} --")]
+    assert lines == [f"{voice.PREFIX} {flag}: UNet/DiT attention goes through this extension, {backend} first; "
                      f"cannot run here: {backend} ({info.reason}), so its calls fall back per call, counted "
                      f"with the reason in the readout"]
     import ldm.modules.attention as ldm_attention
@@ -166,11 +168,11 @@ def test_flag_for_a_backend_that_cannot_run_still_routes_through_the_engine(
     assert rec.fallbacks == {("unet", backend, "not available: " + info.reason): 2}
     assert sum(rec.calls.values()) == 2
     webui.reload_ui()                                     # said once per process
-    assert f"{host.PREFIX} --" not in capsys.readouterr().out
+    assert f"{voice.PREFIX} --" not in capsys.readouterr().out
 
 
 def test_unknown_backend_id_leaves_a1111_choice(webui_factory, monkeypatch, capsys):
-    monkeypatch.setattr(host, "_said", set())
+    monkeypatch.setattr(voice, "_said", set())
     simulate_backends(monkeypatch, FUSED)
     start(webui_factory, ["--attn-backend", "flash,sdpa"], device="mps")
     assert selected().name == "sub-quadratic"
@@ -464,15 +466,15 @@ def test_reload_ui_leaves_nothing_stale(webui_factory):
 @pytest.fixture
 def stub_panel(monkeypatch):
     calls = []
-    panel = types.ModuleType("webui_attn.panel")
+    panel = types.ModuleType("webui_attn.ui.panel")
     panel.title = lambda: "Flash Attention"
     panel.ui = lambda script, is_img2img: calls.append(("ui", is_img2img)) or ["component"]
     panel.process = lambda p, *args: calls.append(("process", p, args))
     panel.postprocess = lambda p, processed, *args: calls.append(("postprocess", p, processed, args))
     panel.on_ui_settings = lambda: calls.append(("on_ui_settings",))
     panel.on_app_started = lambda demo, app: calls.append(("on_app_started", demo, app))
-    monkeypatch.setitem(sys.modules, "webui_attn.panel", panel)
-    monkeypatch.setattr(webui_attn, "panel", panel, raising=False)
+    monkeypatch.setitem(sys.modules, "webui_attn.ui.panel", panel)
+    monkeypatch.setattr(webui_attn.ui, "panel", panel, raising=False)
     return calls
 
 

@@ -8,7 +8,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from tests.doubles.fixtures import webui_factory  # noqa: F401
-from webui_attn import api, auth
+from webui_attn.ui import api, auth
 
 
 def basic(user, password):

@@ -13,14 +13,14 @@ import torch
 
 import lib_attn
 from tests.doubles.comfy_fixtures import COMFY_ROOT, REPO_ROOT, comfy_factory  # noqa: F401
-from webui_attn import host
+from host_attn import voice
 
 FP32 = 1e-5
 
 
 @pytest.fixture(autouse=True)
 def fresh_log(monkeypatch):
-    monkeypatch.setattr(host, "_said", set())
+    monkeypatch.setattr(voice, "_said", set())
 
 
 def rel_err(out, ref):

@@ -299,17 +299,17 @@ def test_doctor_gives_each_passed_over_kernel_its_amd_reason(every_package):
 
 
 def test_availability_table_names_the_amd_gpu_in_its_own_terms():
-    from webui_attn import ui
-    from webui_attn.state import availability
+    from webui_attn.ui import components
+    from webui_attn.ui.api import availability
 
     data = availability(MI300)
     assert data["device"]["platform"] == "rocm" and data["device"]["arch"] == "gfx942"
     assert data["device"]["hip"] == "6.2.41133" and data["device"]["miopen"] == 3002000
-    text = ui.availability_html(data)
+    text = components.availability_html(data)
     assert "Device: AMD Instinct MI300X (gfx942, ROCm: HIP 6.2.41133, MIOpen 3.2.0), 192.0 GiB" in text
     assert "compute capability" not in text
     assert "UNet: flash-attn → sdpa-flash → sdpa-efficient → sdpa → math" in text
-    nvidia = ui.availability_html(availability(DeviceInfo("cuda", 0, "RTX 3090", (8, 6), 24 * 2**30)))
+    nvidia = components.availability_html(availability(DeviceInfo("cuda", 0, "RTX 3090", (8, 6), 24 * 2**30)))
     assert "RTX 3090 (compute capability 8.6), 24.0 GiB" in nvidia
 
 

@@ -4,7 +4,7 @@ import torch
 
 import lib_attn
 from tests.doubles.fixtures import webui_factory  # noqa: F401
-from webui_attn import forge
+from webui_attn.routing import forge
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -41,7 +41,7 @@ def test_import_on_forge_raises_nothing_and_patches_by_name(webui_factory, capsy
     assert "Error" not in capsys.readouterr().err
     with pytest.raises(ImportError):
         from modules.sd_hijack_optimizations import SdOptimization  # noqa: F401
-    import webui_attn.a1111  # noqa: F401  (importable on Forge too)
+    import webui_attn.routing.a1111  # noqa: F401  (importable on Forge too)
     after = originals()
     for name in ("unet", "flux", "chroma", "vae"):
         assert after[name] is not before[name], name

@@ -7,7 +7,10 @@ import torch
 
 import lib_attn
 from tests.doubles.fixtures import webui_factory  # noqa: F401
-from webui_attn import forge, host, hosts, layers
+from webui_attn.routing import detect, forge
+from host_attn import voice
+from webui_attn.settings import layers
+from webui_attn.ui import api
 
 FP32 = 1e-5
 
@@ -15,7 +18,7 @@ FP32 = 1e-5
 @pytest.fixture(autouse=True)
 def fresh_log(monkeypatch):
     """Each test sees the extension's once-per-process lines as a fresh start would."""
-    monkeypatch.setattr(host, "_said", set())
+    monkeypatch.setattr(voice, "_said", set())
 
 
 def rel_err(out, ref):
@@ -52,7 +55,7 @@ def start(webui_factory, argv=("--attention-pytorch",)):
 
 def test_recognised_as_neo_and_every_family_routed(webui_factory, capsys):
     webui, before = start(webui_factory)
-    assert hosts.detect() == hosts.NEO
+    assert detect.detect() == detect.NEO
     after = bindings()
     for name in ("attention.attention_function", "unet", "flux", "wan", "qwen", "lumina", "vae"):
         assert after[name] is not before[name], name
@@ -60,7 +63,7 @@ def test_recognised_as_neo_and_every_family_routed(webui_factory, capsys):
     for name in ("t5", "llama", "wan_vae.vae_attention"):                  # text encoders keep Neo's
         assert after[name] is before[name], name
     out = capsys.readouterr().out
-    line = next(x for x in out.splitlines() if x.startswith(f"{host.PREFIX} Forge Neo: attention routed"))
+    line = next(x for x in out.splitlines() if x.startswith(f"{voice.PREFIX} Forge Neo: attention routed"))
     for target in ("backend.nn.unet.attention_function", "backend.nn.flux.attention_function",
                    "backend.nn.wan.optimized_attention", "backend.nn.qwen.attention_function",
                    "backend.nn.lumina.attention_function", "backend.nn.vae.attention_function_single_head_spatial",
@@ -142,10 +145,10 @@ def test_precision_rule_gets_the_inputs_dtype(webui_factory, monkeypatch):
     """Neo's rule is (requested, current_dtype): with --force-upcast-attention fp16 runs in fp32."""
     start(webui_factory)
     import backend.attention as attention
-    from webui_attn import heads
+    from host_attn import convention
     seen = []
     monkeypatch.setattr(attention, "args", type("A", (), {"dont_upcast_attention": False})())
-    rule = heads.PrecisionRule(attention.get_attn_precision, "Forge Neo")
+    rule = convention.PrecisionRule(attention.get_attn_precision, "Forge Neo")
     assert rule.takes_dtype
     monkeypatch.setattr(attention, "FORCE_UPCAST_ATTENTION_DTYPE", {torch.float16: torch.float32})
     seen.append(rule(None, torch.float16))
@@ -267,12 +270,12 @@ def test_neos_own_flags_are_a_preference(webui_factory, capsys, argv, preference
     if note is None:
         assert not any("Forge Neo --" in line for line in lines)
     else:
-        assert any(line.startswith(f"{host.PREFIX} {note}") for line in lines)
+        assert any(line.startswith(f"{voice.PREFIX} {note}") for line in lines)
 
 
 def test_neos_later_sage_function_flag_and_its_values_are_read_by_value():
     from types import SimpleNamespace
-    from webui_attn import flags
+    from webui_attn.settings import flags
     import enum
 
     class Later(enum.Enum):  # a later Neo names the flag --sage-function and adds fp8_cuda++ and sageattn3
@@ -306,19 +309,21 @@ def test_sage_flag_without_the_package_falls_back_per_call_with_the_reason(webui
 
 def test_the_order_in_force_shows_the_hosts_flag(webui_factory):
     """Settings and the status route show the chain the host's flag put in force beside Auto's."""
-    from webui_attn import state, ui
+    from webui_attn.settings import stored
+    from webui_attn.ui import components
     start(webui_factory, ["--sage2-function", "fp16_cuda"])
-    data = state.availability()
+    data = api.availability()
     assert data["chains"]["unet"][0] == "sage-cuda" and "sage-cuda" not in data["default_chains"]["unet"]
     assert data["chains"]["vae"] == data["default_chains"]["vae"]
-    html = ui.availability_html(data)
+    html = components.availability_html(data)
     assert "Default order on this device (Auto)" in html
     assert "Order in force" in html and "sage-cuda → " in html
 
 
 def test_without_a_kernel_flag_only_the_default_order_is_shown(webui_factory):
-    from webui_attn import state, ui
+    from webui_attn.settings import stored
+    from webui_attn.ui import components
     start(webui_factory, [])
-    data = state.availability()
+    data = api.availability()
     assert data["chains"] == data["default_chains"]
-    assert "Order in force" not in ui.availability_html(data)
+    assert "Order in force" not in components.availability_html(data)

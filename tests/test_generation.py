@@ -14,10 +14,15 @@ import torch
 gr = pytest.importorskip("gradio")
 
 import lib_attn  # noqa: E402
-from webui_attn.readout import lines, parse_infotext, to_infotext  # noqa: E402
+from webui_attn.ui.readout import lines, parse_infotext, to_infotext  # noqa: E402
 from tests.doubles.fixtures import webui_factory  # noqa: E402,F401
 from tests.ui_helpers import event_handler  # noqa: E402
-from webui_attn import a1111, choices, forge, host, hosts, layers, panel, state, ui  # noqa: E402
+from webui_attn.routing import a1111, detect, forge  # noqa: E402
+from webui_attn.settings import choices, layers, stored  # noqa: E402
+from host_attn import voice  # noqa: E402
+from webui_attn.ui import components, panel  # noqa: E402
+from webui_attn.ui import readout
+from host_attn.readout import guard_lines
 
 AUTO_TITLE = a1111.ENTRY_BY_KEY["auto"].title
 SCRIPT = "flash attention"
@@ -25,7 +30,7 @@ SCRIPT = "flash attention"
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
-    monkeypatch.setattr(host, "_said", set())
+    monkeypatch.setattr(voice, "_said", set())
     lib_attn.reset()
     panel.reset()
     yield
@@ -56,7 +61,7 @@ def start(webui_factory, mode="a1111", argv=(), optimization=None):
 def sample(p=None):
     """Sampling and decoding as the model runs them: the ldm modules A1111 patches (on Forge the rebound
     ``attention_function`` of ``backend.nn.unet`` and the VAE's)."""
-    if hosts.detect() == hosts.FORGE:
+    if detect.detect() == detect.FORGE:
         import backend.nn.unet as unet
         import backend.nn.vae as vae
         q = torch.randn(1, 16, 320)
@@ -83,7 +88,7 @@ def txt2img(runner, args=None):
 
 
 def prefixed(out: str) -> list[str]:
-    return [line for line in out.splitlines() if line.startswith(host.PREFIX)]
+    return [line for line in out.splitlines() if line.startswith(voice.PREFIX)]
 
 
 # --- 1, 2: the extension is not in the path --------------------------------------------------------------
@@ -96,7 +101,7 @@ def prefixed(out: str) -> list[str]:
 def test_a1111_builtin_in_use_is_named_and_no_infotext_claims_otherwise(webui_factory, optimization, ran_on):
     runner, _, _ = start(webui_factory, optimization=optimization)
     processed, info = txt2img(runner)
-    report = state.last_report()
+    report = readout.last_report()
     assert report.calls == {} and report.ran_on.startswith(ran_on)
     head = lines(report)[0]
     assert head.startswith(f"Attention: {ran_on}") and "not through this extension" in head
@@ -107,13 +112,13 @@ def test_a1111_builtin_in_use_is_named_and_no_infotext_claims_otherwise(webui_fa
     params = parse_infotext(processed.info)
     assert "Attention" not in params and "Attention fallbacks" not in params and "Attention note" not in params
     assert "Attention" not in info["extra_generation_params"]
-    assert html.escape(ran_on) in ui.report_html(report)                   # the accordion
+    assert html.escape(ran_on) in components.report_html(report)                   # the accordion
 
 
 def test_override_that_cannot_apply_says_why(webui_factory):
     runner, _, _ = start(webui_factory, optimization="InvokeAI")
     processed, info = txt2img(runner, ["sdpa-math"])
-    report = state.last_report()
+    report = readout.last_report()
     note = "override 'sdpa-math' not applied: attention runs on A1111's InvokeAI optimizer"
     assert report.notes == (note,)
     assert f"Attention note: {note}" in processed.comments
@@ -125,7 +130,7 @@ def test_schedule_that_cannot_apply_says_why(webui_factory):
     runner, _, _ = start(webui_factory, optimization="InvokeAI")
     processed, _ = txt2img(runner, ["use setting", "use setting", "0-50%: sdpa; 50-100%: math"])
     note = ("schedule '0-50%: sdpa; 50-100%: math' not applied: attention runs on A1111's InvokeAI optimizer")
-    assert state.last_report().notes == (note,)
+    assert readout.last_report().notes == (note,)
     assert parse_infotext(processed.info)["Attention note"] == note
 
 
@@ -133,7 +138,7 @@ def test_status_route_says_what_ran(webui_factory):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from webui_attn import api
+    from webui_attn.ui import api
     runner, _, _ = start(webui_factory, optimization="InvokeAI")
     from modules import script_callbacks
     app = FastAPI()
@@ -153,7 +158,7 @@ def test_our_entry_whose_forwards_a1111_reset_is_not_claimed(webui_factory):
     from modules import sd_hijack
     sd_hijack.undo_optimizations()          # e.g. training: resets the forwards without our undo()
     txt2img(runner)
-    report = state.last_report()
+    report = readout.last_report()
     assert report.calls == {} and "reset the forwards" in report.ran_on
     assert AUTO_TITLE in report.hint
 
@@ -162,7 +167,7 @@ def test_forge_without_patches_is_named(webui_factory):
     runner, _, _ = start(webui_factory, "forge")
     forge.uninstall()
     txt2img(runner)
-    assert state.last_report().ran_on == "Forge's own attention (backend.attention)"
+    assert readout.last_report().ran_on == "Forge's own attention (backend.attention)"
 
 
 # --- routed: override honoured, API info carries the text -------------------------------------------------
@@ -171,7 +176,7 @@ def test_forge_without_patches_is_named(webui_factory):
 def test_routed_override_is_honoured_and_api_info_has_the_infotext_text(webui_factory, mode):
     runner, _, _ = start(webui_factory, mode, optimization=AUTO_TITLE)
     processed, info = txt2img(runner, ["sdpa-math"])
-    report = state.last_report()
+    report = readout.last_report()
     assert report.backends("unet") == [("sdpa-math", 3)] and report.ran_on is None and not report.notes
     params = parse_infotext(processed.info)
     assert params["Attention"] == to_infotext(report)["Attention"]
@@ -182,7 +187,7 @@ def test_routed_override_is_honoured_and_api_info_has_the_infotext_text(webui_fa
 def test_api_info_carries_the_fallbacks_text(webui_factory):
     runner, _, _ = start(webui_factory, "forge")
     processed, info = txt2img(runner, ["flash-attn"])
-    report = state.last_report()
+    report = readout.last_report()
     if not report.fallbacks:
         pytest.skip("flash-attn runs here")
     assert info["extra_generation_params"]["Attention fallbacks"] == to_infotext(report)["Attention fallbacks"]
@@ -200,7 +205,7 @@ def test_bad_override_is_logged_and_noted(webui_factory, capsys, mode, args, see
     runner, _, _ = start(webui_factory, mode, optimization=AUTO_TITLE)
     capsys.readouterr()
     processed, info = txt2img(runner, args)
-    report = state.last_report()
+    report = readout.last_report()
     auto = lib_attn.explain(*[torch.randn(1, 8, 16, 40)] * 3, role="unet").backend
     # a string's third character is the third argument, the schedule 't': no rule, so the generation is refused
     assert report.backends("unet") == ([] if isinstance(args, str) else [(auto, 3)])   # else the setting (Auto) ran
@@ -226,7 +231,7 @@ def test_empty_args_are_the_ui_default(webui_factory, capsys):
     what it passes when the key is left out, so there is nothing to tell apart."""
     runner, _, _ = start(webui_factory, optimization=AUTO_TITLE)
     txt2img(runner, [])
-    assert state.last_report().notes == ()
+    assert readout.last_report().notes == ()
     assert "override" not in capsys.readouterr().out
 
 
@@ -240,7 +245,7 @@ def test_labels_listed_for_the_dropdown_are_accepted_back(webui_factory, mode):
     labels = dict(choices.override_choices(pairs=True)[1:])                          # gradio 4's labels
     for label, backend in [*zip(listed[1:], lib_attn.BACKEND_IDS), *labels.items()]:
         txt2img(runner, [label])
-        report = state.last_report()
+        report = readout.last_report()
         assert not report.notes, label
         assert report.fallbacks or report.backends("unet") == [(backend, 3)], label
         assert backend in {b for (_, b, _) in report.fallbacks} | {b for (_, b) in report.calls}, label
@@ -251,7 +256,7 @@ def test_a_raising_script_does_not_stop_the_generation(webui_factory, capsys, mo
     runner, _, _ = start(webui_factory, optimization=AUTO_TITLE)
     def fail():
         raise RuntimeError("any failure inside process")
-    monkeypatch.setattr(state, "routing", fail)
+    monkeypatch.setattr(detect, "routing", fail)
     processed, info = txt2img(runner, ["sdpa"])
     assert processed is not None and "Error running process" in capsys.readouterr().err
 
@@ -263,23 +268,23 @@ def test_bad_settings_from_the_api_are_logged_noted_and_listed(webui_factory, ca
     runner, _, _ = start(webui_factory, mode, optimization=AUTO_TITLE)
     from modules.api import api
     capsys.readouterr()
-    api.set_config({state.KEY_BACKEND: "definitely-not-a-backend", state.KEY_FP32: "sideways"})
+    api.set_config({stored.KEY_BACKEND: "definitely-not-a-backend", stored.KEY_FP32: "sideways"})
     lines = prefixed(capsys.readouterr().out)
     backend_line = next(line for line in lines if "definitely-not-a-backend" in line)
-    assert state.KEY_BACKEND in backend_line and ", ".join(lib_attn.BACKEND_IDS) in backend_line
+    assert stored.KEY_BACKEND in backend_line and ", ".join(lib_attn.BACKEND_IDS) in backend_line
     fp32_line = next(line for line in lines if "sideways" in line)
-    assert state.KEY_FP32 in fp32_line and "Auto, cast, keep" in fp32_line
+    assert stored.KEY_FP32 in fp32_line and "Auto, cast, keep" in fp32_line
 
     processed, _ = txt2img(runner)
-    report = state.last_report()
+    report = readout.last_report()
     assert len(report.notes) == 2 and all("ignored" in n for n in report.notes)
     assert layers.get_layer("settings") is None                 # both ignored: Auto, as if unset
     assert lib_attn.config().fp32 == "cast"
     assert all(f"Attention note: {n}" in processed.comments for n in report.notes)
-    from webui_attn.state import availability
+    from webui_attn.ui.api import availability
     ignored = availability()["ignored_settings"]
     assert ignored == list(report.notes)
-    assert "definitely-not-a-backend" in ui.availability_html()
+    assert "definitely-not-a-backend" in components.availability_html()
 
 
 # --- 8: the readout follows each generation ------------------------------------------------------------------
@@ -288,13 +293,13 @@ def test_bad_settings_from_the_api_are_logged_noted_and_listed(webui_factory, ca
 def test_readout_redraws_when_the_generation_ends(webui_factory, mode):
     runner, demo, output = start(webui_factory, mode, optimization=AUTO_TITLE)
     script = runner.alwayson_scripts[0]
-    readout = next(c for c in demo.blocks.values() if getattr(c, "elem_id", None) == "flash_attn_txt2img_readout")
+    readout_html = next(c for c in demo.blocks.values() if getattr(c, "elem_id", None) == "flash_attn_txt2img_readout")
     assert not any(getattr(c, "elem_id", "") == "flash_attn_txt2img_refresh" for c in demo.blocks.values())
     fn, outputs = event_handler(demo, output.html_log)
-    assert outputs == [readout._id]
+    assert outputs == [readout_html._id]
     assert "No generation yet" in fn("")
     txt2img(runner, ["sdpa-math"])
-    assert fn("Time taken: 1 sec.") == ui.report_html(state.last_report()) and "sdpa-math" in fn("")
+    assert fn("Time taken: 1 sec.") == components.report_html(readout.last_report()) and "sdpa-math" in fn("")
     assert script.args_to - script.args_from == 3  # the backend override, the guard and the schedule
 
 
@@ -304,11 +309,11 @@ def test_engine_warnings_carry_the_prefix(webui_factory, capsys):
     runner, _, _ = start(webui_factory, "forge")
     capsys.readouterr()
     txt2img(runner, ["flash-attn"])
-    report = state.last_report()
+    report = readout.last_report()
     if not report.fallbacks:
         pytest.skip("flash-attn runs here")
     out = capsys.readouterr().out
-    assert any(line.startswith(f"{host.PREFIX} attention: flash-attn passed over") for line in out.splitlines())
+    assert any(line.startswith(f"{voice.PREFIX} attention: flash-attn passed over") for line in out.splitlines())
     assert json.dumps(report.to_dict())
 
 
@@ -320,7 +325,7 @@ def test_forge_says_at_startup_what_a_flag_does(webui_factory, capsys):
     lines = [line for line in prefixed(capsys.readouterr().out) if "--opt-flash-attention" in line]
     assert len(lines) == 1 and f"flash-attn ({info.reason})" in lines[0]
     txt2img(runner)
-    assert state.last_report().fallbacks == {("unet", "flash-attn", "not available: " + info.reason): 3}
+    assert readout.last_report().fallbacks == {("unet", "flash-attn", "not available: " + info.reason): 3}
 
 
 # --- the guard: a faulty kernel named for a generation --------------------------------------------------
@@ -329,7 +334,7 @@ def recorded_sample(outputs: list):
     """``sample`` on fixed inputs, keeping what each attention block returned (the "image")."""
     def run(p=None):
         gen = torch.Generator().manual_seed(7)
-        if hosts.detect() == hosts.FORGE:
+        if detect.detect() == detect.FORGE:
             import backend.nn.unet as unet
             for _ in range(3):
                 q = torch.randn(1, 16, 320, generator=gen)
@@ -364,11 +369,11 @@ def test_a_faulty_kernel_named_for_a_generation_gives_the_good_kernels_image(web
             processed, info = api.txt2img(runner, alwayson_scripts={"Flash Attention": {"args": [bid]}},
                                           sd_model=recorded_sample(image), prompt="a cat")
             assert len(image) == len(good) == 3 and all(torch.equal(a, b) for a, b in zip(image, good)), bid
-            report = state.last_report()
+            report = readout.last_report()
             # fk-nan3 is right twice, then caught on its third call; the others on their first
             assert report.calls == ({("unet", bid): 2, ("unet", "sdpa"): 1} if bid == "fk-nan3"
                                     else {("unet", "sdpa"): 3}), bid
-            (said,) = report.guard_lines()
+            (said,) = guard_lines(report)
             assert said.startswith(f"guard: {bid}") and said.endswith("→ sdpa (recomputed)"), said
             assert f"Attention guard: {said.removeprefix('guard: ')}" in processed.comments
             assert parse_infotext(processed.info)["Attention guard"] == said.removeprefix("guard: ")
@@ -390,10 +395,10 @@ def test_the_guard_over_the_api_and_a_bad_value(webui_factory, mode):
         from modules.api import api
         api.txt2img(runner, alwayson_scripts={"Flash Attention": {"args": ["fk-nan", "off"]}},
                     sd_model=recorded_sample(image), prompt="a cat")
-        assert all(o.isnan().all() for o in image) and not state.last_report().guard  # off: as asked
+        assert all(o.isnan().all() for o in image) and not readout.last_report().guard  # off: as asked
         assert lib_attn.config().guard == "on"  # for that generation only
         processed, _ = txt2img(runner, ["use setting", "sometimes"])
-        (note,) = state.last_report().notes
+        (note,) = readout.last_report().notes
         assert note.startswith("guard 'sometimes' ignored, the setting used; valid: use setting, on, full, off")
     finally:
         faulty_backends.unregister()

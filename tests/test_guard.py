@@ -13,6 +13,7 @@ from lib_attn import check, dispatch, guard, tuning_file
 from lib_attn.report import Report
 from tests import faulty_backends
 from tests.engine_helpers import fresh_engine_with, make_qkv
+from host_attn.readout import guard_lines
 
 CALLS = faulty_backends.CALLS
 
@@ -46,7 +47,7 @@ def test_a_faulty_kernel_named_alone_never_reaches_the_caller(bid, what):
     assert CALLS[bid] >= 1  # it did run, and was caught
     ((role, caught, said, ran_on, recomputed), n), = rec.guard.items()
     assert (role, caught, ran_on, recomputed, n) == ("unet", bid, "sdpa", True, 1) and what in said
-    (line,) = Report.from_recording(rec).guard_lines()
+    (line,) = guard_lines(Report.from_recording(rec))
     assert line.startswith(f"guard: {bid}") and what in line and line.endswith("→ sdpa (recomputed)")
 
 
@@ -55,7 +56,7 @@ def test_a_rejection_names_the_call_and_the_bound():
     q, k, v = make_qkv(2, 8, 64, 77, 40, torch.bfloat16, seed=3)  # torch 2.1's CPU has no fp16 attention
     with lib_attn.recording() as rec:
         lib_attn.attention(q, k, v)
-    (line,) = Report.from_recording(rec).guard_lines()
+    (line,) = guard_lines(Report.from_recording(rec))
     assert line.startswith("guard: fk-drift rejected for unet 2×8×64×77×40 bf16: rel err ")
     err, bound = (float(x) for x in line.split("rel err ")[1].split(" →")[0].split(" > "))
     assert 0.05 < err < 0.2 and bound == check.BOUNDS[torch.bfloat16]
@@ -98,7 +99,7 @@ def test_on_cuda_the_screen_is_read_later_and_the_call_in_hand_is_recomputed(mon
     assert outs[2][0].isnan().all()  # the faulty call had returned before its screen was read
     assert all(torch.equal(a, b) for i, (a, b) in enumerate(outs) if i != 2)
     assert rec.guard == {("unet", "fk-nan3", "non-finite values", "sdpa", False): 1}
-    (line,) = Report.from_recording(rec).guard_lines()
+    (line,) = guard_lines(Report.from_recording(rec))
     assert line == "guard: fk-nan3 ×1 non-finite values → sdpa (found after it returned: not recomputed)"
 
 
@@ -165,15 +166,15 @@ def test_a_kernel_that_passes_is_trusted_and_counted_once(caplog):
 def test_the_webuis_flag_and_setting():
     from types import SimpleNamespace
 
-    from webui_attn import flags, state
+    from webui_attn.settings import flags, stored
 
     assert flags.layer_from(SimpleNamespace(attn_guard="full")) == {"guard": "full"}
     assert flags.problems(SimpleNamespace(attn_guard="always")) == [
         "--attn-guard 'always': must be one of on, full, off. The flag is ignored."]
     assert flags.layer_from(SimpleNamespace(attn_guard="always")) is None
-    assert state.layer_from({state.KEY_GUARD: "off"}) == {"guard": "off"}
-    assert state.layer_from({state.KEY_GUARD: "Auto"}) is None
-    (problem,) = state.problems({state.KEY_GUARD: "sometimes"})
+    assert stored.layer_from({stored.KEY_GUARD: "off"}) == {"guard": "off"}
+    assert stored.layer_from({stored.KEY_GUARD: "Auto"}) is None
+    (problem,) = stored.problems({stored.KEY_GUARD: "sometimes"})
     assert problem == "setting flash_attn_guard='sometimes' ignored, Auto used; valid: Auto, on, full, off"
 
 

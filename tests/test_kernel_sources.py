@@ -243,7 +243,7 @@ def test_fa4_id_is_taken_where_ids_are_and_a_bad_id_names_it():
     from types import SimpleNamespace
 
     from lib_attn.config import normalise_preference
-    from webui_attn import flags
+    from webui_attn.settings import flags
 
     assert "flash-attn-4" in lib_attn.BACKEND_IDS
     assert normalise_preference(["flash-attn-4", "sdpa"])["unet"] == ("flash-attn-4", "sdpa")

@@ -1,8 +1,10 @@
 """The decision path flows one way, and the adapters import each other without circles.
 
 Read from the source (module-level and function-level imports alike): a lib_attn module imports
-only modules below it in ``LIB_ATTN_ORDER``, and the import graph of ``webui_attn`` and
-``comfy_attn`` has no cycle.
+only modules below it in ``LIB_ATTN_ORDER``; ``host_attn`` (what every host adapter shares) imports no
+adapter; no host adapter imports another host's package; the webuis' rooms import one way
+(``settings`` <- ``routing`` <- ``ui``); the import graph of the adapters has no cycle; and no module
+of the product is longer than ``MAX_LINES``.
 """
 import ast
 import os
@@ -76,7 +78,7 @@ def test_lib_attn_modules_import_only_below_themselves():
 
 
 def test_lib_attn_imports_no_host_module():
-    hosts = ("modules", "backend", "ldm_patched", "comfy", "gradio", "webui_attn", "comfy_attn", "server")
+    hosts = ("modules", "backend", "ldm_patched", "comfy", "gradio", "host_attn", "webui_attn", "comfy_attn", "server")
     found = [f"{_module_name(p)} imports {t}" for p in _files("lib_attn") for t in _imports(p)
              if t.split(".")[0] in hosts]
     assert found == []
@@ -106,8 +108,60 @@ def _cycle(graph: dict):
     return None
 
 
+ADAPTERS = ("webui_attn", "comfy_attn")
+
+
+def _package_imports(package: str) -> set:
+    """(module, the top-level package it imports) for every project package a module of ``package`` imports."""
+    ours = ("lib_attn", "host_attn") + ADAPTERS
+    return {(_module_name(p), t.split(".")[0]) for p in _files(package) for t in _imports(p) if t.split(".")[0] in ours}
+
+
+def test_what_every_host_shares_imports_no_adapter():
+    assert {(m, t) for m, t in _package_imports("host_attn") if t in ADAPTERS} == set()
+
+
+def test_no_host_adapter_imports_another_hosts_package():
+    for adapter in ADAPTERS:
+        others = set(ADAPTERS) - {adapter}
+        assert {(m, t) for m, t in _package_imports(adapter) if t in others} == set()
+
+
+#: The webuis' rooms, bottom first: a room imports only rooms below it.
+WEBUI_ROOMS = ["webui_attn.settings", "webui_attn.routing", "webui_attn.ui"]
+
+
+def test_the_webuis_rooms_import_one_way():
+    upward = []
+    for room in WEBUI_ROOMS:
+        for path in _files(room.replace(".", os.sep)):
+            for target in _imports(path):
+                theirs = next((r for r in WEBUI_ROOMS if target == r or target.startswith(r + ".")), None)
+                if theirs is not None and WEBUI_ROOMS.index(theirs) > WEBUI_ROOMS.index(room):
+                    upward.append(f"{_module_name(path)} imports {target}")
+    assert upward == []
+
+
+#: No module of the product (everything but the tests) is longer than this.
+MAX_LINES = 600
+
+
+def test_no_module_is_longer_than_max_lines():
+    long = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("tests", "__pycache__", "node_modules")]
+        for file in files:
+            if file.endswith(".py"):
+                path = os.path.join(folder, file)
+                with open(path, encoding="utf-8") as f:
+                    n = sum(1 for _ in f)
+                if n > MAX_LINES:
+                    long.append(f"{os.path.relpath(path, ROOT)}: {n} lines")
+    assert long == []
+
+
 def test_adapters_have_no_import_cycle():
-    modules = {_module_name(p): p for pkg in ("webui_attn", "comfy_attn") for p in _files(pkg)}
+    modules = {_module_name(p): p for pkg in ("host_attn",) + ADAPTERS for p in _files(pkg)}
     graph = {m: {t for t in _imports(p) if t in modules and t != m} for m, p in modules.items()}
     assert _cycle(graph) is None
 

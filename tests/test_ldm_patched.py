@@ -9,7 +9,8 @@ import torch
 
 import lib_attn
 from tests.doubles.fixtures import webui_factory  # noqa: F401
-from webui_attn import host, hosts, ldm_patched
+from host_attn import voice
+from webui_attn.routing import detect, ldm_patched
 
 FP32 = 1e-5
 LINES = ("reforge", "classic")
@@ -17,7 +18,7 @@ LINES = ("reforge", "classic")
 
 @pytest.fixture(autouse=True)
 def fresh_log(monkeypatch):
-    monkeypatch.setattr(host, "_said", set())
+    monkeypatch.setattr(voice, "_said", set())
 
 
 def rel_err(out, ref):
@@ -38,21 +39,21 @@ def start(webui_factory, mode, argv=("--attention-pytorch",), early=()):
 
 def test_reforge_is_recognised(webui_factory, capsys):
     start(webui_factory, "reforge")
-    assert hosts.detect() == hosts.REFORGE
-    assert f"{host.PREFIX} reForge: attention routed through lib_attn" in capsys.readouterr().out
+    assert detect.detect() == detect.REFORGE
+    assert f"{voice.PREFIX} reForge: attention routed through lib_attn" in capsys.readouterr().out
 
 
 def test_classic_is_recognised(webui_factory, capsys):
     start(webui_factory, "classic")
-    assert hosts.detect() == hosts.CLASSIC
+    assert detect.detect() == detect.CLASSIC
     out = capsys.readouterr().out
-    assert f"{host.PREFIX} Forge Classic: attention routed through lib_attn" in out
+    assert f"{voice.PREFIX} Forge Classic: attention routed through lib_attn" in out
     assert "not recognised" not in out
 
 
 def test_reload_ui_says_the_routing_again(webui_factory, capsys):
     webui, _, _, _ = start(webui_factory, "classic")
-    line = f"{host.PREFIX} Forge Classic: attention routed through lib_attn"
+    line = f"{voice.PREFIX} Forge Classic: attention routed through lib_attn"
     assert capsys.readouterr().out.count(line) == 1
     from modules import script_callbacks
     script_callbacks.script_unloaded_callback()                      # "Reload UI": the routing undone…
@@ -64,7 +65,7 @@ def test_classic_names_itself_for_blocked_xformers_and_says_when_it_is_not_insta
                                                                                     tmp_path):
     import importlib.machinery
 
-    from webui_attn.state import XFORMERS_MISSING, availability
+    from webui_attn.ui.api import XFORMERS_MISSING, availability
     start(webui_factory, "classic")
     halted = "ModuleNotFoundError: import of xformers halted; None in sys.modules"
     infos = [lib_attn.BackendInfo(b.id, b.label, b.id != "xformers" and b.available,
@@ -210,8 +211,8 @@ def test_a_kernel_flag_without_the_package_starts_and_falls_back(webui_factory, 
         pytest.skip(f"{backend} is installed here: the host would use it itself")
     webui, attention, chosen, _ = start(webui_factory, "reforge", [flag])
     out = capsys.readouterr().out
-    assert f"{host.PREFIX} {flag}: {module} is not installed" in out
-    assert f"{host.PREFIX} reForge {flag}: UNet/DiT attention prefers {backend}" in out
+    assert f"{voice.PREFIX} {flag}: {module} is not installed" in out
+    assert f"{voice.PREFIX} reForge {flag}: UNet/DiT attention prefers {backend}" in out
     assert lib_attn.config().preference["unet"] == (backend,)
     q = torch.randn(1, 16, 64)
     with lib_attn.recording() as rec:

@@ -14,9 +14,10 @@ gr = pytest.importorskip("gradio")
 import lib_attn  # noqa: E402
 from lib_attn.report import Report  # noqa: E402
 from tests.doubles.fixtures import webui_factory  # noqa: E402,F401
-from webui_attn import layers, panel, settings, state  # noqa: E402
-from webui_attn import readout  # noqa: E402
-from webui_attn.readout import lines, parse_infotext, to_infotext, vram_text  # noqa: E402
+from webui_attn.settings import layers, stored  # noqa: E402
+from webui_attn.ui import panel, settings_page  # noqa: E402
+from webui_attn.ui import readout  # noqa: E402
+from webui_attn.ui.readout import lines, parse_infotext, to_infotext, vram_text  # noqa: E402
 
 MODES = ("a1111", "forge")
 
@@ -37,7 +38,7 @@ def _load(webui_factory, mode):
     webui.load_scripts()
     if mode == "a1111":
         from modules import sd_hijack
-        from webui_attn import a1111
+        from webui_attn.routing import a1111
         sd_hijack.model_hijack.apply_optimizations(a1111.ENTRY_BY_KEY["auto"].title)
     classes = webui.script_classes()
     assert classes, "the entry script did not load"
@@ -91,13 +92,13 @@ def _generate(script, *args, unet_calls=6, vae_calls=1, thread=False):
 def test_settings_live_in_optimizations_with_one_prefix(webui_factory, mode):
     _load(webui_factory, mode)
     opts = _settings_registered()
-    ours = {k: v for k, v in opts.data_labels.items() if k.startswith(state.PREFIX)}
-    assert set(ours) == set(state.DEFAULTS) | {state.KEY_AVAILABILITY}
+    ours = {k: v for k, v in opts.data_labels.items() if k.startswith(stored.PREFIX)}
+    assert set(ours) == set(stored.DEFAULTS) | {stored.KEY_AVAILABILITY}
     assert {info.section for info in ours.values()} == {("optimizations", "Optimizations")}
     assert {info.category_id for info in ours.values()} == {"sd"}
-    for key, default in state.DEFAULTS.items():
+    for key, default in stored.DEFAULTS.items():
         assert getattr(opts, key) == default
-    assert ours[state.KEY_AVAILABILITY].do_not_save
+    assert ours[stored.KEY_AVAILABILITY].do_not_save
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -108,26 +109,26 @@ def test_setting_components_build_in_blocks(webui_factory, mode):
     built = {}
     with gr.Blocks():
         for key, info in opts.data_labels.items():
-            if not key.startswith(state.PREFIX):
+            if not key.startswith(stored.PREFIX):
                 continue
             args = info.component_args() if callable(info.component_args) else (info.component_args or {})
             component = info.component or gr.Textbox
             built[key] = component(label=info.label, value=opts.data.get(key, info.default),
                                    elem_id=f"setting_{key}", **args)
-    backend = built[state.KEY_BACKEND]
+    backend = built[stored.KEY_BACKEND]
     assert isinstance(backend, gr.Dropdown)
     values = [c if isinstance(c, str) else c[1] for c in backend.choices]
-    assert values == [state.AUTO, *lib_attn.BACKEND_IDS]  # unavailable ones are listed too
+    assert values == [stored.AUTO, *lib_attn.BACKEND_IDS]  # unavailable ones are listed too
     for b in lib_attn.backends():
         if not b.available:  # ...with their reason in the info line gradio draws under the dropdown
             assert f"{b.id} ({b.reason})" in backend.info
     # gradio's own info line on every setting that has one, none left to the hosts' settings script,
     # which cannot place it under a gradio 4 dropdown (Forge) and would draw it twice on A1111
-    for key in (state.KEY_BACKEND, state.KEY_VAE_BACKEND, state.KEY_FP32):
-        assert built[key].info == settings.INFO[key]()
+    for key in (stored.KEY_BACKEND, stored.KEY_VAE_BACKEND, stored.KEY_FP32):
+        assert built[key].info == settings_page.INFO[key]()
         assert not opts.data_labels[key].comment_after
-    assert built[state.KEY_VAE_BACKEND].info.startswith("The VAE attends")
-    table = built[state.KEY_AVAILABILITY]
+    assert built[stored.KEY_VAE_BACKEND].info.startswith("The VAE attends")
+    table = built[stored.KEY_AVAILABILITY]
     assert isinstance(table, gr.HTML)
     assert all(f"<code>{b}</code>" in table.value for b in lib_attn.BACKEND_IDS)
 
@@ -136,16 +137,16 @@ def test_setting_components_build_in_blocks(webui_factory, mode):
 def test_changed_setting_applies_to_the_next_generation(webui_factory, mode):
     _, script = _load(webui_factory, mode)
     opts = _settings_registered()
-    assert opts.set(state.KEY_BACKEND, "sdpa-math")           # onchange pushes it at once
+    assert opts.set(stored.KEY_BACKEND, "sdpa-math")           # onchange pushes it at once
     assert lib_attn.config().preference["unet"] == ("sdpa-math",)
     _, _, infotext = _generate(script, "use setting")
-    ran = state.last_report()
+    ran = readout.last_report()
     assert ran.backends("unet") == [("sdpa-math", 6)]
 
-    opts.data[state.KEY_BACKEND] = state.AUTO                # e.g. config.json edited, no onchange
-    opts.data[state.KEY_VAE_BACKEND] = "math"
+    opts.data[stored.KEY_BACKEND] = stored.AUTO                # e.g. config.json edited, no onchange
+    opts.data[stored.KEY_VAE_BACKEND] = "math"
     _generate(script, "use setting")
-    ran = state.last_report()
+    ran = readout.last_report()
     auto = lib_attn.explain(*UNET_QKV, role="unet").backend
     assert ran.backends("unet") == [(auto, 6)]
     assert ran.backends("vae") == [("math", 1)]
@@ -155,10 +156,10 @@ def test_changed_setting_applies_to_the_next_generation(webui_factory, mode):
 def test_override_applies_to_one_generation_only(webui_factory, mode):
     _, script = _load(webui_factory, mode)
     opts = _settings_registered()
-    opts.set(state.KEY_VAE_BACKEND, "sdpa-math")
+    opts.set(stored.KEY_VAE_BACKEND, "sdpa-math")
     before = lib_attn.config()
     _, _, infotext = _generate(script, "math")
-    ran = state.last_report()
+    ran = readout.last_report()
     assert ran.backends("unet") == [("math", 6)]
     assert ran.backends("vae") == [("sdpa-math", 1)]               # the VAE keeps its setting
     assert layers.get_layer("generation") is None
@@ -171,14 +172,14 @@ def test_readout_under_the_image_and_infotext(webui_factory, mode):
     _, script = _load(webui_factory, mode)
     _settings_registered()
     p, processed, infotext = _generate(script, "flash-attn", unet_calls=5, thread=(mode == "forge"))
-    report = state.last_report()
+    report = readout.last_report()
     assert sum(report.calls.values()) == 6
     unavailable = {b.id: b for b in lib_attn.backends()}["flash-attn"]
     if not unavailable.available:  # CPU: flash-attn passed over for every UNet call, with its reason
         assert report.fallbacks == {("unet", "flash-attn", "not available: " + unavailable.reason): 5}
-    readout = lines(report)
-    assert processed.comments.splitlines()[-len(readout):] == readout
-    assert list(p.comments)[-len(readout):] == readout
+    shown = lines(report)
+    assert processed.comments.splitlines()[-len(shown):] == shown
+    assert list(p.comments)[-len(shown):] == shown
     params = parse_infotext(infotext)
     assert params["Attention"] == to_infotext(report)["Attention"]
     if report.fallbacks:
@@ -188,7 +189,7 @@ def test_readout_under_the_image_and_infotext(webui_factory, mode):
 def test_readout_can_be_turned_off(webui_factory):
     _, script = _load(webui_factory, "a1111")
     opts = _settings_registered()
-    opts.set(state.KEY_READOUT, False)
+    opts.set(stored.KEY_READOUT, False)
     p, processed, infotext = _generate(script, "use setting")
     assert processed.comments == "" and not p.comments
     assert "Attention: " in infotext  # the PNG still records what ran
@@ -200,7 +201,7 @@ def test_counters_are_per_generation(webui_factory):
     _generate(script, "use setting", unet_calls=4, vae_calls=1, thread=True)
     lib_attn.attention(*UNET_QKV)  # between generations: belongs to neither
     _generate(script, "use setting", unet_calls=2, vae_calls=0, thread=True)
-    report = state.last_report()
+    report = readout.last_report()
     assert sum(report.calls.values()) == 2 and report.roles() == ["unet"]
 
 
@@ -214,7 +215,7 @@ def test_generation_that_raised_does_not_leak_into_the_next(webui_factory):
     _sample(3, 0)
     shared.state.job_timestamp = "20261202175003"   # the next job
     _generate(script, "use setting", unet_calls=2, vae_calls=0)
-    report = state.last_report()
+    report = readout.last_report()
     auto = lib_attn.explain(*UNET_QKV, role="unet").backend
     assert report.backends("unet") == [(auto, 2)]       # neither the old override nor its counts
     assert layers.get_layer("generation") is None
@@ -237,7 +238,7 @@ def test_paste_back_restores_the_override(webui_factory, mode):
     pasted = reader(parse_infotext(infotext))
     assert pasted == "sdpa-math"
     _generate(script, pasted)
-    assert state.last_report().backends("unet") == [("sdpa-math", 6)]
+    assert readout.last_report().backends("unet") == [("sdpa-math", 6)]
     assert reader(parse_infotext("a dog\nSteps: 20, Sampler: Euler a")) is None   # leaves the dropdown alone
 
 
@@ -260,7 +261,7 @@ def test_vram_is_the_host_monitors_when_it_runs(webui_factory):
         return [processed.comments]
 
     html_out = call_queue.wrap_gradio_call_no_job(job, add_stats=True)()[-1]
-    vram = state.last_report().vram
+    vram = readout.last_report().vram
     assert vram is not None and vram.source == "host"
     assert vram_text(vram).split("A: ")[1].split(",")[0] in html_out
 
@@ -270,7 +271,7 @@ def test_api_route_returns_availability_and_last_report(webui_factory, mode):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from webui_attn import api
+    from webui_attn.ui import api
 
     _, script = _load(webui_factory, mode)
     _settings_registered()
@@ -288,7 +289,7 @@ def test_api_route_returns_availability_and_last_report(webui_factory, mode):
 
     _generate(script, "sdpa-math")
     body = client.get(api.ROUTE).json()
-    assert body["last_report"] == readout.to_json(state.last_report())
+    assert body["last_report"] == readout.to_json(readout.last_report())
     assert Report.from_dict(body["last_report"]).backends("unet") == [("sdpa-math", 6)]
-    assert body["availability"] == state.availability()
+    assert body["availability"] == api.availability()
     assert client.post(api.ROUTE).status_code == 405    # read-only

@@ -10,7 +10,8 @@ import pytest
 
 import lib_attn
 from tests.doubles.fixtures import webui_factory  # noqa: F401
-from webui_attn import flags, host, layers
+from webui_attn.settings import flags, layers
+from host_attn import voice
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELOAD = os.path.join(ROOT, "preload.py")
@@ -95,7 +96,7 @@ def test_attn_backend_overrides_opt_flags_and_vae_has_its_own_chain():
 
 
 def test_unknown_id_is_reported_with_valid_ids_and_ignored(capsys, monkeypatch):
-    monkeypatch.setattr(host, "_said", set())
+    monkeypatch.setattr(voice, "_said", set())
     opts = parser_with_flags().parse_args(["--attn-backend", "flash-attn,flashy", "--attn-vae-backend", "sdpa"])
     try:
         layer = flags.apply(opts)

@@ -8,8 +8,8 @@ import torch
 
 import lib_attn
 from lib_attn.report import MIB, Report, Vram, VramProbe
-from webui_attn import readout
-from webui_attn.readout import (calls_text, from_infotext, host_vram, lines, parse_infotext, quote_infotext, text,
+from webui_attn.ui import readout
+from webui_attn.ui.readout import (calls_text, from_infotext, host_vram, lines, parse_infotext, quote_infotext, text,
                                 to_infotext, vram_text)
 
 GIB = 1024 * MIB

@@ -16,6 +16,7 @@ from lib_attn import tuning_file
 from lib_attn.chains import default_chain
 from tests import tune_backends
 from tests.engine_helpers import fresh_engine_with, make_qkv, reference, rel_err
+from host_attn import status as host_status
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CALLS = tune_backends.CALLS
@@ -391,7 +392,8 @@ def test_flag_and_setting_reach_the_engine():
     import argparse
 
     from tests.test_preload import parser_with_flags
-    from webui_attn import api, flags, layers, state
+    from webui_attn.ui import api
+    from webui_attn.settings import flags, layers, stored
 
     opts = parser_with_flags().parse_args(["--attn-tune", "on"])
     assert flags.layer_from(opts) == {"tune": "on"} and flags.problems(opts) == []
@@ -401,23 +403,23 @@ def test_flag_and_setting_reach_the_engine():
     assert flags.problems(argparse.Namespace(attn_tune="fast")) == ["--attn-tune 'fast': must be on or off. The flag is ignored."]
     # A registered id is valid wherever a built-in one is.
     assert flags.parse_ids("tt-quick, sdpa") == (["tt-quick", "sdpa"], [])
-    assert state.layer_from({state.KEY_BACKEND: "tt-quick"}) == {
+    assert stored.layer_from({stored.KEY_BACKEND: "tt-quick"}) == {
         "preference": {"unet": ["tt-quick"], "dit": ["tt-quick"]}}
-    assert "tt-quick" in state.backend_choices()
-    assert state.DEFAULTS[state.KEY_TUNE] == "Auto"
-    assert state.layer_from({state.KEY_TUNE: "Auto"}) is None
-    assert state.layer_from({state.KEY_TUNE: "off"}) == {"tune": "off"}
+    assert "tt-quick" in stored.backend_choices()
+    assert stored.DEFAULTS[stored.KEY_TUNE] == "Auto"
+    assert stored.layer_from({stored.KEY_TUNE: "Auto"}) is None
+    assert stored.layer_from({stored.KEY_TUNE: "off"}) == {"tune": "off"}
     try:
         layers.set_layer("flags", flags.layer_from(opts))
         assert lib_attn.config().tune == "on"
-        layers.set_layer("settings", state.layer_from({state.KEY_TUNE: "off"}))  # the setting wins
+        layers.set_layer("settings", stored.layer_from({stored.KEY_TUNE: "off"}))  # the setting wins
         assert lib_attn.config().tune == "off"
         layers.set_layer("settings", None)
         q, k, v = qkv()
         lib_attn.attention(q, k, v)
-        status = state.tuning()
+        status = host_status.tuning()
         assert status["mode"] == "on" and status["active"] and status["file"] == tuning_file.cache_path()
-        assert api.tuning()["file"] == "tuning.json"  # the route names the file, never its path
+        assert api.status()["tuning"]["file"] == "tuning.json"  # the route names the file, never its path
         (entry,) = status["entries"]
         assert entry["call"]["shape"] == [1, 2, 48, 40, 16] and set(entry["timings"]) == {"sdpa", "math"}
         assert entry["winner"] == min(entry["timings"], key=entry["timings"].get)

@@ -13,9 +13,10 @@ gr = pytest.importorskip("gradio")
 import lib_attn  # noqa: E402
 from lib_attn.report import MIB, Report, Vram  # noqa: E402
 from tests.ui_helpers import event_handler  # noqa: E402
-from webui_attn import choices, ui  # noqa: E402
+from webui_attn.settings import choices  # noqa: E402
+from webui_attn.ui import components  # noqa: E402
 from lib_attn.device import cpu_model  # noqa: E402
-from webui_attn.state import XFORMERS_MISSING, availability, xformers_blocked  # noqa: E402
+from webui_attn.ui.api import XFORMERS_MISSING, availability, xformers_blocked  # noqa: E402
 
 
 def _report():
@@ -35,7 +36,7 @@ def _values(choices):
 def test_accordion_builds_in_blocks_and_refreshes_the_readout():
     shown = {"report": None}
     with gr.Blocks() as demo:
-        parts = ui.accordion(False, lambda: shown["report"])
+        parts = components.accordion(False, lambda: shown["report"])
 
     override = parts["override"]
     assert isinstance(override, gr.Dropdown)
@@ -49,7 +50,7 @@ def test_accordion_builds_in_blocks_and_refreshes_the_readout():
     assert outputs == [parts["readout"]._id]
     assert "No generation yet" in fn()
     shown["report"] = _report()
-    assert fn() == ui.report_html(shown["report"])
+    assert fn() == components.report_html(shown["report"])
 
 
 #: Runs an event's ``js`` the way gradio's page does (an async function over the inputs and the outputs'
@@ -85,12 +86,12 @@ def test_follow_asks_the_server_only_when_the_trigger_text_changes():
     with gr.Blocks() as demo:
         logs, readouts = [], []
         for is_img2img in (False, True):
-            parts = ui.accordion(is_img2img, lambda: None, refresh=False)
+            parts = components.accordion(is_img2img, lambda: None, refresh=False)
             logs.append(gr.HTML(elem_id="html_log"))
             readouts.append(parts["readout"])
-            ui.follow(logs[-1], parts["readout"], lambda: _report())
+            components.follow(logs[-1], parts["readout"], lambda: _report())
     fn, outputs = event_handler(demo, logs[0])
-    assert outputs == [readouts[0]._id] and fn("Time taken: 1 sec.") == ui.report_html(_report())
+    assert outputs == [readouts[0]._id] and fn("Time taken: 1 sec.") == components.report_html(_report())
     calls = [(0, ""), (0, ""), (0, "Time taken: 1 sec."), (0, "Time taken: 1 sec."), (1, "Time taken: 1 sec."),
              (1, "Time taken: 1 sec."), (0, "Time taken: 2 sec."), (0, "Time taken: 2 sec.")]
     sources = [_event_js(demo, log) for log in logs]
@@ -102,12 +103,12 @@ def test_follow_asks_the_server_only_when_the_trigger_text_changes():
 
 def test_img2img_accordion_has_its_own_ids():
     with gr.Blocks():
-        parts = ui.accordion(True)
+        parts = components.accordion(True)
     assert parts["override"].elem_id == "flash_attn_img2img_override"
 
 
 def test_readout_html_shows_counts_fallbacks_time_and_vram():
-    text = ui.report_html(_report())
+    text = components.report_html(_report())
     assert "<td class='flash-attn-kernel'>flash-attn 2.8.3</td><td class='flash-attn-count'>×1,260</td>" in text
     assert "<td class='flash-attn-role'>VAE</td>" in text
     assert "<code>flash-attn</code> passed over ×2: head_dim 512 &gt; 256" in text
@@ -117,13 +118,13 @@ def test_readout_html_shows_counts_fallbacks_time_and_vram():
 
 def test_readout_escapes_engine_text():
     report = Report(calls={("unet", "sdpa"): 1}, fallbacks={("unet", "sage", "<b>bad</b> & 'x'"): 1})
-    text = ui.report_html(report)
+    text = components.report_html(report)
     assert "<b>bad</b>" not in text and html.escape("<b>bad</b> & 'x'", quote=True) in text
 
 
 def test_availability_table_lists_every_backend_with_reason_or_version():
     data = availability()
-    text = ui.availability_html(data)
+    text = components.availability_html(data)
     for b in lib_attn.backends():
         row_start = text.index(f"<code>{b.id}</code>")
         row = text[row_start:text.index("</tr>", row_start)]
@@ -137,7 +138,7 @@ def test_availability_table_lists_every_backend_with_reason_or_version():
     else:
         assert html.escape(device.name) in text
     for role in ("unet", "dit", "vae"):
-        label = ui.ROLE_LABELS[role]
+        label = components.ROLE_LABELS[role]
         assert f"<li>{label}: " + " → ".join(lib_attn.default_chain(role, device)) + "</li>" in text
     assert "Text encoder" not in text     # neither host sends its text encoder through the engine
 

@@ -3,7 +3,7 @@ the ``cfg_denoiser`` callbacks at each denoiser call, the extension tells the en
 and the readout counts the calls per rule.
 
 A generation runs as the webui runs one: an API request (``alwayson_scripts`` args over the UI defaults),
-``process``, the batch loop (which stops on ``state.interrupted``), txt2img's Euler sampling of a small
+``process``, the batch loop (which stops on ``stored.interrupted``), txt2img's Euler sampling of a small
 ldm-layout UNet whose attention is the host's own module, a hires pass when asked, the VAE's attention,
 the infotext, ``postprocess``.
 """
@@ -20,8 +20,10 @@ from tests import sampling_model  # noqa: E402
 from tests.doubles.fixtures import webui_factory  # noqa: E402,F401
 from tests.sampling_model import CALLS_PER_MODEL_CALL  # noqa: E402
 from tests.test_generation import AUTO_TITLE, _clean, prefixed, start  # noqa: E402,F401
-from webui_attn import layers, readout, sampling, state, ui  # noqa: E402
-from webui_attn.readout import lines, parse_infotext  # noqa: E402
+from webui_attn.settings import layers, stored  # noqa: E402
+from webui_attn.ui import components, readout  # noqa: E402
+from webui_attn.routing import sampling  # noqa: E402
+from webui_attn.ui.readout import lines, parse_infotext  # noqa: E402
 
 MODES = ("a1111", "forge", "neo", "reforge", "classic")
 TWO_KERNELS = "0-50%: sdpa; 50-100%: math"
@@ -56,7 +58,7 @@ def by_rule(report):
 def test_two_kernels_by_step_window_count_per_window_and_match_the_unscheduled_image(webui_factory, mode):
     runner = launch(webui_factory, mode)
     processed, info, scheduled = generate(runner, mode, ["use setting", "use setting", TWO_KERNELS])
-    report = state.last_report()
+    report = readout.last_report()
     half = STEPS // 2 * CALLS_PER_MODEL_CALL
     vae = report.backends("vae")
     assert by_rule(report) == {"0-50%": {("unet", "sdpa"): half}, "50-100%": {("unet", "math"): half},
@@ -66,14 +68,14 @@ def test_two_kernels_by_step_window_count_per_window_and_match_the_unscheduled_i
     line = next(x for x in lines(report) if x.startswith("Attention schedule: "))
     assert line.startswith(f"Attention schedule: 0–50%: sdpa ×{half} · 50–100%: math ×{half} · otherwise: VAE ")
     assert line in processed.comments
-    assert f"Schedule: {line.removeprefix('Attention schedule: ')}" in html.unescape(ui.report_html(report))
+    assert f"Schedule: {line.removeprefix('Attention schedule: ')}" in html.unescape(components.report_html(report))
     assert parse_infotext(processed.info)["Attention schedule"] == TWO_KERNELS
     assert info["extra_generation_params"]["Attention schedule"] == TWO_KERNELS
     assert lib_attn.config().schedule is None and schedules.where.progress is None   # over with the generation
 
     # the same image as the two kernels give unscheduled, within their float32 rounding of a float64 reference
     _, _, sdpa_only = generate(runner, mode, ["sdpa"])
-    assert state.last_report().backends("unet") == [("sdpa", STEPS * CALLS_PER_MODEL_CALL)]
+    assert readout.last_report().backends("unet") == [("sdpa", STEPS * CALLS_PER_MODEL_CALL)]
     _, _, math_only = generate(runner, mode, ["math"])
     from modules import shared
     model32 = shared.sd_model
@@ -94,7 +96,7 @@ def test_paste_back_restores_the_schedule_and_runs_it_again(webui_factory, mode)
     runner = launch(webui_factory, mode)
     typed = "steps 0-30 %: sdpa;30-100%:math"   # spelled loosely: the infotext holds its canonical form
     processed, _, _ = generate(runner, mode, ["use setting", "use setting", typed])
-    first = by_rule(state.last_report())
+    first = by_rule(readout.last_report())
     script = runner.alwayson_scripts[0]
     field, reader = script.infotext_fields[1]
     assert field is script.controls[2] and "Attention schedule" in script.paste_field_names
@@ -104,7 +106,7 @@ def test_paste_back_restores_the_schedule_and_runs_it_again(webui_factory, mode)
     backend_field, backend_reader = script.infotext_fields[0]
     assert backend_field is script.controls[0] and backend_reader(parse_infotext(processed.info)) is None
     generate(runner, mode, ["use setting", "use setting", pasted])
-    assert by_rule(state.last_report()) == first
+    assert by_rule(readout.last_report()) == first
     assert first["0-30%"] == {("unet", "sdpa"): 3 * CALLS_PER_MODEL_CALL}
 
 
@@ -119,7 +121,7 @@ def test_a_bad_schedule_is_refused_before_sampling_with_the_part_that_is_wrong(w
     capsys.readouterr()
     processed, info, outputs = generate(runner, mode, ["sdpa-math", "full", text])
     assert outputs == []                                   # the batch loop stopped before sampling
-    report = state.last_report()
+    report = readout.last_report()
     assert report.calls == {} and report.rules == {}
     (note,) = report.notes
     assert note.startswith(f"generation refused: schedule for this generation: {part}")
@@ -132,34 +134,34 @@ def test_a_bad_schedule_is_refused_before_sampling_with_the_part_that_is_wrong(w
     from modules import shared
     assert shared.state.interrupted                        # until the next job begins
     generate(runner, mode)                                 # the next request runs
-    assert not shared.state.interrupted and state.last_report().backends("unet")
+    assert not shared.state.interrupted and readout.last_report().backends("unet")
 
 
 def test_a_bad_schedule_setting_refuses_generations_that_leave_it_to_the_setting(webui_factory, capsys):
     runner = launch(webui_factory, "forge")
     from modules.api import api
     capsys.readouterr()
-    api.set_config({state.KEY_SCHEDULE: "first 0: math"})
-    said = [line for line in prefixed(capsys.readouterr().out) if state.KEY_SCHEDULE in line]
+    api.set_config({stored.KEY_SCHEDULE: "first 0: math"})
+    said = [line for line in prefixed(capsys.readouterr().out) if stored.KEY_SCHEDULE in line]
     assert len(said) == 1 and "'first 0' names no block" in said[0]
     assert layers.get_layer("settings") is None             # not applied
     _, _, outputs = generate(runner, "forge")
-    assert outputs == [] and state.last_report().notes[-1].startswith(
-        f"generation refused: setting {state.KEY_SCHEDULE}: schedule rule 1 ('first 0: math')")
+    assert outputs == [] and readout.last_report().notes[-1].startswith(
+        f"generation refused: setting {stored.KEY_SCHEDULE}: schedule rule 1 ('first 0: math')")
     _, _, outputs = generate(runner, "forge", ["use setting", "use setting", "off"])   # none for this one: runs
-    assert len(outputs) == 1 and state.last_report().rules == {}
-    api.set_config({state.KEY_SCHEDULE: TWO_KERNELS})
+    assert len(outputs) == 1 and readout.last_report().rules == {}
+    api.set_config({stored.KEY_SCHEDULE: TWO_KERNELS})
     generate(runner, "forge")
-    assert set(by_rule(state.last_report())) == {"0-50%", "50-100%", "otherwise"}
+    assert set(by_rule(readout.last_report())) == {"0-50%", "50-100%", "otherwise"}
 
 
 def test_the_flag_sets_the_default_and_the_field_turns_it_off(webui_factory):
     runner = launch(webui_factory, "neo", ["--attn-schedule", "cross: math"])
     assert layers.get_layer("flags")["schedule"] == "cross: math"
     generate(runner, "neo")
-    assert by_rule(state.last_report())["cross"] == {("unet", "math"): STEPS * CALLS_PER_MODEL_CALL // 2}
+    assert by_rule(readout.last_report())["cross"] == {("unet", "math"): STEPS * CALLS_PER_MODEL_CALL // 2}
     generate(runner, "neo", ["use setting", "use setting", "off"])
-    assert state.last_report().rules == {}
+    assert readout.last_report().rules == {}
 
 
 @pytest.mark.parametrize("mode", ["a1111", "reforge"])
@@ -170,7 +172,7 @@ def test_a_bad_flag_is_said_at_startup_and_ignored(webui_factory, capsys, mode):
     assert line.endswith("The flag is ignored.")
     assert (layers.get_layer("flags") or {}).get("schedule") is None
     generate(runner, mode)
-    assert state.last_report().rules == {} and not state.last_report().notes
+    assert readout.last_report().rules == {} and not readout.last_report().notes
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -178,12 +180,12 @@ def test_the_hires_pass_starts_its_progress_again(webui_factory, mode):
     runner = launch(webui_factory, mode)
     hires = dict(steps=4, enable_hr=True, hr_second_pass_steps=4, denoising_strength=0.75)  # 4 + (3 + 1) calls
     generate(runner, mode, ["use setting", "use setting", TWO_KERNELS], **hires)
-    rules = by_rule(state.last_report())
+    rules = by_rule(readout.last_report())
     assert rules["0-50%"] == {("unet", "sdpa"): 4 * CALLS_PER_MODEL_CALL}     # 2 calls of each pass
     assert rules["50-100%"] == {("unet", "math"): 4 * CALLS_PER_MODEL_CALL}
     generate(runner, mode, ["use setting", "use setting", "hires 50-100%: sdpa-math; 0-50%: sdpa; 50-100%: math"],
              **hires)
-    rules = by_rule(state.last_report())
+    rules = by_rule(readout.last_report())
     per_half = 2 * CALLS_PER_MODEL_CALL
     assert rules["50-100% hires"] == {("unet", "sdpa-math"): per_half}
     assert rules["0-50%"] == {("unet", "sdpa"): 2 * per_half}        # the first half of both passes
@@ -195,7 +197,7 @@ def test_block_rules_take_the_calls_of_their_blocks(webui_factory, mode):
     runner = launch(webui_factory, mode)
     generate(runner, mode, ["use setting", "use setting", "first 2: math; last 1: sdpa-math; blocks 2-2 cross: math"],
              steps=3)
-    rules = by_rule(state.last_report())
+    rules = by_rule(readout.last_report())
     model_calls = 3
     assert rules["first 2"] == {("unet", "math"): 2 * 2 * model_calls}       # blocks 0, 1: self and cross
     assert rules["last 1"] == {("unet", "sdpa-math"): 2 * model_calls}       # block 4
@@ -214,7 +216,7 @@ def test_the_refiner_gets_its_own_pass_and_its_blocks(webui_factory):
     generate(runner, "a1111", ["use setting", "use setting", "refiner first 1: sdpa-math; refiner: math; base: sdpa"],
              steps=4, refiner_checkpoint_info=refiner.sd_checkpoint_info, refiner_switch_at=0.5)
     assert shared.sd_model is refiner
-    rules = by_rule(state.last_report())
+    rules = by_rule(readout.last_report())
     assert rules["base"] == {("unet", "sdpa"): 2 * CALLS_PER_MODEL_CALL}
     assert rules["first 1 refiner"] == {("unet", "sdpa-math"): 2 * 2}      # block 0 of the refiner's model
     assert rules["refiner"] == {("unet", "math"): 2 * (CALLS_PER_MODEL_CALL - 2)}
@@ -233,7 +235,7 @@ def test_sigma_is_read_only_for_a_sigma_rule(webui_factory, monkeypatch, text, r
     if reads:
         from modules.sd_samplers_kdiffusion import get_sigmas
         inside = sum(1 <= s <= 20 for s in get_sigmas(STEPS, torch.float32)[:-1].tolist())
-        assert by_rule(state.last_report())["sigma 20-1"] == {("unet", "math"): inside * CALLS_PER_MODEL_CALL}
+        assert by_rule(readout.last_report())["sigma 20-1"] == {("unet", "math"): inside * CALLS_PER_MODEL_CALL}
 
 
 def test_the_schedule_field_and_the_setting(webui_factory):
@@ -242,7 +244,7 @@ def test_the_schedule_field_and_the_setting(webui_factory):
     field = script.controls[2]
     assert isinstance(field, gr.Textbox) and field.value == "" and field.label == "Schedule for this generation"
     from modules import shared
-    info = shared.opts.data_labels[state.KEY_SCHEDULE]
+    info = shared.opts.data_labels[stored.KEY_SCHEDULE]
     assert info.default == "" and info.component is gr.Textbox
     assert readout.INFOTEXT_SCHEDULE_KEY == "Attention schedule"
 

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 import lib_attn  # noqa: E402
 from lib_attn.report import Report  # noqa: E402
-from webui_attn import readout, ui  # noqa: E402
+from webui_attn.ui import components, readout  # noqa: E402
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars"]
@@ -56,12 +56,12 @@ def build(report: Report):
                               font_mono=["ui-monospace", "monospace"])
     with gr.Blocks(css=css, theme=theme, title="flash-attention panel") as demo:
         gr.Markdown("### txt2img · Attention backend accordion")
-        ui.accordion(False, lambda: report, open=True)
+        components.accordion(False, lambda: report, open=True)
         gr.Markdown("### Under the image (the readout lines, next to the webui's own timing line)")
-        lines = "".join(f"{ui._e(line)}<br>" for line in readout.lines(report))
+        lines = "".join(f"{components._e(line)}<br>" for line in readout.lines(report))
         gr.HTML(f"<p class='comments'>{lines}</p>")
         gr.Markdown("### Settings › Optimizations · availability table")
-        gr.HTML(ui.availability_html())
+        gr.HTML(components.availability_html())
     return demo
 
 

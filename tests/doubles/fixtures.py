@@ -132,7 +132,7 @@ def webui_double(mode: str = "a1111", argv=()):
             os.environ.update(saved_env)
             _active.clear()
             tmp.cleanup()
-            layers = sys.modules.get("webui_attn.layers")
+            layers = sys.modules.get("webui_attn.settings.layers")
             if layers is not None:
                 layers.reset()
 

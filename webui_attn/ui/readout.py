@@ -1,5 +1,6 @@
 """A report as the webuis show it: the readout lines under the image, the infotext entries and their
-parsing, and the reading of the webui's own memory monitor.
+parsing, the reading of the webui's own memory monitor, and the last generation's report (the
+status route's). Each part's text is ``host_attn.readout``'s; the layout and A1111's terms are here.
 
 The VRAM figures follow the webui's readout (peak active bytes, peak reserved bytes, device-wide
 used/total), rounded the same way, so that the two lines under an image compare number for number.
@@ -10,23 +11,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import threading
 
-from lib_attn.report import MIB, Report, Vram, role_rank
+from lib_attn.report import MIB, Report, Vram
 from lib_attn.schedule import parse
 
-#: Text prefix of each role in the readout and the infotext; the denoiser (UNet or DiT) has none.
-ROLE_PREFIX = {"unet": "", "dit": "", "vae": "VAE", "text": "Text"}
-_PREFIX_ROLE = {"VAE": "vae", "Text": "text", "DiT": "dit"}
+from host_attn.readout import SCHEDULE_KEY, TUNED_MARK, guard_lines, kernel_text, one_line, role_mark, schedule_text
+
+_MARK_ROLE = {"VAE": "vae", "Text": "text", "DiT": "dit"}
 
 INFOTEXT_KEY = "Attention"
 INFOTEXT_FALLBACKS_KEY = "Attention fallbacks"
 INFOTEXT_NOTE_KEY = "Attention note"
 INFOTEXT_GUARD_KEY = "Attention guard"
 #: The schedule in force (its one-line text); the readout's line of that name counts the calls per rule.
-INFOTEXT_SCHEDULE_KEY = "Attention schedule"
+INFOTEXT_SCHEDULE_KEY = SCHEDULE_KEY
 INFOTEXT_KEYS = (INFOTEXT_KEY, INFOTEXT_FALLBACKS_KEY, INFOTEXT_GUARD_KEY, INFOTEXT_SCHEDULE_KEY, INFOTEXT_NOTE_KEY)
-#: After a backend's description where tuning chose it (measured on this machine, or stored).
-TUNED_MARK = " [tuned]"
 
 
 def _mib_up(n: int) -> int:
@@ -83,55 +83,24 @@ def host_vram(mem_mon) -> Vram | None:
 
 # --- the readout ----------------------------------------------------------------------------------
 
-def _prefix(report: Report, role: str) -> str:
-    prefix = ROLE_PREFIX.get(role, role)
-    if role == "dit" and any(r == "unet" for r, _ in report.calls):
-        prefix = "DiT"  # both denoisers ran: keep them apart
-    return prefix + " " if prefix else ""
-
-
-def _ran(report: Report, role: str, backend: str) -> str:
-    return report.describe(backend) + (TUNED_MARK if report.is_tuned(role, backend) else "")
-
-
-def _clean(reason: str) -> str:
-    """A reason on one line, so that the infotext entry parses back."""
-    return " ".join(str(reason).split())
-
-
 def calls_text(report: Report) -> str:
     parts = []
     for role in report.roles():
-        ran = " + ".join(f"{_ran(report, role, b)} ×{n:,}" for b, n in report.backends(role))
-        parts.append(_prefix(report, role) + ran)
+        ran = " + ".join(f"{kernel_text(report, role, b)} ×{n:,}" for b, n in report.backends(role))
+        parts.append(role_mark(report, role) + ran)
     if parts:
         return " · ".join(parts)
     return f"{report.ran_on}, not through this extension" if report.ran_on else "no attention calls"
 
 
 def fallbacks_text(report: Report) -> str:
-    return "; ".join(f"{_prefix(report, role)}{backend} ×{n:,}: {_clean(reason)}"
+    return "; ".join(f"{role_mark(report, role)}{backend} ×{n:,}: {one_line(reason)}"
                      for (role, backend, reason), n in report.fallback_items())
 
 
 def guard_text(report: Report) -> str:
     """What the guard caught: ``sage ×3 non-finite values → sdpa (recomputed); …``."""
-    return "; ".join(_clean(line.removeprefix("guard: ")) for line in report.guard_lines())
-
-
-def _range_text(label: str) -> str:
-    return re.sub(r"(\d)-(\d)", "\\1–\\2", label)
-
-
-def schedule_text(report: Report) -> str:
-    """The calls per schedule rule, in the schedule's order: ``0–20%: sdpa ×128 · 20–80%: sage ×384 ·
-    80–100%: sdpa ×128 · otherwise: VAE sdpa ×2``; they add up to the calls of the ``Attention`` line."""
-    parts = []
-    for schedule in report.schedules:
-        for label, items in report.rule_items(schedule):
-            ran = " + ".join(f"{_prefix(report, role)}{b} ×{n:,}" for role, b, n in items)
-            parts.append(f"{_range_text(label)}: {ran}")
-    return " · ".join(parts)
+    return "; ".join(one_line(line.removeprefix("guard: ")) for line in guard_lines(report))
 
 
 def lines(report: Report) -> list[str]:
@@ -176,7 +145,7 @@ def to_infotext(report: Report) -> dict:
     ``Attention fallbacks`` (with counts and reasons), ``Attention guard``, ``Attention schedule`` (the
     schedule's text, which ``schedule_from_infotext`` reads back) and ``Attention note``. Empty when no
     call ran."""
-    segments = [_prefix(report, role) + " + ".join(_ran(report, role, b) for b, _ in report.backends(role))
+    segments = [role_mark(report, role) + " + ".join(kernel_text(report, role, b) for b, _ in report.backends(role))
                 for role in report.roles()]
     out = {}
     if segments:
@@ -188,7 +157,7 @@ def to_infotext(report: Report) -> dict:
     if report.schedules:
         out[INFOTEXT_SCHEDULE_KEY] = " | ".join(report.schedules)
     if report.notes:
-        out[INFOTEXT_NOTE_KEY] = "; ".join(_clean(note) for note in report.notes)
+        out[INFOTEXT_NOTE_KEY] = "; ".join(one_line(note) for note in report.notes)
     return out
 
 
@@ -199,8 +168,8 @@ _ENTRY_START = re.compile(r"; (?=(?:VAE |Text |DiT )?[\w.-]+ [×x][\d,]+: )")
 
 def _split_prefix(segment: str) -> tuple[str, str]:
     head, _, rest = segment.partition(" ")
-    if head in _PREFIX_ROLE and rest:
-        return _PREFIX_ROLE[head], rest
+    if head in _MARK_ROLE and rest:
+        return _MARK_ROLE[head], rest
     return "unet", segment
 
 
@@ -229,7 +198,7 @@ def from_infotext(params) -> Report | None:
         match = _FALLBACK_RE.match(entry)
         if match is None:
             continue
-        role = _PREFIX_ROLE.get((match["prefix"] or "").strip(), "unet")
+        role = _MARK_ROLE.get((match["prefix"] or "").strip(), "unet")
         fallbacks[(role, match["backend"], match["reason"])] = int(match["count"].replace(",", ""))
     return Report(calls, fallbacks, kernels, tuned=frozenset(tuned))
 
@@ -277,3 +246,20 @@ def quote_infotext(value: str) -> str:
 
 def with_notes(report: Report, notes: tuple, ran_on: str | None, hint: str | None) -> Report:
     return dataclasses.replace(report, notes=notes, ran_on=ran_on, hint=hint)
+
+
+# --- the last generation --------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_last: Report | None = None
+
+
+def last_report() -> Report | None:
+    """The report of the last finished generation (the status route's ``last_report``), or None."""
+    return _last
+
+
+def set_last_report(report: Report | None) -> None:
+    global _last
+    with _lock:
+        _last = report

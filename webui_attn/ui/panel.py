@@ -15,9 +15,13 @@ import lib_attn
 from lib_attn.config import GUARD_MODES
 from lib_attn.report import Report, VramProbe
 
-from . import host, layers, readout, sampling, settings, state
-from .choices import USE_SETTING, backend_from_choice
-from .flags import DENOISER_ROLES, schedule_problem
+from host_attn import voice
+
+from ..routing import detect, sampling
+from ..settings import layers, stored
+from ..settings.choices import USE_SETTING, backend_from_choice
+from ..settings.flags import DENOISER_ROLES, schedule_problem
+from . import readout, settings_page
 from .readout import (INFOTEXT_FALLBACKS_KEY, INFOTEXT_GUARD_KEY, INFOTEXT_KEY, INFOTEXT_KEYS, INFOTEXT_NOTE_KEY,
                       INFOTEXT_SCHEDULE_KEY)
 
@@ -36,7 +40,7 @@ class _Generation:
     probe: VramProbe | None
     previous_layer: dict | None
     notes: tuple
-    routing: host.Routing
+    routing: voice.Routing
     follower: sampling.Follower | None = None
 
     def close(self) -> None:
@@ -127,13 +131,13 @@ OUTPUT_ELEM = "html_log_{tab}"
 
 
 def ui(script, is_img2img):
-    from . import ui as ui_parts
+    from . import components
 
     hook = getattr(script, "on_after_component", None)
-    parts = ui_parts.accordion(is_img2img, refresh=hook is None)
+    parts = components.accordion(is_img2img, refresh=hook is None)
     if hook is not None:
         tab = "img2img" if is_img2img else "txt2img"
-        hook(lambda on: ui_parts.follow(on.component, parts["readout"]),
+        hook(lambda on: components.follow(on.component, parts["readout"]),
              elem_id=OUTPUT_ELEM.format(tab=tab))
     script.infotext_fields = [(parts["override"], override_from_params),
                               (parts["schedule"], readout.schedule_from_infotext)]
@@ -170,13 +174,13 @@ def _close_stale(job) -> None:
         _open.pop().close()
 
 
-def _notes(override: str | None, problem: str | None, route: host.Routing, opts) -> tuple:
+def _notes(override: str | None, problem: str | None, route: voice.Routing, opts) -> tuple:
     """What this generation's readout and infotext should say beside the calls."""
     notes = []
     if problem:
-        host.log(problem)
+        voice.log(problem)
         notes.append(problem)
-    notes.extend(state.problems(state.read(opts)))
+    notes.extend(stored.problems(stored.read(opts)))
     if override and not route.routed:
         notes.append(f"override {override!r} not applied: attention runs on {route.ran_on}")
     return tuple(notes)
@@ -191,17 +195,17 @@ def process(p, *args):
     override, problem = read_override(args)
     guard, guard_problem = read_guard(args)
     schedule, refusal = read_schedule(args)
-    route = state.routing()
+    route = detect.routing()
     opts = getattr(shared, "opts", None)
     notes = _notes(override, problem, route, opts)
     if guard_problem:
-        host.log(guard_problem)
+        voice.log(guard_problem)
         notes = (*notes, guard_problem)
     if refusal is None and schedule is None:
-        refusal = state.setting_schedule_problem(state.read(opts))
+        refusal = stored.setting_schedule_problem(stored.read(opts))
     with _lock:
         _close_stale(job)
-        state.apply_settings(opts)
+        stored.apply_settings(opts)
         previous = layers.get_layer("generation")
         if refusal is None:
             try:
@@ -237,7 +241,7 @@ def refuse(p, shared, message: str) -> None:
     and logged by their script runner, but ``state.interrupt()`` makes ``process_images_inner`` leave
     its batch loop before sampling (every line checks ``state.interrupted`` there; each job starts with
     it cleared). The message goes to the log and under the (absent) image, as the readout's note line."""
-    host.log(message)
+    voice.log(message)
     if hasattr(p, "comment"):
         p.comment(f"{INFOTEXT_NOTE_KEY}: {message}")
     webui_state = getattr(shared, "state", None)
@@ -274,9 +278,9 @@ def postprocess(p, processed, *args):
     vram = readout.host_vram(getattr(shared, "mem_mon", None)) if gen.probe is None else gen.probe.stop()
     report = dataclasses.replace(Report.from_recording(gen.rec, vram=vram), notes=gen.notes,
                                  ran_on=gen.routing.ran_on, hint=gen.routing.hint)
-    state.set_last_report(report)
+    readout.set_last_report(report)
     settle_infotext(p, report)
-    if state.readout_enabled(getattr(shared, "opts", None)):
+    if stored.readout_enabled(getattr(shared, "opts", None)):
         show(p, processed, report)
 
 
@@ -307,14 +311,14 @@ def show(p, processed, report: Report) -> None:
 
 
 def on_ui_settings():
-    settings.register()
+    settings_page.register()
 
 
 def on_app_started(demo, app):
     from . import api
 
     api.register(app)
-    state.apply_settings()
+    stored.apply_settings()
 
 
 def reset() -> None:
@@ -322,4 +326,4 @@ def reset() -> None:
     with _lock:
         while _open:
             _open.pop().close()
-    state.set_last_report(None)
+    readout.set_last_report(None)

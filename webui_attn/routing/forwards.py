@@ -3,11 +3,13 @@
 Nothing here is chosen at patch time: every call asks the engine, so a backend change between
 generations needs no re-patching. Host modules are imported inside the forwards, at call time,
 because the webui's ``modules`` package is only there when a webui runs. The function-convention
-hosts (Forge and its lines, ComfyUI) are served by ``heads``.
+hosts (Forge and its lines, ComfyUI) are served by ``host_attn.convention``.
 """
 from __future__ import annotations
 
-from .heads import heads_attention, spatial_attention
+from host_attn.convention import heads_attention, spatial_attention
+
+from ..settings.flags import fp32_for_upcast
 
 
 # --- A1111: class-level forwards for ldm/sgm CrossAttention and AttnBlock --------------------------------
@@ -29,7 +31,7 @@ def cross_attention_forward(self, x, context=None, mask=None, **kwargs):
     if mask is not None:
         mask = mask.reshape(mask.shape[0], -1)[:, None, None, :]
     upcast = bool(getattr(shared.opts, "upcast_attn", False))
-    out = heads_attention(q, k, v, self.heads, mask, role="unet", upcast=upcast)
+    out = heads_attention(q, k, v, self.heads, mask, role="unet", upcast=upcast, fp32_rule=fp32_for_upcast)
     return self.to_out(out)
 
 
@@ -40,5 +42,6 @@ def attnblock_forward(self, x, **kwargs):
     from modules import shared
 
     h = self.norm(x)
-    out = spatial_attention(self.q(h), self.k(h), self.v(h), upcast=bool(getattr(shared.opts, "upcast_attn", False)))
+    out = spatial_attention(self.q(h), self.k(h), self.v(h), upcast=bool(getattr(shared.opts, "upcast_attn", False)),
+                            fp32_rule=fp32_for_upcast)
     return x + self.proj_out(out)

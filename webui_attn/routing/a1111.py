@@ -30,8 +30,12 @@ import torch
 
 import lib_attn
 
-from . import flags, forwards, heads, host, layers
-from .patching import Patches
+from host_attn import voice
+from host_attn.convention import make_heads_function
+from host_attn.patching import Patches
+
+from ..settings import flags, layers
+from . import forwards
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,7 @@ def entry_available(entry: Entry) -> bool:
     if info is not None and info.available:
         return True
     reason = info.reason if info is not None else "the engine does not know this backend"
-    host.log_once(("unavailable", entry.key), f"'{entry.title}' is not offered: {reason}")
+    voice.log_once(("unavailable", entry.key), f"'{entry.title}' is not offered: {reason}")
     return False
 
 
@@ -202,7 +206,7 @@ def install() -> None:
     # SD3 binds ``attention`` by name at import; patch only once an SD3 model has imported it
     mmdit = sys.modules.get("modules.models.sd3.mmdit")
     if mmdit is not None and hasattr(mmdit, "attention"):
-        patches.patch(mmdit, "attention", heads.make_heads_function("dit"))
+        patches.patch(mmdit, "attention", make_heads_function("dit", fp32_rule=flags.fp32_for_upcast))
 
 
 def _sgm_attnblock_restore(sgm_model) -> dict:
@@ -308,14 +312,14 @@ def route_hint() -> str:
             f"of its entries) in {SETTING_PATH}, or start the webui with one of {flags_text} or --attn-backend")
 
 
-def routing() -> host.Routing:
+def routing() -> voice.Routing:
     """Whether attention runs through the engine: A1111's applied optimizer is one of ours and the
     forwards it patched are still in place. Otherwise what runs instead, and how to route it here."""
     current = getattr(sys.modules.get("modules.sd_hijack"), "current_optimizer", None)
     if is_ours(current):
         if patches.active and patches.intact():
-            return host.ROUTED
-        return host.Routing(False, "A1111's default attention forwards (the webui reset the forwards "
+            return voice.ROUTED
+        return voice.Routing(False, "A1111's default attention forwards (the webui reset the forwards "
                                    f"'{current.title()}' patched)",
                             f"choose '{current.title()}' again in {SETTING_PATH} or reload the model")
     if current is None:
@@ -323,7 +327,7 @@ def routing() -> host.Routing:
                   "--disable-opt-split-attention, or no model loaded yet)")
     else:
         ran_on = f"A1111's {current.name} optimizer"
-    return host.Routing(False, ran_on, route_hint())
+    return voice.Routing(False, ran_on, route_hint())
 
 
 def register(script_callbacks) -> None:

@@ -1,26 +1,21 @@
 """The extension's settings in Settings > Optimizations: the options the webui shows and stores.
 
-Every key starts with ``flash_attn_`` (``state`` has the keys, their defaults and what a stored value
-means). Each option's onchange pushes the values to the engine at once, and they are read again at
+Every key starts with ``flash_attn_`` (``settings.stored`` has the keys, their defaults and what a
+stored value means). Each option's onchange pushes the values to the engine at once, and they are read again at
 every generation, so a change applies to the next one without a restart. "Auto" leaves the choice to
 the weaker layers: command-line flags, the A1111 optimizer, the engine default.
 """
 from __future__ import annotations
 
-import lib_attn
 from lib_attn.schedule import EXAMPLE as SCHEDULE_EXAMPLE, TERMS
 
-from . import choices, state
-from .state import (AUTO, FP32_CHOICES, GUARD_CHOICES, KEY_AVAILABILITY, KEY_BACKEND, KEY_FP32, KEY_GUARD,
-                    KEY_READOUT, KEY_SCHEDULE, KEY_STRICT, KEY_TUNE, KEY_VAE_BACKEND, TUNE_CHOICES)
+from host_attn.status import unavailable_text
+
+from ..settings import choices, stored
+from ..settings.stored import (AUTO, FP32_CHOICES, GUARD_CHOICES, KEY_AVAILABILITY, KEY_BACKEND, KEY_FP32, KEY_GUARD,
+                               KEY_READOUT, KEY_SCHEDULE, KEY_STRICT, KEY_TUNE, KEY_VAE_BACKEND, TUNE_CHOICES)
 
 SECTION = ("optimizations", "Optimizations", "sd")
-
-
-def unavailable_text() -> str:
-    """The backends that cannot run here, each with its reason (plain text, for a dropdown's info line)."""
-    missing = [f"{b.id} ({b.reason})" for b in lib_attn.backends() if not b.available]
-    return "Not available here: " + "; ".join(missing) if missing else "Every backend is available here."
 
 
 INFO = {
@@ -41,27 +36,27 @@ def _component_args(key: str):
     that text never shows.
     """
     def args():
-        from . import ui
+        from . import components
 
         out = {"info": INFO[key]()}
         if key == KEY_FP32:
             out["choices"] = list(FP32_CHOICES)
         else:
-            out["choices"] = choices.choices(AUTO, pairs=ui.gradio_major() >= 4)
+            out["choices"] = choices.choices(AUTO, pairs=components.gradio_major() >= 4)
         return out
 
     return args
 
 
 def _on_change():
-    state.apply_settings()
+    stored.apply_settings()
 
 
 def options(shared) -> dict:
     """The ``OptionInfo`` entries, keyed by option name, stamped with the Optimizations section."""
     import gradio as gr
 
-    from . import ui
+    from . import components
 
     OptionInfo = shared.OptionInfo
     entries = {
@@ -91,7 +86,7 @@ def options(shared) -> dict:
         KEY_READOUT: OptionInfo(True, "Show which attention kernels ran, their fallbacks, time and VRAM under the image",
                                 gr.Checkbox),
     }
-    table = ui.availability_option(shared)
+    table = components.availability_option(shared)
     if table is not None:
         entries[KEY_AVAILABILITY] = table
     section = getattr(shared, "options_section", None)

@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 from dataclasses import dataclass
+
+from host_attn import voice
+from host_attn.convention import parameters
 
 
 @dataclass(frozen=True)
 class Host:
     """``key``: a1111, forge, neo, reforge, classic or none; ``name``: as the host calls itself;
-    ``adapter``: the ``webui_attn`` module that routes its attention ("" for none)."""
+    ``adapter``: the ``webui_attn.routing`` module that routes its attention ("" for none)."""
 
     key: str
     name: str
@@ -50,14 +52,6 @@ def _import(name: str):
         return importlib.import_module(name)
     except Exception:  # noqa: BLE001 - a host module that fails to import is not this host's
         return None
-
-
-def parameters(fn) -> dict:
-    """A function's parameters by name (empty for something that is not introspectable)."""
-    try:
-        return dict(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return {}
 
 
 def takes_comfy_form(fn) -> bool:
@@ -95,4 +89,16 @@ def detect() -> Host:
 def adapter(host: Host | None = None):
     """The adapter module of ``host`` (the running one when None), or None for an unrecognised host."""
     host = host or detect()
-    return importlib.import_module(f"webui_attn.{host.adapter}") if host.adapter else None
+    return importlib.import_module(f"webui_attn.routing.{host.adapter}") if host.adapter else None
+
+
+UNRECOGNISED = "none of A1111, Forge, Forge Neo, reForge or Forge Classic recognised"
+
+
+def routing() -> voice.Routing:
+    """Whether attention goes through this extension in the running webui, from its adapter."""
+    running = detect()
+    routes = adapter(running)
+    if routes is None:
+        return voice.Routing(False, f"the webui's own attention ({running.name}: {UNRECOGNISED})")
+    return routes.routing()

@@ -12,9 +12,11 @@ import json
 from lib_attn.config import GUARD_MODES
 from lib_attn.schedule import EXAMPLE as SCHEDULE_EXAMPLE
 
-from . import state
-from .readout import elapsed_text, schedule_text, vram_text
-from .choices import USE_SETTING, override_choices, unavailable_ids
+from host_attn.readout import guard_lines
+
+from ..settings.choices import USE_SETTING, override_choices, unavailable_ids
+from . import api
+from .readout import elapsed_text, last_report as last_generation, schedule_text, vram_text
 
 ROLE_LABELS = {"unet": "UNet", "dit": "DiT", "vae": "VAE", "text": "Text encoder"}
 ELEM_PREFIX = "flash_attn"
@@ -58,7 +60,7 @@ def report_html(report) -> str:
         parts.append(f"<ul class='flash-attn-fallbacks'>{items}</ul>")
     if report.rules:
         parts.append(f"<p class='flash-attn-schedule'>Schedule: {_e(schedule_text(report))}</p>")
-    guard = report.guard_lines()
+    guard = guard_lines(report)
     if guard:
         parts.append("<ul class='flash-attn-guard'>" + "".join(f"<li>{_e(line)}</li>" for line in guard) + "</ul>")
     notes = [*report.notes, *([report.hint] if report.hint else [])]
@@ -78,7 +80,7 @@ def report_html(report) -> str:
 def availability_html(data: dict | None = None) -> str:
     """The Settings table: device, torch, each backend with its version or why it cannot run here."""
     if data is None:
-        data = state.availability()
+        data = api.availability()
     dev = data["device"]
     device = _e(dev["name"] or dev["type"])
     if dev.get("platform") == "rocm":
@@ -148,11 +150,11 @@ def accordion(is_img2img: bool, last_report=None, open: bool = False, refresh: b
     empty for the setting's, ``off`` for none); ``readout``:
     the HTML of the last generation; ``refresh``: the button that reloads it from ``last_report()``, only
     when asked for (a host without a hook to ``follow``), else None. ``last_report``: where the report
-    comes from (``state.last_report`` when None).
+    comes from (``readout.last_report`` when None).
     """
     import gradio as gr
 
-    last_report = last_report or state.last_report
+    last_report = last_report or last_generation
     tab = "img2img" if is_img2img else "txt2img"
     with gr.Accordion("Attention backend", open=open, elem_id=f"{ELEM_PREFIX}_{tab}"):
         with gr.Row(elem_classes=["flash-attn-row"]):
@@ -207,7 +209,7 @@ FOLLOW_JS = """(text) => {
 def follow(trigger, readout, last_report=None) -> None:
     """Redraw ``readout`` from ``last_report()`` whenever the text of ``trigger`` (a component the webui
     updates at the end of each generation) changes; call inside the Blocks that holds both."""
-    last_report = last_report or state.last_report
+    last_report = last_report or last_generation
     key = json.dumps(readout.elem_id)
     js = {"js" if gradio_major() >= 4 else "_js": FOLLOW_JS % (key, key)}
     trigger.change(fn=lambda _text: report_html(last_report()), inputs=[trigger], outputs=[readout],

@@ -1,8 +1,8 @@
 """Routing a function-convention host: put the engine's functions where the host's model code finds
 its attention function.
 
-The Forge line and the ``ldm_patched`` line choose attention functions once, at import, and their
-model modules hold them in three ways, each a kind of target here:
+The webuis' Forge and ``ldm_patched`` lines and ComfyUI choose attention functions once, at import,
+and their model modules hold them in two ways, each a kind of target here:
 
 * ``Name``: a module global, bound by ``from … import attention_function`` (or ``… as X``) or chosen
   in the host's own attention module; rebinding the global reaches every later call.
@@ -19,7 +19,7 @@ import importlib
 import sys
 from dataclasses import dataclass
 
-from . import flags, heads, host
+from . import convention, voice
 from .patching import Patches
 
 
@@ -82,14 +82,17 @@ def copies(source, names, prefix: str = "") -> list[tuple[str, object, str]]:
 class Router:
     """The engine's functions for one host, and the record of where they were put.
 
-    ``precision`` is the host's precision rule (``heads.PrecisionRule``) or None; ``accept(value)``
-    says whether a target's current value is the host's own attention function.
+    ``precision`` is the host's precision rule (``convention.PrecisionRule``) or None; ``accept(value)``
+    says whether a target's current value is the host's own attention function; ``fp32_rule`` gives
+    the per-call fp32 policy when the host asks for fp32 attention (``convention.keep_fp32`` unless
+    the host has its own).
     """
 
-    def __init__(self, name: str, precision=None, accept=None):
+    def __init__(self, name: str, precision=None, accept=None, fp32_rule=convention.keep_fp32):
         self.patches = Patches(name)
         self.precision = precision
         self.accept = accept or (lambda value: callable(value))
+        self.fp32_rule = fp32_rule
         self._functions: dict = {}
         self.skipped: dict = {}
 
@@ -98,9 +101,9 @@ class Router:
         key = (role, kind)
         if key not in self._functions:
             if kind == "spatial":
-                self._functions[key] = heads.make_spatial_function(self.precision)
+                self._functions[key] = convention.make_spatial_function(self.precision, self.fp32_rule)
             else:
-                self._functions[key] = heads.make_heads_function(role, self.precision)
+                self._functions[key] = convention.make_heads_function(role, self.precision, self.fp32_rule)
         return self._functions[key]
 
     def route(self, target) -> bool:
@@ -127,11 +130,11 @@ class Router:
             self.patches.patch_stored(owner, target.attr, self.function(target.role, target.kind))
         return True
 
-    def routing(self, host_name: str, own: str) -> host.Routing:
+    def routing(self, host_name: str, own: str) -> voice.Routing:
         """Routed when every rebinding made at startup is still in place; else what runs (``own``)."""
         if self.patches.active and self.patches.intact():
-            return host.ROUTED
-        return host.Routing(False, f"{host_name}'s own attention ({own})",
+            return voice.ROUTED
+        return voice.Routing(False, f"{host_name}'s own attention ({own})",
                             "this extension's patches are not in place; the startup log says why")
 
     def undo(self) -> int:
@@ -143,68 +146,9 @@ class Router:
         load of the scripts (startup and each "Reload UI", which undoes the routing and routes again)."""
         targets = self.patches.targets()
         if targets:
-            host.log(f"{host_name}: attention routed through lib_attn: {', '.join(targets)}")
+            voice.log(f"{host_name}: attention routed through lib_attn: {', '.join(targets)}")
         else:
-            host.log(f"{host_name}: no attention function found to route; attention is left as the webui set it")
+            voice.log(f"{host_name}: no attention function found to route; attention is left as the host set it")
         if self.skipped:
             left = "; ".join(f"{where} ({why})" for where, why in self.skipped.items())
-            host.log(f"{host_name}: left on the webui's own attention: {left}")
-
-
-class Line:
-    """One host line's routing (the ``backend`` line, the ``ldm_patched`` line), the interface every host
-    adapter module exposes: ``install``, ``routing``, ``uninstall``, ``apply``, ``register``.
-
-    ``running()`` says which host of the line runs (a ``hosts.Host``); ``make_router(attention)`` builds
-    the ``Router`` for the host's attention module ``source``; ``route(router, attention)`` routes every
-    target of the line."""
-
-    def __init__(self, source: str, running, make_router, route):
-        self.source = source
-        self.running = running
-        self.make_router = make_router
-        self.route = route
-        self.router: Router | None = None
-
-    def install(self) -> list[str]:
-        """Route every target the host has; returns what is routed. Harmless when already routed."""
-        if self.router is not None and self.router.patches.active:
-            return self.router.patches.targets()
-        attention, why = import_quietly(self.source)
-        if attention is None:
-            host.log_once(("import", self.source), f"{self.source} not patched: {why or 'not importable'}")
-            return []
-        self.router = self.make_router(attention)
-        self.route(self.router, attention)
-        return self.router.patches.targets()
-
-    def routing(self) -> host.Routing:
-        """Routed when every rebinding made at startup is still in place; else what runs instead."""
-        name = self.running().name
-        if self.router is None:
-            return host.Routing(False, f"{name}'s own attention ({self.source})",
-                                "this extension's patches are not in place; the startup log says why")
-        return self.router.routing(name, self.source)
-
-    def uninstall(self) -> int:
-        """Put every original back; safe to call again."""
-        return self.router.undo() if self.router is not None else 0
-
-    def apply(self) -> list[str]:
-        """The host's own attention flags and this extension's into the engine, then the routing; safe
-        to call twice."""
-        from modules import shared
-
-        flags.apply_host(self.running())
-        flags.apply(shared.cmd_opts)
-        return self.install()
-
-    def register(self, script_callbacks) -> None:
-        """Called at entry-script import: route now (these hosts have no optimizer hook), undo on unload."""
-        self.apply()
-        from modules import shared
-
-        flags.say_startup(shared.cmd_opts)
-        if self.router is not None:
-            self.router.say(self.running().name)
-        script_callbacks.on_script_unloaded(self.uninstall)
+            voice.log(f"{host_name}: left on the host's own attention: {left}")

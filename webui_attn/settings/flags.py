@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import lib_attn
 from lib_attn import schedule as schedules
-from lib_attn.config import FP32_POLICIES, GUARD_MODES, TUNE_MODES
+from lib_attn.config import FP32_POLICIES, GUARD_MODES, TUNE_MODES, parse_ids
 
-from . import host as host_log
+from host_attn import voice
+
 from . import layers
 
 #: ``--opt-*-attention`` flag dest -> the engine backend it puts first, in the order they combine.
@@ -33,17 +34,6 @@ OPT_FLAGS = (
 CHAIN_FLAGS = {"attn_backend": "--attn-backend", "attn_vae_backend": "--attn-vae-backend"}
 #: Roles a UNet/DiT choice applies to; the VAE has its own flag because its head dim (512) suits few kernels.
 DENOISER_ROLES = ("unet", "dit")
-
-
-def parse_ids(text) -> tuple[list[str], list[str]]:
-    """Split ``"a,b, c"`` into (known ids, unknown ids), keeping order and dropping repeats."""
-    known, unknown = [], []
-    for part in str(text or "").split(","):
-        item = part.strip()
-        if not item or item in known or item in unknown:
-            continue
-        (known if item in lib_attn.BACKEND_IDS else unknown).append(item)
-    return known, unknown
 
 
 def valid_chain(cmd_opts, dest: str) -> list[str] | None:
@@ -141,7 +131,7 @@ def layer_from(cmd_opts) -> dict | None:
 def apply(cmd_opts) -> dict | None:
     """Report malformed flags once, then set the ``flags`` layer; returns the layer set."""
     for message in problems(cmd_opts):
-        host_log.log_once(("flag", message), message)
+        voice.log_once(("flag", message), message)
     layer = layer_from(cmd_opts)
     layers.set_layer("flags", layer)
     return layer
@@ -170,7 +160,7 @@ def startup_note(cmd_opts) -> str | None:
 def say_startup(cmd_opts) -> None:
     note = startup_note(cmd_opts)
     if note:
-        host_log.log_once(("startup", note), note)
+        voice.log_once(("startup", note), note)
 
 
 # --- the host's own attention flags --------------------------------------------------------------------
@@ -308,7 +298,7 @@ def apply_host(host) -> dict | None:
     is a ``hosts.Host``."""
     given = host_flags_given(host.key, host_namespaces(host.key))
     for note in host_notes(host.name, given):
-        host_log.log_once(("host-flag", note), note)
+        voice.log_once(("host-flag", note), note)
     layer = host_layer(given)
     layers.set_layer("host", layer)
     return layer

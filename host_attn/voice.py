@@ -1,6 +1,6 @@
-"""The extension's voice in the webui's console, and what "routed" means for a host.
+"""The extension's voice in the host's console, and what "routed" means for a host.
 
-Every message starts with ``[flash-attention]`` and goes to stdout, where the webuis' users look for
+Every message starts with ``[flash-attention]`` and goes to stdout, where the hosts' users look for
 startup messages; the engine's own warnings are printed the same way.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ _said: set = set()
 
 
 def log(message: str) -> None:
-    """One line on stdout, where both webuis' users look for startup messages."""
+    """One line on stdout, where the hosts' users look for startup messages."""
     print(f"{PREFIX} {message}")
 
 
@@ -32,7 +32,7 @@ class _ToLog(logging.Handler):
 
 def prefix_engine_log() -> None:
     """Print the engine's warnings (fallbacks met for the first time) through ``log``, with this
-    extension's prefix, instead of in whatever format the webui gives the root logger; once per process."""
+    extension's prefix, instead of in whatever format the host gives the root logger; once per process."""
     logger = logging.getLogger("lib_attn")
     if any(isinstance(h, _ToLog) for h in logger.handlers):
         return

@@ -12,13 +12,28 @@ call asks the engine, so a backend change between generations needs no re-patchi
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 import lib_attn
 from lib_attn.kernels.base import failure_text
 
-from . import flags, host
-from .hosts import parameters
+from . import voice
+
+
+def parameters(fn) -> dict:
+    """A function's parameters by name (empty for something that is not introspectable)."""
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def keep_fp32(upcast: bool) -> str | None:
+    """The per-call fp32 policy when the host asks for fp32 attention and nothing else says: ``keep``
+    (a host whose user can choose a policy passes its own rule)."""
+    return "keep" if upcast else None
 
 
 def _upcast(tensors, upcast: bool):
@@ -28,7 +43,7 @@ def _upcast(tensors, upcast: bool):
 
 
 def heads_attention(q, k, v, heads: int, mask=None, *, role: str, upcast: bool = False,
-                    skip_reshape: bool = False, skip_output_reshape: bool = False, fp32_rule=flags.fp32_for_upcast):
+                    skip_reshape: bool = False, skip_output_reshape: bool = False, fp32_rule=keep_fp32):
     """Multi-head attention in the hosts' convention, in q's dtype.
 
     q: ``(b, n, heads*d)``, k/v: ``(b, m, heads*d)``; with ``skip_reshape`` all three are already
@@ -57,7 +72,7 @@ def heads_attention(q, k, v, heads: int, mask=None, *, role: str, upcast: bool =
     return out.reshape(b, out.shape[1], -1).to(dtype)
 
 
-def spatial_attention(q, k, v, *, upcast: bool = False, fp32_rule=flags.fp32_for_upcast):
+def spatial_attention(q, k, v, *, upcast: bool = False, fp32_rule=keep_fp32):
     """The VAE's single-head attention over pixels: ``(B, C, H, W)`` x3 -> ``(B, C, H, W)``, head dim C
     (any number of spatial axes after C: a video VAE's blocks pass what they have)."""
     dtype, shape = q.dtype, q.shape
@@ -74,7 +89,7 @@ class PrecisionRule:
     2025-10 rule reads a flag its parser does not define) is not called again: the requested precision
     is used, and that is said once. Without a rule the requested precision is used as it is."""
 
-    def __init__(self, rule=None, host_name: str = "the webui"):
+    def __init__(self, rule=None, host_name: str = "the host"):
         self.rule = rule
         self.host_name = host_name
         names = list(parameters(rule)) if rule is not None else []
@@ -88,13 +103,13 @@ class PrecisionRule:
             return self.rule(requested, dtype) if self.takes_dtype else self.rule(requested)
         except Exception as exc:  # noqa: BLE001 - the host's own defect must not fail a generation
             self.failed = failure_text(exc)
-            host.log_once(("precision-rule", self.host_name, self.failed),
-                          f"{self.host_name}'s get_attn_precision failed ({self.failed}); attention runs at the "
-                          f"precision each call asks for")
+            voice.log_once(("precision-rule", self.host_name, self.failed),
+                           f"{self.host_name}'s get_attn_precision failed ({self.failed}); attention runs at the "
+                           f"precision each call asks for")
             return requested
 
 
-def make_heads_function(role: str, precision: PrecisionRule | None = None, fp32_rule=flags.fp32_for_upcast):
+def make_heads_function(role: str, precision: PrecisionRule | None = None, fp32_rule=keep_fp32):
     """An attention function of ComfyUI's form (see the module docstring) that calls the engine with
     ``role``. ``precision(attn_precision, dtype)`` resolves the host's precision rule; a result of
     ``torch.float32`` makes the call run in fp32, None keeps the inputs' dtype. The same function
@@ -111,7 +126,7 @@ def make_heads_function(role: str, precision: PrecisionRule | None = None, fp32_
     return attention_function
 
 
-def make_spatial_function(precision: PrecisionRule | None = None, fp32_rule=flags.fp32_for_upcast):
+def make_spatial_function(precision: PrecisionRule | None = None, fp32_rule=keep_fp32):
     """The VAE's function ``(q, k, v) -> (B, C, H, W)`` through the engine (role ``vae``)."""
     def attention_function_single_head_spatial(q, k, v):
         wanted = precision(None, q.dtype) if precision is not None else None

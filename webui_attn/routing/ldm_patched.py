@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import sys
 
-from . import heads, hosts
-from .rebind import Line, Name, Router, Stored, copies
+from host_attn.convention import PrecisionRule
+from host_attn.rebind import Name, Router, Stored, copies
+
+from ..settings import flags
+from . import detect
+from .line import Line
 
 SOURCE = "ldm_patched.ldm.modules.attention"
 NAMES = ("optimized_attention", "optimized_attention_masked")
@@ -42,15 +46,15 @@ def by_name_copies(attention) -> list[Name]:
     return [Name(module_name, name, role_of(module_name)) for module_name, _, name in copies(attention, NAMES)]
 
 
-def running() -> hosts.Host:
-    return hosts.ldm_line(sys.modules.get(SOURCE))
+def running() -> detect.Host:
+    return detect.ldm_line(sys.modules.get(SOURCE))
 
 
 def _router(attention) -> Router:
     chosen = _chosen(attention)
     rule = getattr(attention, "get_attn_precision", None)
-    return Router("ldm_patched", heads.PrecisionRule(rule, running().name) if rule else None,
-                  accept=lambda value: id(value) in chosen)
+    return Router("ldm_patched", PrecisionRule(rule, running().name) if rule else None,
+                  accept=lambda value: id(value) in chosen, fp32_rule=flags.fp32_for_upcast)
 
 
 def _route(router: Router, attention) -> None:

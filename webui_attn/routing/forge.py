@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import sys
 
-from . import heads, hosts
-from .rebind import Line, Name, Router, Stored, import_quietly
+from host_attn.convention import PrecisionRule
+from host_attn.rebind import Name, Router, Stored, import_quietly
+
+from ..settings import flags
+from . import detect
+from .line import Line
 
 SOURCE = "backend.attention"
 
@@ -55,13 +59,13 @@ def compares_identity() -> bool:
     return code is not None and "attention_function" in code.co_names
 
 
-def running() -> hosts.Host:
-    return hosts.backend_line(sys.modules.get(SOURCE))
+def running() -> detect.Host:
+    return detect.backend_line(sys.modules.get(SOURCE))
 
 
 def _router(attention) -> Router:
-    rule = heads.PrecisionRule(getattr(attention, "get_attn_precision", None), running().name)
-    return Router("forge", rule, accept=_hosts_function)
+    rule = PrecisionRule(getattr(attention, "get_attn_precision", None), running().name)
+    return Router("forge", rule, accept=_hosts_function, fp32_rule=flags.fp32_for_upcast)
 
 
 def _route(router: Router, attention) -> None:
