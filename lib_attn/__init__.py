@@ -43,13 +43,15 @@ __all__ = [
 
 @_dataclasses.dataclass(frozen=True)
 class BackendInfo:
-    """One backend as ``backends()`` lists it: ``reason`` says why not when ``available`` is False."""
+    """One backend as ``backends()`` lists it: ``reason`` says why not when ``available`` is False;
+    ``packages``: the distributions its probe looks for."""
 
     id: str
     label: str
     available: bool
     reason: str
     version: str
+    packages: tuple = ()
 
 
 def backends() -> "list[BackendInfo]":
@@ -57,7 +59,8 @@ def backends() -> "list[BackendInfo]":
     out = []
     for bid in BACKEND_IDS:
         st = _kernels.status(bid)
-        out.append(BackendInfo(bid, _kernels.REGISTRY[bid].label, st.available, st.reason, st.version))
+        backend = _kernels.REGISTRY[bid]
+        out.append(BackendInfo(bid, backend.label, st.available, st.reason, st.version, tuple(backend.packages)))
     return out
 
 

@@ -176,3 +176,38 @@ def test_stored_tuning_is_shown_per_model_shape(monkeypatch, tmp_path):
     assert set(tuned[0]["stored"]["timings"]) == {"sdpa", "math"} and tuned[0]["source"] == "measured"
     assert f"-> {tuned[0]['backend']} [tuned: measured]" in text and "stored tuning: " in text
     assert str(tmp_path) in text
+
+
+def _stand_in_distribution(root, name: str, version: str) -> None:
+    """An installed distribution as importlib.metadata finds it: a ``.dist-info`` with its METADATA."""
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def test_doctor_lists_every_package_the_backends_probe_with_its_version_or_not_installed(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    _stand_in_distribution(site, "kernels", "0.11.7")
+    _stand_in_distribution(site, "flash-attn-4", "4.0.0b40")
+    env = dict(os.environ, PYTHONPATH=str(site) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "lib_attn", "doctor", "--json"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    packages = doc["versions"]["packages"]
+    probed = {name for b in lib_attn.backends() for name in b.packages}
+    assert {"kernels", "flash-attn-4", "flash-attn", "xformers", "sageattention", "nvidia-cutlass-dsl"} <= probed
+    assert probed <= set(packages)
+    assert packages["kernels"] == "0.11.7" and packages["flash-attn-4"] == "4.0.0b40"
+    by_id = {b["id"]: b for b in doc["backends"]}
+    assert "flash-attn-4" in by_id["flash-attn-4"]["packages"] and "kernels" in by_id["sage3"]["packages"]
+    # The text names each one, with its version or "not installed", and the backends that look for it.
+    text = doctor.render(doc)
+    section = text.split("\npackages (")[1].split("\n\n")[0].splitlines()[1:]
+    assert [line.split()[0] for line in section] == list(packages)
+    (line,) = [l for l in section if l.split()[0] == "kernels"]
+    assert "0.11.7" in line and "(flash-attn, " in line and "sage3)" in line
+    for name, version in packages.items():
+        (line,) = [l for l in section if l.split()[0] == name]
+        assert (version or "not installed") in line

@@ -157,6 +157,15 @@ def render(doc: dict) -> str:
         ver = b["version"] or "-"
         tail = f"  {b['reason']}" if not b["available"] and b["reason"] else ""
         lines.append(f"  {b['id']:<{w}}  {state}  {ver}{tail}")
+    lines += ["", "packages (from their metadata; what each backend's probe looks for)"]
+    users: dict = {}
+    for b in doc["backends"]:
+        for name in b.get("packages", ()):
+            users.setdefault(name, []).append(b["id"])
+    w = max(len(name) for name in v["packages"])
+    for name, version in v["packages"].items():
+        used = f"  ({', '.join(users[name])})" if name in users else ""
+        lines.append(f"  {name:<{w}}  {version or 'not installed'}{used}")
     lines += ["", f"decisions with the current configuration on {dev.get('arch') or dev.get('platform') or dev['type']} "
               "(per call kind: backend <- passed over)"]
     unavailable = {b["id"] for b in doc["backends"] if not b["available"]}

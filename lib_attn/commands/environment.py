@@ -1,5 +1,7 @@
 """What this machine has, as plain data: the Python, torch, CUDA and cuDNN (on ROCm: HIP and MIOpen)
-versions, the device, and every backend (available, version, or the reason it is not). The header of
+versions, the device, every backend (available, version, or the reason it is not) and the version of
+every distribution the backends probe (the kernel hub's ``kernels`` and FlashAttention-4's
+``flash-attn-4`` among them), or None where it is not installed. The header of
 the doctor, bench and tune reports; given a described device (a ``DeviceInfo``), that device instead."""
 from __future__ import annotations
 
@@ -12,14 +14,14 @@ import torch
 import lib_attn
 from lib_attn.device import cpu_model, default_device, miopen_text
 
-# Installed distributions that change what or how attention runs, read from their metadata
-# (nothing is imported).
-PACKAGES = ("flash-attn", "flash_attn_3", "xformers", "sageattention", "triton", "numpy", "matplotlib")
+#: Installed distributions the commands use beside the ones the backends probe (``Backend.packages``).
+COMMAND_PACKAGES = ("numpy", "matplotlib")
 
 
-def _package_versions() -> dict:
+def _package_versions(names) -> dict:
+    """{distribution: version, or None when not installed}, read from metadata (nothing is imported)."""
     found = {}
-    for name in PACKAGES:
+    for name in names:
         try:
             found[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -75,8 +77,10 @@ def environment(device: Optional[torch.device] = None, info=None) -> dict:
         device = torch.device(default_device())
     dev = _device_dict(device, info)
     rocm = dev["platform"] == "rocm"
+    infos = lib_attn.backends()
     backends = [{"id": b.id, "label": b.label, "available": bool(b.available),
-                 "reason": b.reason or "", "version": b.version} for b in lib_attn.backends()]
+                 "reason": b.reason or "", "version": b.version, "packages": list(b.packages)} for b in infos]
+    probed = list(dict.fromkeys(name for b in infos for name in b.packages))
     versions = {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -88,6 +92,6 @@ def environment(device: Optional[torch.device] = None, info=None) -> dict:
         "miopen": dev["miopen"] if rocm else None,
         "lib_attn": lib_attn.__version__,
         "backends": {b["id"]: b["version"] for b in backends},
-        "packages": _package_versions(),
+        "packages": _package_versions(probed + [n for n in COMMAND_PACKAGES if n not in probed]),
     }
     return {"versions": versions, "device": dev, "backends": backends}

@@ -106,7 +106,7 @@ class Backend:
     is None or as ``attention`` documents it; ``scale`` is a float or None (1/sqrt(d)). It returns the
     output in the same layout and dtype. ``_probe`` (once per process: is it installed?) and
     ``extra_reasons`` (per call kind: why not?) may be overridden too; without ``_probe`` the backend
-    counts as available.
+    counts as available; ``packages`` names the distributions the probe looks for.
     """
 
     id = ""
@@ -120,6 +120,8 @@ class Backend:
     head_dim_multiple: int = 1
     masks: tuple[str, ...] = (NO_MASK, KEY_PADDING, DENSE)
     backward = True
+    #: The distributions whose presence and version its probe depends on (``doctor`` lists them).
+    packages: tuple[str, ...] = ()
 
     def probe(self) -> Status:
         try:

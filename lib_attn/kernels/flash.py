@@ -84,6 +84,7 @@ ROCM_COVERAGE = {
 class FlashAttn(Backend):
     id = "flash-attn"
     label = "flash-attn (FlashAttention-2/3)"
+    packages = ("flash-attn", "flash_attn_3", "flashattn-hopper", "kernels")
     layout = "bshd"
     max_head_dim = 256
     masks = (NO_MASK, KEY_PADDING)

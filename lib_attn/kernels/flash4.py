@@ -35,6 +35,7 @@ def fa4_head_dim_reason(head_dim: int, sm: int) -> str:
 class FlashAttn4(Backend):
     id = "flash-attn-4"
     label = "FlashAttention-4 (flash-attn-4, CuTe DSL)"
+    packages = ("flash-attn-4", "nvidia-cutlass-dsl")
     layout = "bshd"
     max_head_dim = 256
     masks = (NO_MASK,)

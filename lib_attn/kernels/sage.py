@@ -80,6 +80,7 @@ class Sage(Backend):
 
     id = "sage"
     label = "SageAttention (8-bit QK; the package's kernel for the GPU)"
+    packages = ("sageattention", "triton", "triton-windows", "kernels")
     approximate = True
     max_head_dim = 128
     masks = (NO_MASK,)

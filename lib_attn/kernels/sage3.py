@@ -40,6 +40,7 @@ HUB_FUNCTION = "sageattn3_blackwell"
 class Sage3(Backend):
     id = "sage3"
     label = "SageAttention 3 (FP4, Blackwell)"
+    packages = tuple(dist for _, _, dist in PACKAGINGS) + ("kernels",)
     approximate = True
     masks = (NO_MASK,)
     backward = False

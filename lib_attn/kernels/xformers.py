@@ -21,6 +21,7 @@ ROCM_ARCHS = ("gfx90a", "gfx942")
 class Xformers(Backend):
     id = "xformers"
     label = "xformers memory_efficient_attention"
+    packages = ("xformers",)
     layout = "bshd"
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     min_sm = 50
