@@ -13,8 +13,9 @@ _said: set = set()
 
 
 def log(message: str) -> None:
-    """One line on stdout, where the hosts' users look for startup messages."""
-    print(f"{PREFIX} {message}")
+    """One line on stdout, where the hosts' users look for startup messages; flushed at once, since
+    ComfyUI holds a print to a stdout that is not a terminal in its own buffer."""
+    print(f"{PREFIX} {message}", flush=True)
 
 
 def log_once(key, message: str) -> None:

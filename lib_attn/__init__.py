@@ -65,7 +65,7 @@ def backends() -> "list[BackendInfo]":
 
 
 def register_backend(backend: Backend) -> None:
-    """Add a backend: an instance of a ``lib_attn.Backend`` subclass (see its docstring and the README).
+    """Add a backend: an instance of a ``lib_attn.Backend`` subclass (see its docstring and docs/engine-api.md).
 
     Its ``id`` becomes valid wherever a built-in id is (chains, per-call ``backend``, flags, settings).
     It is never in a default chain: a user's chain names it. Registering an id again replaces the

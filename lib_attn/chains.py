@@ -1,7 +1,7 @@
 """Which backends are tried for a call, in order: the default chain per device and role, the chain
 in force once the configuration (and a per-call backend) is applied, and the backends tuning ranks.
 
-The default chains come from published kernel measurements (see the README); the last entry of
+The default chains come from published kernel measurements (see docs/kernels.md); the last entry of
 every chain is ``math``, which takes every valid call.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from .kernels.flash import CK_ARCHS, TRITON_ARCH_PREFIXES
 from .spec import CallSpec
 
 
-#: Default chains, fastest first, from published kernel measurements (see the README). The last
+#: Default chains, fastest first, from published kernel measurements (see docs/kernels.md). The last
 #: entry of every chain is ``math``, which takes every valid call.
 _HOPPER_FIRST = ("sdpa-cudnn", "sdpa-flash", "xformers", "sdpa-efficient", "sdpa")
 _AMPERE_FIRST = ("sdpa-flash", "sdpa-cudnn", "xformers", "sdpa-efficient", "sdpa")
@@ -39,7 +39,7 @@ _ROCM_FUSED = ("flash-attn", "sdpa-flash", "sdpa-efficient")
 #: kernel for it runs on the bounded ``math`` path instead of a full-matrix kernel. At this size the full
 #: matrix and its softmax hold >= 512 MiB at once (PyTorch's ROCm math path and MPS's sdpa_general_mps
 #: both materialise them), which on an 8-16 GiB card or Mac sits on top of the model's own weights and
-#: activations. The bounded path holds one 16 MiB score chunk at a time: measured on CPU (README),
+#: activations. The bounded path holds one 16 MiB score chunk at a time: measured on CPU (docs/kernels.md),
 #: 73 MiB for the VAE's 1024x1024 call and 72 MiB for SDXL's largest, output included, against 2.3 and
 #: 2.9 GiB for PyTorch's full-matrix math kernel. In fp16, cross-attention, the lower UNet levels,
 #: SDXL at 768x768, SD3 and Flux at 512x512 and the VAE up to 768x768 stay below it; the top UNet level

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test suite on the oldest stack the README promises: Python 3.10 with torch 2.1.2 (A1111
+# The test suite on the oldest stack the documentation promises: Python 3.10 with torch 2.1.2 (A1111
 # 1.10.1's own). Creates .venv-oldest in the repository on first use, with the test extras under
 # the pins in tools/oldest_stack.txt, and runs pytest there; extra arguments go to pytest.
 #
