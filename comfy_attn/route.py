@@ -29,7 +29,6 @@ import sys
 
 import lib_attn
 from lib_attn import schedule
-from lib_attn.schedule import where
 
 from host_attn import convention, voice
 from host_attn.patching import Patches
@@ -218,7 +217,7 @@ def _global_function(role: str, wrap):
         def attention_function(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
                                skip_output_reshape=False, **kwargs):
             run.begin()  # counts the run a graph without the nodes is
-            if where.schedule is not None:
+            if schedule.position().schedule is not None:
                 steps.attention_call(kwargs.get("transformer_options"))
             return serve(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, **kwargs)
 

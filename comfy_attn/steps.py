@@ -45,7 +45,7 @@ def _values(sample_sigmas) -> tuple:
 def model_call(options) -> None:
     """A model call with transformer options ``options`` starts: tell the engine its step and sigma.
     Nothing is read unless the schedule in force has step or sigma rules."""
-    rules = schedule.where.schedule
+    rules = schedule.position().schedule
     if rules is None or not rules.asks_step:
         return
     sigmas = options.get("sigmas") if options is not None else None

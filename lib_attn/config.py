@@ -6,6 +6,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 from . import schedule as _schedule
+from . import scope as _scope
 from .kernels import BACKEND_IDS
 from .spec import ROLES
 
@@ -23,7 +24,8 @@ GUARD_MODES = ("on", "full", "off")
 class Config:
     """``preference`` maps each role to a tuple of backend ids, or None for the default chain;
     ``avoid``: backend ids the default chains leave out (a chain the user names may still hold them);
-    ``schedule``: a ``lib_attn.schedule.Schedule`` whose rules choose the chain for the calls they take, or None."""
+    ``schedule``: a ``lib_attn.schedule.Schedule`` whose rules choose the chain for the calls they take, or None.
+    ``token``: a small number that equal configurations share (the dispatcher keys decisions on it)."""
 
     preference: dict = field(default_factory=lambda: {role: None for role in ROLES})
     fp32: str = "cast"
@@ -32,9 +34,17 @@ class Config:
     avoid: tuple = ()
     guard: str = "on"
     schedule: _schedule.Schedule | None = None
+    token: int = field(default=0, init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        canonical = (tuple(sorted(self.preference.items())), self.fp32, self.strict, self.tune, self.avoid,
+                     self.guard, None if self.schedule is None else self.schedule.text)
+        object.__setattr__(self, "token", _TOKENS.setdefault(canonical, len(_TOKENS)))
 
 
+_TOKENS: dict = {}
 _config = Config()
+_scope.GLOBAL.config = _config
 _listeners: list = []
 
 
@@ -87,7 +97,9 @@ def normalise_preference(preference) -> dict:
 
 
 def current() -> Config:
-    return _config
+    """The configuration in force here: the one ``use`` put in force in this thread or task, else the
+    process-wide one."""
+    return _scope.current().config or _scope.GLOBAL.config
 
 
 def _mode(value, modes: tuple, name: str) -> str:
@@ -100,7 +112,8 @@ def _mode(value, modes: tuple, name: str) -> str:
 
 
 def configure(preference=None, fp32=None, strict=None, tune=None, avoid=None, guard=None, schedule=None) -> Config:
-    """Change the configuration; an argument left at None keeps its current value.
+    """Change the process-wide configuration; an argument left at None keeps its current value. (Inside
+    a ``use`` block the configuration ``use`` put in force stays in force there until the block ends.)
 
     ``preference``: ``"auto"``, a list of backend ids for every role, or a dict role -> list
     (``"auto"`` or ``[]`` for the default chain). ``fp32``: ``"cast"`` (fp32 inputs are cast to
@@ -118,24 +131,29 @@ def configure(preference=None, fp32=None, strict=None, tune=None, avoid=None, gu
     or a ``Schedule``; ``""`` for none (see ``lib_attn.schedule``). Every argument is checked before
     anything changes: a ValueError leaves the configuration as it was.
     """
-    pref = _config.preference if preference is None else normalise_preference(preference)
-    left_out = _config.avoid if avoid is None else tuple(i for i in _check_ids(avoid, "avoid") if i != "math")
+    _set(_merged(_config, preference, fp32, strict, tune, avoid, guard, schedule))
+    return _config
+
+
+def _merged(base: Config, preference, fp32, strict, tune, avoid, guard, schedule) -> Config:
+    """``base`` with the arguments that are not None, each checked (ValueError before anything changes)."""
+    pref = base.preference if preference is None else normalise_preference(preference)
+    left_out = base.avoid if avoid is None else tuple(i for i in _check_ids(avoid, "avoid") if i != "math")
     if fp32 is not None and fp32 not in FP32_POLICIES:
         raise ValueError(f"fp32 policy {fp32!r} is not one of {', '.join(FP32_POLICIES)}")
     if strict is not None and not isinstance(strict, bool):
         raise ValueError(f"strict must be a bool, got {type(strict).__name__}")
-    mode = _config.tune if tune is None else _mode(tune, TUNE_MODES, "tune")
-    guard_mode = _config.guard if guard is None else _mode(guard, GUARD_MODES, "guard")
-    rules = _config.schedule if schedule is None else _schedule.parse(schedule)
-    _set(Config(pref, _config.fp32 if fp32 is None else fp32, _config.strict if strict is None else strict, mode,
-                left_out, guard_mode, rules))
-    return _config
+    mode = base.tune if tune is None else _mode(tune, TUNE_MODES, "tune")
+    guard_mode = base.guard if guard is None else _mode(guard, GUARD_MODES, "guard")
+    rules = base.schedule if schedule is None else _schedule.parse(schedule)
+    return Config(pref, base.fp32 if fp32 is None else fp32, base.strict if strict is None else strict, mode,
+                  left_out, guard_mode, rules)
 
 
 def _set(new: Config) -> None:
     global _config
     if new != _config:  # hosts re-apply their settings every generation: keep decisions if nothing changed
-        _config = new
+        _config = _scope.GLOBAL.config = new
         _schedule.use(new.schedule)
         for listener in _listeners:
             listener()
@@ -143,13 +161,14 @@ def _set(new: Config) -> None:
 
 @contextlib.contextmanager
 def use(preference=None, fp32=None, strict=None, tune=None, avoid=None, guard=None, schedule=None):
-    """``configure`` for the duration of a ``with`` block; the previous state returns on exit."""
-    saved = _config
-    configure(preference, fp32, strict, tune, avoid, guard, schedule)
-    try:
-        yield _config
-    finally:
-        _set(saved)
+    """The configuration in force here with these arguments changed (as ``configure`` takes them), for
+    the ``with`` block and in this thread or task only: other threads keep theirs, and the one in force
+    here before returns on exit. The block has its own schedule position (starting where sampling was
+    when it began); recordings open here count its calls."""
+    outer = _scope.current()
+    new = _merged(outer.config or _config, preference, fp32, strict, tune, avoid, guard, schedule)
+    with _scope.entered(_scope.Scope(new, _schedule.Where(new.schedule, like=outer.where), outer.recordings)):
+        yield new
 
 
 def on_change(listener) -> None:

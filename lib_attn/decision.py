@@ -55,13 +55,15 @@ class Decision:
     call_cell: object = field(default=None, init=False, repr=False, compare=False)
     fallback_cell: object = field(default=None, init=False, repr=False, compare=False)
     path_cell: object = field(default=None, init=False, repr=False, compare=False)
+    path_key: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self.call_cell = stats.call_cell(self.count_key) if self.count_key else None
         self.fallback_cell = None if self.fallback_key is None else stats.fallback_cell(self.fallback_key)
         if self.fallback_key is not None:
             others = tuple((bid, "; ".join(r)) for bid, r in self.rejected if bid != self.preferred)
-            self.path_cell = stats.path_cell((self.fallback_key, others, self.backend))
+            self.path_key = (self.fallback_key, others, self.backend)
+            self.path_cell = stats.path_cell(self.path_key)
 
     @property
     def fallback(self) -> bool:

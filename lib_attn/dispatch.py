@@ -25,6 +25,7 @@ from . import config as _config
 from . import graph_op
 from . import guard as _guard
 from . import schedule as _schedule
+from . import scope as _scope
 from . import stats
 from . import tune as _tune
 from . import tuning_file
@@ -43,6 +44,7 @@ class AttentionFallbackError(RuntimeError):
 
 # --- the hot path -----------------------------------------------------------------------------
 
+#: Decisions by call signature (``_key``), which holds the token of the configuration in force.
 _cache: dict = {}
 _failed: dict = {}  # signature key -> {backend id: failure text}
 _reported: set = set()
@@ -57,19 +59,22 @@ _config.on_change(_forget)
 
 _grad_enabled = torch.is_grad_enabled
 _compiling = _compat.IS_COMPILING
-_where = _schedule.where
+_scope_get = _scope.get
+_GLOBAL = _scope.GLOBAL
 
 
 def _key(q, k, v, mask, layout, role, backend, fp32):
     """Everything a decision depends on, read from metadata only. Strides are not in it (every
     backend takes strided views); k's and v's devices are read as their index, which is cheaper and,
     with q's full device, tells a mixed call from a valid one. The schedule's token (None without a
-    schedule) says which of its rules hold where sampling is. ``attention`` inlines the same tuple:
-    keep the two in step."""
+    schedule) says which of its rules hold where sampling is in the scope in force, and the
+    configuration's token which configuration is in force there. ``attention`` inlines the same
+    tuple: keep the two in step."""
+    scope = _scope.current()
     return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
             mask if mask is None else (mask.shape, mask.dtype, mask.get_device()),
             _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-            _where.token, layout, role, backend, fp32)
+            (scope.config or _GLOBAL.config).token, scope.where.token, layout, role, backend, fp32)
 
 
 def _scheduled(cfg, spec: CallSpec):
@@ -77,7 +82,7 @@ def _scheduled(cfg, spec: CallSpec):
     puts its chain in force for the call's role, and the spec says which rule served it."""
     if cfg.schedule is None:
         return cfg, spec
-    rule = _schedule.rule_for(cfg.schedule, _where.token, spec.role, spec.q_len, spec.kv_len)
+    rule = _schedule.rule_for(cfg.schedule, _scope.current().where.token, spec.role, spec.q_len, spec.kv_len)
     spec = replace(spec, rule=(cfg.schedule.text, rule.label if rule is not None else _schedule.OTHERWISE))
     return _with_rule(cfg, spec.role, rule), spec
 
@@ -156,11 +161,12 @@ def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", bac
     """
     if _compiling():
         return traced(q, k, v, mask, layout, scale, role, backend, fp32)
+    scope = _scope_get() or _GLOBAL
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
                mask if mask is None else (mask.shape, mask.dtype, mask.get_device()),
                _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-               _where.token, layout, role, backend, fp32)
+               (scope.config or _GLOBAL.config).token, scope.where.token, layout, role, backend, fp32)
         dec = _cache[key]
     except KeyError:
         dec = _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key)
@@ -179,7 +185,25 @@ def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", bac
     except Exception as exc:  # noqa: BLE001 - sorted by _recover: only recoverable kinds fall back
         return _recover(key, dec, exc, q, k, v, mask, scale)
     dec.call_cell.n += 1
+    for counts in scope.calls:
+        counts[dec.count_key] += 1
     return out
+
+
+def _count_call(dec: Decision) -> None:
+    """``attention``'s count of a call that ran (which it inlines), for the other ways a call ends."""
+    dec.call_cell.n += 1
+    for counts in _scope.current().calls:
+        counts[dec.count_key] += 1
+
+
+def _count_fallback(dec: Decision) -> None:
+    """A call of ``dec`` ran on another backend than the one put first: its fallback and its path."""
+    dec.fallback_cell.n += 1
+    dec.path_cell.n += 1
+    for rec in _scope.current().recordings:
+        rec.here["fallbacks"][dec.fallback_key] += 1
+        rec.here["paths"][dec.path_key] += 1
 
 
 def _call(key, dec: Decision, q, k, v, mask, scale):
@@ -196,7 +220,7 @@ def _run(key, dec: Decision, q, k, v, mask, scale):
         out = dec.run(q, k, v, mask, scale)
     except Exception as exc:  # noqa: BLE001 - as in attention
         return _recover(key, dec, exc, q, k, v, mask, scale)
-    dec.call_cell.n += 1
+    _count_call(dec)
     return out
 
 
@@ -230,14 +254,14 @@ def _guarded(key, dec: Decision, q, k, v, mask, scale):
         # No memory to check it: this call runs as it is, and the decision's next call is checked.
         _unchecked_once(dec, reason)
         dec.countdown = 0
-        dec.call_cell.n += 1
+        _count_call(dec)
         return out
     if not reason:
         if not dec.checked:
             trusted.add((dec.backend, dec.spec))
         dec.checked = True
         dec.countdown = _guard.countdown(mode, dec.backend, backend.approximate, True)
-        dec.call_cell.n += 1
+        _count_call(dec)
         return out
     del out
     return _caught(key, dec, reason, late, q, k, v, mask, scale)
@@ -276,13 +300,9 @@ def _caught(key, dec: Decision, reason: str, late: int, q, k, v, mask, scale):
         _cache[key] = new
     log.warning("attention guard: %s %s; recomputed on %s%s", dec.backend, text, new.backend,
                 f" ({late} earlier call(s) found faulty after they had returned)" if late else "")
-    if late:
-        stats.count_guard((role, dec.backend, text, new.backend, False), late)
-    else:
-        stats.count_guard((role, dec.backend, text, new.backend, True))
+    stats.count("guard", (role, dec.backend, text, new.backend, not late), late or 1, _scope.current().recordings)
     if new.fallback_cell is not None:
-        new.fallback_cell.n += 1
-        new.path_cell.n += 1
+        _count_fallback(new)
         _report_once(new.fallback_key, new.backend)
     return _call(key, new, q, k, v, mask, scale)
 
@@ -298,8 +318,7 @@ def _on_fallback(dec: Decision) -> None:
         raise AttentionFallbackError(
             f"strict mode: {preferred} cannot take this {role} call ({dec.spec.describe()}): {reasons}; "
             f"it would run on {dec.backend}")
-    dec.fallback_cell.n += 1
-    dec.path_cell.n += 1
+    _count_fallback(dec)
     _report_once(dec.fallback_key, dec.backend)
 
 
@@ -328,11 +347,12 @@ def _recover(key, dec: Decision, exc: Exception, q, k, v, mask, scale):
         fallback_key = (dec.spec.role, dec.backend, "out of memory")
         if _config.current().strict:
             raise AttentionFallbackError(f"strict mode: {dec.backend} ran out of memory on a vae call") from exc
-        stats.count_fallback(fallback_key)
-        stats.path_cell((fallback_key, (), "math")).n += 1
+        recordings = _scope.current().recordings
+        stats.count("fallbacks", fallback_key, 1, recordings)
+        stats.count("paths", (fallback_key, (), "math"), 1, recordings)
         _report_once(fallback_key, "math")
         out = wrap(REGISTRY["math"].run, dec.spec.layout != "bhsd", None)(q, k, v, mask, scale)
-        stats.count_call((dec.spec.role, "math", dec.spec.rule))
+        stats.count("calls", (dec.spec.role, "math", dec.spec.rule), 1, recordings)
         return out
     sticky = is_sticky(exc)
     recoverable = isinstance(exc, (RuntimeError, NotImplementedError, ValueError, TypeError, AssertionError))
@@ -351,8 +371,7 @@ def _recover(key, dec: Decision, exc: Exception, q, k, v, mask, scale):
                  explicit=explicit, failed=failed, excluded=_guarded_out(dec.spec, fp32 or cfg.fp32, cfg))
     _cache[key] = new
     if new.fallback_cell is not None:
-        new.fallback_cell.n += 1
-        new.path_cell.n += 1
+        _count_fallback(new)
         _report_once(new.fallback_key, new.backend)
     return _call(key, new, q, k, v, mask, scale)  # the next backend may fail too: same rules
 

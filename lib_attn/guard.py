@@ -30,7 +30,7 @@ The dispatcher (``dispatch``) asks this module to look at a call's output:
   other devices) the screen is read at once: every fault it finds is recomputed.
 
 A kernel that fails loses that signature: the call is recomputed with the next backend of the
-chain, the event is counted (``stats.count_guard``), and the rejection is kept in the tuning file
+chain, the event is counted (``stats.count``), and the rejection is kept in the tuning file
 under the machine's fingerprint (``tune.reject``), so the next start skips it. Strict mode raises
 instead.
 """

@@ -18,11 +18,12 @@ Auto). The chain is backend ids tried in order, falling back per call as everywh
 * ``unet``, ``dit``, ``vae``: the role; a rule that names none applies to the denoiser (UNet and DiT);
 * ``base``, ``hires``, ``refiner``: the pass (the first pass, the hires fix pass, the refiner's steps).
 
-Where a call is (``where``) is told by the host: the step at each sampler step (``at_step``), the
-block as each block starts (``blocks``, forward pre-hooks on the model's block lists). The position
-changes a few times per step, never per call: each change recomputes ``where.token``, the rules its
-step, pass and block let through, and the dispatcher keys its decisions on that token, so a call
-pays one attribute read for the schedule. A condition the host cannot tell (no step outside a
+Where a call is (``position()``: the process's ``where``, or that of the scope ``use`` entered, see
+``lib_attn.scope``) is told by the host: the step at each sampler step (``at_step``), the block as
+each block starts (``blocks``, forward pre-hooks on the model's block lists). The position changes a
+few times per step, never per call: each change recomputes its ``token``, the rules its step, pass
+and block let through, and the dispatcher keys its decisions on that token, so a call pays one
+attribute read for the schedule. A condition the host cannot tell (no step outside a
 sampling pass, no block in a model whose blocks are not known) does not hold.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import scope as _scope
 from .kernels import BACKEND_IDS
 
 #: The chain word that means the default chain.
@@ -250,58 +252,69 @@ def parse(text) -> Schedule | None:
 class Where:
     """Where the host's sampling is: ``progress`` (fraction of the pass's steps done), ``sigma``,
     ``pass_name``, ``block`` of ``blocks`` and whether that block's attention is ``joint``; None
-    where unknown. ``token`` is what the dispatcher keys on (see ``_recompute``)."""
+    where unknown. ``token`` is what the dispatcher keys on (see ``recompute``). Each scope
+    (``lib_attn.scope``) has its own; ``where`` is the process's."""
 
-    def __init__(self):
+    def __init__(self, schedule: Schedule | None = None, like: "Where | None" = None):
         self.progress = self.sigma = self.pass_name = self.block = self.blocks = None
         self.joint = False
-        self.schedule: Schedule | None = None
+        if like is not None:  # a scope entered mid-sampling keeps the position it was entered at
+            self.progress, self.sigma, self.pass_name = like.progress, like.sigma, like.pass_name
+            self.block, self.blocks, self.joint = like.block, like.blocks, like.joint
+        self.schedule = schedule
         self.token = None
+        self.recompute()
+
+    def recompute(self) -> None:
+        """``token``: None without a schedule, else (joint, indices of the rules whose step, pass and
+        block conditions hold now). Rules without such conditions are always in it."""
+        schedule = self.schedule
+        self.token = None if schedule is None else (self.joint, tuple(r.index for r in schedule.rules
+                                                                      if r.holds_at(self)))
 
 
 where = Where()
+_scope.GLOBAL.where = where
 
 
-def _recompute() -> None:
-    """``where.token``: None without a schedule, else (joint, indices of the rules whose step, pass and
-    block conditions hold now). Rules without such conditions are always in it."""
-    schedule = where.schedule
-    if schedule is None:
-        where.token = None
-        return
-    where.token = (where.joint, tuple(r.index for r in schedule.rules if r.holds_at(where)))
+def position() -> Where:
+    """The position of the scope in force: the process's ``where`` unless ``use`` entered one."""
+    return _scope.current().where
 
 
 def use(schedule: Schedule | None) -> None:
-    """The schedule in force changed (the configuration calls this)."""
+    """The process-wide schedule changed (the configuration calls this)."""
     where.schedule = schedule
-    _recompute()
+    where.recompute()
 
 
 def at_step(step: int | None, total: int | None, sigma: float | None = None, pass_name: str | None = None) -> None:
     """The host's sampler starts step ``step`` (0-based) of ``total`` in pass ``pass_name``; ``sigma``
     where known. The block is unknown until the next block starts."""
-    where.progress = None if step is None or not total else min(max(step / total, 0.0), 1.0)
-    where.sigma = None if sigma is None else float(sigma)
-    where.pass_name = pass_name
-    where.block = None
-    if where.schedule is not None:
-        _recompute()
+    here = position()
+    here.progress = None if step is None or not total else min(max(step / total, 0.0), 1.0)
+    here.sigma = None if sigma is None else float(sigma)
+    here.pass_name = pass_name
+    here.block = None
+    if here.schedule is not None:
+        here.recompute()
 
 
 def at_block(index: int | None, total: int | None, joint: bool = False) -> None:
     """Block ``index`` of ``total`` (0-based, forward order) starts; ``joint``: its attention runs over
     text and image tokens together."""
-    where.block, where.blocks, where.joint = index, total, joint
-    if where.schedule is not None:
-        _recompute()
+    here = position()
+    here.block, here.blocks, here.joint = index, total, joint
+    if here.schedule is not None:
+        here.recompute()
 
 
 def leave() -> None:
     """Sampling is over (or has not begun): no step, pass or block is known."""
-    where.progress = where.sigma = where.pass_name = where.block = where.blocks = None
-    where.joint = False
-    _recompute()
+    here = position()
+    here.progress = here.sigma = here.pass_name = here.block = here.blocks = None
+    here.joint = False
+    here.recompute()
 
 
 def sigma_of_alpha_bar(alpha_bar: float) -> float | None:
@@ -390,6 +403,7 @@ def blocks(model):
 
 def _block_hook(index: int, total: int, joint: bool):
     def starts(module, args):
-        if where.block != index or where.blocks != total:  # else: the block's next layer
+        here = position()
+        if here.block != index or here.blocks != total:  # else: the block's next layer
             at_block(index, total, joint)
     return starts

@@ -2,10 +2,15 @@
 output guard caught per (role, backend, what, ran on, recomputed).
 
 Each key has one process-wide ``Cell``; a cached decision holds its cells, so the hot path counts a
-call with one attribute increment. A ``Recording`` is the difference of the cells between its start
-and its end (or now, while it is open): counts are right whichever thread runs the generation (Forge
-runs it on a worker thread), a recording inside another one counts for both, and any number of them
-can be open at once.
+call with one attribute increment. A ``Recording`` counts in one of two ways:
+
+* made by ``recording()`` (a ``with`` block), it counts the calls of its own thread or asyncio task
+  only: the dispatcher adds each call to the recordings open in the scope in force
+  (``lib_attn.scope``), so two threads that each record count their own calls, and a recording
+  inside another one counts for both;
+* made directly (``Recording()``), it is the difference of the process-wide cells between its start
+  and its end (or now, while it is open): every thread's calls, for a host whose work one recording
+  follows across its threads.
 """
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ import contextlib
 import threading
 import time
 from collections import Counter
+
+from . import scope as _scope
 
 #: What each backend id ran as, e.g. {"flash-attn": {"flash-attn 2.8.3 (FA3)"}}, filled per decision.
 _kernels: dict[str, set] = {}
@@ -62,18 +69,18 @@ def path_cell(key) -> Cell:
     return _cell(_paths, key)
 
 
-def count_guard(key, n: int = 1) -> None:
-    """Count ``n`` calls the guard caught: ``key`` = (role, backend, what, ran_on, recomputed)."""
-    _cell(_guard, key).n += n
+#: The process-wide tables by the name a recording keeps its own counts under.
+_TABLES = {"calls": _calls, "fallbacks": _fallbacks, "paths": _paths, "guard": _guard}
 
 
-def count_call(key) -> None:
-    """Count one call of ``key`` = (role, backend id) or (role, backend id, rule)."""
-    call_cell(key if len(key) == 3 else (*key, None)).n += 1
-
-
-def count_fallback(key) -> None:
-    fallback_cell(key).n += 1
+def count(kind: str, key, n: int = 1, recordings: tuple = ()) -> None:
+    """Count ``n`` of ``key`` in the process-wide table ``kind`` (calls, fallbacks, paths, guard) and
+    in ``recordings`` (those open in the scope in force). Keys: calls (role, backend id, rule or None);
+    fallbacks (role, backend passed over, reason); paths (fallback key, others passed over, backend that
+    ran); guard (role, backend, what, ran_on, recomputed)."""
+    _cell(_TABLES[kind], key).n += n
+    for rec in recordings:
+        rec.here[kind][key] += n
 
 
 def _snapshot(table: dict) -> dict:
@@ -89,24 +96,32 @@ class Recording:
     """Counts for one stretch of work (a generation), from its creation to ``finish()``.
     ``calls``: Counter {(role, backend): n}; ``rules``: Counter {(schedule text, rule label, role, backend): n}
     for the calls a schedule served; ``fallbacks``: Counter {(role, backend passed over,
-    reason): n}; ``guard``: Counter {(role, backend, what, ran_on, recomputed): n}; ``seconds``: wall time."""
+    reason): n}; ``guard``: Counter {(role, backend, what, ran_on, recomputed): n}; ``seconds``: wall time.
+    ``here``: counts only the calls the dispatcher adds to it (``recording()`` makes such one);
+    otherwise every call of the process (see the module's docstring)."""
 
-    def __init__(self):
-        self._calls, self._fallbacks, self._guard = _snapshot(_calls), _snapshot(_fallbacks), _snapshot(_guard)
-        self._paths = _snapshot(_paths)
-        self._final: tuple | None = None
+    def __init__(self, here: bool = False):
+        self.here = {kind: Counter() for kind in _TABLES} if here else None
+        self._start = None if here else {kind: _snapshot(table) for kind, table in _TABLES.items()}
+        self._final: dict | None = None
         self.started = time.perf_counter()
         self.finished: float | None = None
+
+    def _now(self, kind: str) -> Counter:
+        if self._final is not None:
+            return Counter(self._final[kind])
+        if self.here is not None:
+            return +self.here[kind]
+        return _since(_TABLES[kind], self._start[kind])
 
     def finish(self) -> None:
         """Stop counting: the counts stay as they are now."""
         if self._final is None:
-            self._final = (_since(_calls, self._calls), _since(_fallbacks, self._fallbacks),
-                           _since(_paths, self._paths), _since(_guard, self._guard))
+            self._final = {kind: self._now(kind) for kind in _TABLES}
             self.finished = time.perf_counter()
 
     def _ruled(self) -> Counter:
-        return Counter(self._final[0]) if self._final is not None else _since(_calls, self._calls)
+        return self._now("calls")
 
     @property
     def calls(self) -> Counter:
@@ -122,11 +137,11 @@ class Recording:
 
     @property
     def fallbacks(self) -> Counter:
-        return Counter(self._final[1]) if self._final is not None else _since(_fallbacks, self._fallbacks)
+        return self._now("fallbacks")
 
     @property
     def guard(self) -> Counter:
-        return Counter(self._final[3]) if self._final is not None else _since(_guard, self._guard)
+        return self._now("guard")
 
     @property
     def seconds(self) -> float:
@@ -141,7 +156,7 @@ class Recording:
     @property
     def paths(self) -> dict:
         """{fallback key: {(((id, reason), ...) also passed over, id that ran)}} for the fallbacks counted."""
-        counted = self._final[2] if self._final is not None else _since(_paths, self._paths)
+        counted = self._now("paths")
         out: dict = {}
         for fallback_key, others, ran in counted:
             out.setdefault(fallback_key, set()).add((others, ran))
@@ -178,11 +193,14 @@ def forget_tuned() -> None:
 
 @contextlib.contextmanager
 def recording():
-    """Count into a fresh Recording for the ``with`` block; yields it."""
+    """Count the calls of this thread or task into a fresh Recording for the ``with`` block (and those
+    of ``use`` blocks inside it); yields it. Other threads' calls are not counted."""
     global _last
-    rec = Recording()
+    rec = Recording(here=True)
+    outer = _scope.current()
     try:
-        yield rec
+        with _scope.entered(_scope.Scope(outer.config, outer.where, (*outer.recordings, rec))):
+            yield rec
     finally:
         rec.finish()
         _last = rec

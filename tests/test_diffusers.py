@@ -416,7 +416,7 @@ def test_step_windows_on_a_real_pipeline_count_the_steps_and_add_up(case):
     role = "unet" if name == "kandinsky" else "dit"
     seen = []
     with route(pipe, schedule=TWO), lib_attn.recording() as rec:
-        handle = denoiser(pipe).register_forward_pre_hook(lambda *a: seen.append(sched.where.progress))
+        handle = denoiser(pipe).register_forward_pre_hook(lambda *a: seen.append(sched.position().progress))
         generate(pipe, steps)
         handle.remove()
     assert seen == pytest.approx(progress)
@@ -426,7 +426,7 @@ def test_step_windows_on_a_real_pipeline_count_the_steps_and_add_up(case):
                          (text, "50-100%", role, "math"): (model_calls - first) * per_call,
                          (text, sched.OTHERWISE, "vae", "sdpa"): vae_calls}
     assert sum(rec.rules.values()) == rec.total()
-    assert lib_attn.config().schedule is None and sched.where.progress is None  # the scope's schedule and step end with it
+    assert lib_attn.config().schedule is None and sched.position().progress is None  # the scope's schedule and step end with it
 
 
 @pytest.mark.parametrize("name", ["kandinsky", "dit"])
@@ -453,7 +453,7 @@ def test_img2img_strength_counts_the_steps_that_run():
         assert model_calls == 5
         seen = []
         with route(pipe, schedule="0-40%: sdpa; 40-100%: math"), lib_attn.recording() as rec:
-            handle = pipe.unet.register_forward_pre_hook(lambda *a: seen.append(sched.where.progress))
+            handle = pipe.unet.register_forward_pre_hook(lambda *a: seen.append(sched.position().progress))
             generate(pipe, 10, strength=0.5)
             handle.remove()
         assert seen == [0.0, 0.2, 0.4, 0.6, 0.8]
@@ -468,7 +468,7 @@ def test_a_begin_index_set_by_the_pipeline_starts_the_pass_there():
     scheduler, model = pipe.scheduler, pipe.transformer
     seen = []
     with route(pipe, schedule=TWO):
-        handle = model.register_forward_pre_hook(lambda *a: seen.append((sched.where.progress, sched.where.sigma)))
+        handle = model.register_forward_pre_hook(lambda *a: seen.append((sched.position().progress, sched.position().sigma)))
         scheduler.set_timesteps(6)
         t_start = 3
         scheduler.set_begin_index(t_start * scheduler.order)
@@ -561,8 +561,8 @@ def test_a_configured_schedule_is_followed_and_hooks_go_with_the_scope():
     with lib_attn.use(schedule=TWO):
         with route(pipe, pass_name="refiner"), lib_attn.recording() as rec:
             generate(pipe, 4)
-            assert sched.where.pass_name == "refiner"
-        assert lib_attn.config().schedule is not None and sched.where.progress is None
+            assert sched.position().pass_name == "refiner"
+        assert lib_attn.config().schedule is not None and sched.position().progress is None
     assert rec.rules[(TWO, "0-50%", "dit", "sdpa")] == 2 * per_call
     assert not any(m._forward_pre_hooks for m in pipe.transformer.modules())
     with lib_attn.use(schedule="refiner: math"), route(pipe, pass_name="base"), lib_attn.recording() as rec:

@@ -153,14 +153,18 @@ def test_recording_counts_per_role_and_backend():
     assert lib_attn.last_recording() is rec
 
 
-def test_recording_counts_calls_from_another_thread():
+def test_a_recording_counts_its_own_threads_calls_and_a_process_recording_every_threads():
     import threading
     q, k, v = qkv()
+    everywhere = lib_attn.Recording()  # made directly: every thread's calls, for work spread over threads
     with lib_attn.recording() as rec:
+        lib_attn.attention(q, k, v)
         worker = threading.Thread(target=lambda: [lib_attn.attention(q, k, v) for _ in range(4)])
         worker.start()
         worker.join()
-    assert rec.calls[("unet", "sdpa")] == 4
+    everywhere.finish()
+    assert rec.calls == {("unet", "sdpa"): 1}  # ``recording()``: this thread's calls only
+    assert everywhere.calls == {("unet", "sdpa"): 5}
 
 
 def test_configured_backend_that_cannot_take_a_call_falls_back_and_is_counted(caplog):

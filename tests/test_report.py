@@ -55,16 +55,19 @@ def test_report_counts_what_the_engine_ran():
     assert report.vram is None
 
 
-def test_counts_are_per_generation_and_follow_calls_on_another_thread():
+def test_counts_are_per_generation_and_a_process_recording_follows_calls_on_another_thread():
     q, k, v = _qkv()
     with lib_attn.recording():
         lib_attn.attention(q, k, v)  # an earlier generation
+    everywhere = lib_attn.Recording()
     with lib_attn.recording() as rec:
+        lib_attn.attention(q, k, v)
         worker = threading.Thread(target=lambda: [lib_attn.attention(q, k, v) for _ in range(4)])
         worker.start()
         worker.join()
-    report = Report.from_recording(rec)
-    assert sum(report.calls.values()) == 4
+    everywhere.finish()
+    assert sum(Report.from_recording(rec).calls.values()) == 1  # this generation's thread
+    assert sum(Report.from_recording(everywhere).calls.values()) == 5
 
 
 def test_text_line_exact_format():

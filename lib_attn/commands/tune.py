@@ -57,6 +57,7 @@ def tune_call(call: shapes.AttentionCall, dtype: torch.dtype, device: torch.devi
 def run(models: List[str], res: Optional[int], dtypes: Optional[List[torch.dtype]], device: torch.device) -> List[dict]:
     """Tune every call kind of ``models`` in each of ``dtypes`` (None: the device's default per role)."""
     rows = []
+    lib_attn.reset()  # each call kind decided afresh: measured now, or read from the tuning file
     with lib_attn.use(tune="on"):
         for model in models:
             for call in shapes.model_calls(model, res):

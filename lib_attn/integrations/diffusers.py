@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from .. import _compat, stats
 from .. import schedule as _schedule
+from .. import scope as _scope
 from ..config import current as _current_config
 from ..config import use as _use_config
 from ..dispatch import attention
@@ -74,7 +75,7 @@ def _unserved(q_heads: int, k_heads: int, dropout_p, is_causal, enable_gqa, retu
 
 def _count_unserved(role: str, reason: str, ran_on: str) -> None:
     if not _compat.IS_COMPILING():
-        stats.count_fallback((role, PASSED_OVER, f"{reason}: ran on {ran_on}"))
+        stats.count("fallbacks", (role, PASSED_OVER, f"{reason}: ran on {ran_on}"), 1, _scope.current().recordings)
 
 
 # --- processors that call F.scaled_dot_product_attention ----------------------------------------

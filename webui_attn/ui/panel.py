@@ -2,8 +2,8 @@
 
 The entry script's ``Script`` delegates here. One generation runs from ``process`` to ``postprocess``
 (both on the thread that generates, Forge's worker thread included); its counters are a
-``lib_attn.recording()`` opened in ``process`` and closed in ``postprocess``, so they hold that
-generation's calls whatever thread makes them.
+``lib_attn.recording()`` opened in ``process`` and closed in ``postprocess``, so they hold the calls
+that thread makes for the generation (a live preview that another thread decodes is not among them).
 """
 from __future__ import annotations
 
