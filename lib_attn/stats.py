@@ -192,18 +192,26 @@ def forget_tuned() -> None:
 
 
 @contextlib.contextmanager
-def recording():
+def recording(into: Recording | None = None):
     """Count the calls of this thread or task into a fresh Recording for the ``with`` block (and those
-    of ``use`` blocks inside it); yields it. Other threads' calls are not counted."""
+    of ``use`` blocks inside it); yields it. Other threads' calls are not counted.
+
+    ``into``: a recording an earlier block of this kind made, counted into again and left open (a
+    host's generation that runs as several pieces of work, each in its own block); the host calls
+    its ``finish()`` when the generation ends."""
     global _last
-    rec = Recording(here=True)
+    if into is not None and into.here is None:
+        raise ValueError("recording(into=...) takes a recording made by recording(), which counts its own "
+                         "thread's calls; a Recording() made directly already counts every thread's")
+    rec = into if into is not None else Recording(here=True)
     outer = _scope.current()
     try:
         with _scope.entered(_scope.Scope(outer.config, outer.where, (*outer.recordings, rec))):
             yield rec
     finally:
-        rec.finish()
-        _last = rec
+        if into is None:
+            rec.finish()
+            _last = rec
 
 
 def last_recording() -> Recording | None:

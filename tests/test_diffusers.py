@@ -587,3 +587,62 @@ def test_step_windows_hold_for_a_compiled_denoiser():
         assert rel_err(out, want) < FP32_BOUND
     finally:
         torch._dynamo.reset()
+
+
+# --- stand-ins whose role is decided per call (a host that routes by the work running now) ---------
+
+def test_served_stand_ins_take_the_role_of_each_call_and_pass_through_without_one(models, monkeypatch):
+    """A module's ``dispatch_attention_fn`` and ``F`` rebound to stand-ins whose role a function gives:
+    with a role the model's calls reach the engine under it; with None they run as the model's own,
+    bit for bit, and nothing is counted."""
+    from diffusers.models.transformers import transformer_flux
+
+    model, kwargs = models["flux"], inputs("flux", torch.float32)
+    want = forward(model, kwargs)
+    role = {"now": None}
+    monkeypatch.setattr(transformer_flux, "dispatch_attention_fn",
+                        integration.served_dispatch(lambda: role["now"], transformer_flux.dispatch_attention_fn))
+    with lib_attn.recording() as rec:
+        unrouted = forward(model, kwargs)
+        role["now"] = "dit"
+        routed = forward(model, kwargs)
+        role["now"] = "vae"
+        forward(model, kwargs)
+    assert torch.equal(unrouted, want)
+    assert rel_err(routed, want) < 1e-5
+    assert rec.calls == {("dit", "sdpa"): 2, ("vae", "sdpa"): 2}
+
+    functional = integration.served_functional(lambda: role["now"])
+    q, k, v = (torch.randn(B, 2, 10, 16, dtype=torch.float64) for _ in range(3))
+    role["now"] = None
+    with lib_attn.recording() as rec:
+        plain = functional.scaled_dot_product_attention(q, k, v)
+        role["now"] = "unet"
+        served = functional.scaled_dot_product_attention(q, k, v)
+        causal = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(plain, F.scaled_dot_product_attention(q, k, v)) and rel_err(served, plain) < 1e-12
+    assert torch.equal(causal, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert functional.gelu is F.gelu
+    assert rec.calls == {("unet", "sdpa"): 1}
+    assert rec.fallbacks == {("unet", "lib_attn", "causal mask: ran on PyTorch SDPA"): 1}
+
+
+def test_served_dispatch_hands_backend_arguments_and_context_parallel_back_to_diffusers(monkeypatch):
+    seen = []
+
+    def real(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+             attention_kwargs=None, *, backend=None, parallel_config=None):
+        seen.append((attention_kwargs, backend, parallel_config))
+        return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value))).transpose(1, 2)
+
+    dispatch = integration.served_dispatch("dit", real)
+    q, k, v = (torch.randn(1, 12, 2, 16) for _ in range(3))
+    with lib_attn.recording() as rec:
+        dispatch(q, k, v)
+        dispatch(q, k, v, attention_kwargs={"window_size": 4})
+        dispatch(q, k, v, parallel_config=object())
+        dispatch(q, k, v, backend="flash")
+    assert [s[0] for s in seen] == [{"window_size": 4}, None]
+    assert rec.calls == {("dit", "sdpa"): 2}
+    assert rec.fallbacks == {("dit", "lib_attn", "backend arguments window_size: ran on diffusers' dispatcher"): 1,
+                             ("dit", "lib_attn", "context parallel: ran on diffusers' dispatcher"): 1}

@@ -176,3 +176,29 @@ def test_fallbacks_and_guard_events_are_counted_in_their_threads_recording():
     assert key[:2] == ("unet", "sdpa-efficient") and n == 3
     assert not results["plain"].fallbacks and results["plain"].calls == {("unet", "sdpa"): 3}
     assert set(results["falls back"].paths) == {key}
+
+
+def test_recording_into_counts_several_blocks_of_one_thread_and_stays_open():
+    """A host's generation that runs as several pieces of work (InvokeAI's nodes) counts each piece
+    into one recording; another thread's calls meanwhile are not counted; finish() closes it."""
+    q, k, v = make_qkv(1, 2, 16, 16, 16, torch.float32, seed=3)
+    total = lib_attn.Recording(here=True)  # the kind recording() makes: its own thread's calls
+
+    def other():
+        for _ in range(50):
+            lib_attn.attention(q, k, v)
+
+    for n in (3, 4):
+        with lib_attn.recording(into=total) as rec:
+            assert rec is total
+            run_threads(other)
+            for _ in range(n):
+                lib_attn.attention(q, k, v)
+    assert total.calls == {("unet", "sdpa"): 7} and total.finished is None
+    total.finish()
+    with lib_attn.recording(into=total):
+        lib_attn.attention(q, k, v)
+    assert total.calls == {("unet", "sdpa"): 7}
+    with pytest.raises(ValueError, match="counts its own thread"):
+        with lib_attn.recording(into=lib_attn.Recording()):
+            pass

@@ -78,26 +78,76 @@ def _count_unserved(role: str, reason: str, ran_on: str) -> None:
         stats.count("fallbacks", (role, PASSED_OVER, f"{reason}: ran on {ran_on}"), 1, _scope.current().recordings)
 
 
-# --- processors that call F.scaled_dot_product_attention ----------------------------------------
+# --- the stand-ins served by the engine -----------------------------------------------------------
+#
+# Each takes ``role``: a role, or a function of no arguments that gives the role of the call being made
+# (a host that routes by what runs now); a role of None runs the call exactly as it was made, on
+# PyTorch's SDPA or diffusers' dispatcher, and does not count it.
 
-def _functional_for(role: str) -> types.ModuleType:
-    """``torch.nn.functional`` with its SDPA served by the engine for ``role``."""
+def served_sdpa(role):
+    """A stand-in for ``F.scaled_dot_product_attention`` whose calls the engine serves for ``role``."""
+    role_now = role if callable(role) else None
+
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                      scale=None, enable_gqa=False):
-        reason = "not 4-D" if query.dim() != 4 or key.dim() != 4 else ""
-        if not reason:
-            reason = _unserved(query.shape[1], key.shape[1], dropout_p, is_causal, enable_gqa)
-        if reason:
-            _count_unserved(role, reason, "PyTorch SDPA")
-            extra = {"enable_gqa": True} if enable_gqa else {}
-            return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                                  is_causal=is_causal, scale=scale, **extra)
-        return attention(query, key, value, mask=attn_mask, scale=scale, role=role)
+        call_role = role if role_now is None else role_now()
+        if call_role is not None:
+            reason = "not 4-D" if query.dim() != 4 or key.dim() != 4 else _unserved(
+                query.shape[1], key.shape[1], dropout_p, is_causal, enable_gqa)
+            if not reason:
+                return attention(query, key, value, mask=attn_mask, scale=scale, role=call_role)
+            _count_unserved(call_role, reason, "PyTorch SDPA")
+        extra = {"enable_gqa": True} if enable_gqa else {}
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, **extra)
 
-    module = types.ModuleType(f"lib_attn.functional.{role}")
+    return scaled_dot_product_attention
+
+
+def served_functional(role) -> types.ModuleType:
+    """``torch.nn.functional`` with its SDPA served by the engine for ``role`` (everything else is
+    PyTorch's own)."""
+    module = types.ModuleType(f"lib_attn.functional.{role if isinstance(role, str) else 'routed'}")
     module.__dict__.update({k: v for k, v in vars(F).items() if not k.startswith("__")})
-    module.scaled_dot_product_attention = scaled_dot_product_attention
+    module.scaled_dot_product_attention = served_sdpa(role)
     return module
+
+
+def _engine_bshd(query, key, value, attn_mask, scale, role):
+    """A dispatcher call, (batch, seq, heads, head_dim), on the engine."""
+    if attn_mask is not None and attn_mask.dim() == 2 and attn_mask.shape == (query.shape[0], key.shape[1]):
+        # The dispatcher's (batch, keys) mask; the engine's masks broadcast like SDPA's.
+        attn_mask = attn_mask[:, None, None, :]
+    return attention(query, key, value, layout="bshd", mask=attn_mask, scale=scale, role=role)
+
+
+def _dispatch_reason(query, key, dropout_p, is_causal, enable_gqa, return_lse=False, parallel=None) -> str:
+    if query.dim() != 4 or key.dim() != 4:
+        return "not 4-D"
+    return _unserved(query.shape[2], key.shape[2], dropout_p, is_causal, enable_gqa, return_lse, parallel)
+
+
+def served_dispatch(role, dispatch_attention_fn):
+    """A stand-in for diffusers' ``dispatch_attention_fn`` (the real one, given) whose calls the engine
+    serves for ``role``; a call it does not take goes on to the real one, as made, counted with its
+    reason. A backend the model chose (``backend=``) is not asked for the calls the engine serves."""
+    role_now = role if callable(role) else None
+
+    def dispatch(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                 enable_gqa=False, attention_kwargs=None, **rest):
+        call_role = role if role_now is None else role_now()
+        if call_role is not None:
+            parallel = rest.get("parallel_config", rest.get("_parallel_config"))
+            reason = _dispatch_reason(query, key, dropout_p, is_causal, enable_gqa, parallel=parallel)
+            if not reason and attention_kwargs:
+                reason = f"backend arguments {', '.join(sorted(attention_kwargs))}"
+            if not reason:
+                return _engine_bshd(query, key, value, attn_mask, scale, call_role)
+            _count_unserved(call_role, reason, "diffusers' dispatcher")
+        return dispatch_attention_fn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                     attention_kwargs, **rest)
+
+    return dispatch
 
 
 # --- processors that call dispatch_attention_fn ---------------------------------------------------
@@ -158,17 +208,13 @@ class _Registry:
         if role is None:  # a model that is not routed: served as before the scope
             return self.serve_as_before(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                         return_lse, _parallel_config)
-        reason = "not 4-D" if query.dim() != 4 or key.dim() != 4 else _unserved(
-            query.shape[2], key.shape[2], dropout_p, is_causal, enable_gqa, return_lse, _parallel_config)
+        reason = _dispatch_reason(query, key, dropout_p, is_causal, enable_gqa, return_lse, _parallel_config)
         if reason:
             name = self.previous[0]
             _count_unserved(role, reason, f"diffusers' {getattr(name, 'value', name)} backend")
             return self.serve_as_before(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                         return_lse, _parallel_config)
-        if attn_mask is not None and attn_mask.dim() == 2 and attn_mask.shape == (query.shape[0], key.shape[1]):
-            # The dispatcher's (batch, keys) mask; the engine's masks broadcast like SDPA's.
-            attn_mask = attn_mask[:, None, None, :]
-        return attention(query, key, value, layout="bshd", mask=attn_mask, scale=scale, role=role)
+        return _engine_bshd(query, key, value, attn_mask, scale, role)
 
     def serve_as_before(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                         _parallel_config):
@@ -238,7 +284,7 @@ def _routed_class(cls, kind: str, role: str):
         # instead of looking each name up again on diffusers' module.
         names = {k: v for k, v in call.__globals__.items() if k != "__name__"}
         if kind == SDPA:
-            names["F"] = _functional_for(role)
+            names["F"] = served_functional(role)
         else:
             names["dispatch_attention_fn"] = _dispatch_for(role, names["dispatch_attention_fn"])
         routed_call = types.FunctionType(call.__code__, names, call.__name__, call.__defaults__, call.__closure__)
