@@ -5,7 +5,7 @@
 #
 # Python 3.10 is taken from $PYTHON310, else `python3.10` on PATH, else pyenv's newest 3.10.x, else
 # /usr/bin or /usr/local/bin. Without one the script fails, saying so. It downloads about 2.5 GB
-# (torch 2.1.2 is a CUDA build on PyPI) and keeps no pip cache outside the repository.
+# (torch 2.1.2 is a CUDA build on PyPI), needs about 6.5 GB free, and keeps no pip cache.
 # Exit status: pytest's, except that "no tests ran" fails too.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,9 +59,24 @@ if ! ready; then
     started=$SECONDS
     rm -rf "$VENV"
     "$py" -m venv "$VENV" || exit 2
+    # The venv takes about 5.1 GB; each pip run below holds at most one large wheel (cuDNN's, 0.7 GB)
+    # beside it. Say so at once on a disk that cannot hold that, rather than fail midway.
+    free_mb=$(df -Pm . | awk 'NR == 2 { print $4 }')
+    if [ -n "$free_mb" ] && [ "$free_mb" -lt 6500 ]; then
+        echo "oldest stack: $free_mb MB free on $(df -P . | awk 'NR == 2 { print $6 }'); the venv needs about 6500 MB" >&2
+        exit 2
+    fi
     # No pip cache: a fresh machine would not have it, and 2.5 GB of wheels would stay behind.
     # --no-compile: byte-compiling all of torch at install costs more than compiling what the tests import.
-    PIP_NO_CACHE_DIR=1 "$VENV/bin/python" -m pip install --quiet --no-compile -c tools/oldest_stack.txt -e ".[test]" \
+    pip_install() {
+        PIP_NO_CACHE_DIR=1 "$VENV/bin/python" -m pip install --quiet --no-compile -c tools/oldest_stack.txt "$@"
+    }
+    # torch's CUDA libraries one pip run at a time: pip keeps every wheel it downloads until its run
+    # ends, and all of them at once are 2.5 GB more at the peak.
+    for pin in $(grep -E '^(nvidia-|triton==)' tools/oldest_stack.txt); do
+        pip_install "$pin" || { echo "oldest stack: installing $pin failed" >&2; exit 2; }
+    done
+    pip_install -e ".[test]" \
         || { echo "oldest stack: installing torch 2.1.2 and the test extras failed" >&2; exit 2; }
     echo "oldest stack: $("$VENV/bin/python" -c 'import sys, torch; print("Python", sys.version.split()[0], "torch", torch.__version__)') installed in $((SECONDS - started)) s"
 fi
