@@ -1,8 +1,11 @@
-"""ComfyUI custom node package of sd-webui-flash-attention (the webuis load ``scripts/`` instead).
+"""The node pack of sd-webui-flash-attention for ComfyUI and for InvokeAI (the webuis load
+``scripts/`` instead).
 
-ComfyUI imports this file as a package named after its folder and does not put the folder on
-``sys.path``; the project's packages import one another by their own names, so each one is loaded
-here under its name (and only those: the folder's other files stay out of every import path).
+Both import this file as a package named after its folder, from their custom nodes folder, and do
+not put the folder on ``sys.path``; the project's packages import one another by their own names, so
+each one is loaded here under its name (and only those: the folder's other files stay out of every
+import path). InvokeAI has imported its invocations before it loads node packs, which is how this
+file tells the two apart.
 """
 import importlib.util
 import os
@@ -23,21 +26,28 @@ def _package(name: str):
     return module
 
 
-for _name in ("lib_attn", "host_attn", "comfy_attn"):
-    _package(_name)
+IN_INVOKEAI = "invokeai.app.invocations.baseinvocation" in sys.modules
 
-from comfy_attn import startup  # noqa: E402
-from comfy_attn.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
+if IN_INVOKEAI:
+    for _name in ("lib_attn", "host_attn", "invoke_attn"):
+        _package(_name)
+    from invoke_attn import startup as _invoke_startup  # noqa: E402
 
-WEB_DIRECTORY = "./web"
-__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]
+    _invoke_startup.start(__name__)
+else:
+    for _name in ("lib_attn", "host_attn", "comfy_attn"):
+        _package(_name)
 
+    from comfy_attn import startup  # noqa: E402
+    from comfy_attn.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
 
-def _start():
-    server = getattr(sys.modules.get("server"), "PromptServer", None)
-    instance = getattr(server, "instance", None)
-    args = getattr(sys.modules.get("comfy.cli_args"), "args", None)
-    startup.start(getattr(instance, "routes", None), args)
+    WEB_DIRECTORY = "./web"
+    __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]
 
+    def _start():
+        server = getattr(sys.modules.get("server"), "PromptServer", None)
+        instance = getattr(server, "instance", None)
+        args = getattr(sys.modules.get("comfy.cli_args"), "args", None)
+        startup.start(getattr(instance, "routes", None), args)
 
-_start()
+    _start()

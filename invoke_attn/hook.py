@@ -1,0 +1,34 @@
+"""The one hook in InvokeAI: ``BaseInvocation.invoke_internal``, through which every node of every
+session runs (after InvokeAI has built that node's context). It hands the node to its session
+(``sessions``); a node of a session that routes nothing runs exactly as before. ``remove()`` puts
+InvokeAI's method back."""
+from __future__ import annotations
+
+from invokeai.app.invocations.baseinvocation import BaseInvocation
+from invokeai.app.invocations.fields import MetadataField
+
+from host_attn.patching import Patches
+
+from . import sessions
+
+_patches = Patches("InvokeAI node hook")
+
+
+def install(node_type: str) -> None:
+    """Hook ``invoke_internal``; sessions are found by their Attention backend nodes of ``node_type``."""
+    if _patches.active:
+        return
+    original = BaseInvocation.invoke_internal
+
+    def invoke_internal(self, context, services):
+        session = sessions.of(context, node_type)
+        if session is None:
+            return original(self, context, services)
+        return session.run(self, context, services, lambda: original(self, context, services), MetadataField)
+
+    invoke_internal.__wrapped__ = original
+    _patches.patch(BaseInvocation, "invoke_internal", invoke_internal)
+
+
+def remove() -> int:
+    return _patches.undo()

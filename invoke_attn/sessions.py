@@ -1,0 +1,180 @@
+"""One InvokeAI session's attention: the node hook's work for each node, the session's recording, and
+its report.
+
+InvokeAI runs a session's nodes one after another in one thread (one thread per device when it
+generates on several), each through ``BaseInvocation.invoke_internal`` with a context made for that
+node. For a node the session routes (``choices``), the hook runs the node inside ``lib_attn.use`` with
+its configuration and ``lib_attn.recording`` into the session's recording, with the node's role in
+force for the stand-ins (``work``); it wraps, on that node's context only, the step callbacks (which
+tell the schedule the step) and model loading (after which ``targets.route`` finds a model module
+diffusers has just imported). For every node of a session that routes anything, it wraps the
+context's image saving, so that every image the session saves records the attention in its metadata.
+
+InvokeAI's step callbacks report the steps done: SD, SD3, CogView4, Qwen-Image and Krea-2 call it
+with step 0 before their first step, then after each step; FLUX.1, FLUX.2, Z-Image, Wan and Anima
+only after each. A node starts at step 0 of the ``steps`` (or ``num_steps``) it asks for, and each
+callback moves it to the step after the ones done, of the total the sampler reports. The sigma is
+not reported: sigma rules do not hold in InvokeAI. Nor are the denoiser's blocks: block rules do not
+hold either.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import threading
+import time
+
+import lib_attn
+from lib_attn import schedule
+from lib_attn.report import Report, VramProbe
+
+from host_attn import readout
+
+from . import choices, targets, work
+
+METADATA_KEY = "attention"
+#: Sessions kept for their reports (the newest; a report node reads its own session's).
+KEEP = 32
+#: InvokeAI's ``attention_type`` values under which its SD1.5/SDXL UNet uses a processor of its own
+#: that does not reach SDPA.
+OTHER_PROCESSORS = ("xformers", "sliced")
+LOADERS = ("load", "load_by_attrs", "load_by_key")
+
+
+class Session:
+    def __init__(self, session_id: str, graph_choices: choices.GraphChoices):
+        self.id = session_id
+        self.choices = graph_choices
+        self.recording = lib_attn.Recording(here=True)
+        self.started = self.touched = time.perf_counter()
+        self.probe = VramProbe().start()
+        self.notes: list = []
+        self.said: list = []  # the choices that routed nodes, in the order met
+
+    def report(self) -> Report:
+        report = Report.from_recording(self.recording, seconds=self.touched - self.started, vram=self.probe.stop())
+        if not report.calls:
+            report = dataclasses.replace(report, ran_on="InvokeAI's own attention")
+        return dataclasses.replace(report, notes=tuple(self.notes)) if self.notes else report
+
+    def metadata(self) -> dict:
+        """What an image this session saves records: the report, and what chose the configuration."""
+        data = readout.to_json(self.report())
+        data["configuration"] = [c.summary for c in self.said]
+        return data
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def run(self, invocation, context, services, call, metadata_field):
+        """Run one node (``call()``) as this session routes it."""
+        _watch_saves(self, context, metadata_field)
+        role = choices.role_of(invocation)
+        choice = self.choices.get(context._data.source_invocation_id) if role else None
+        if choice is None:
+            return call()
+        if choice not in self.said:
+            self.said.append(choice)
+        attention_type = getattr(getattr(services, "configuration", None), "attention_type", None)
+        if role == "unet" and attention_type in OTHER_PROCESSORS:
+            self.note(f"InvokeAI's attention_type is {attention_type!r}: its SD1.5/SDXL UNet attention runs on its "
+                      f"{attention_type} processor, not through this extension (attention_type torch-sdp or auto "
+                      f"routes it)")
+        targets.route()
+        _watch_steps(context)
+        _watch_loads(context)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(lib_attn.use(**choice.config))
+            stack.enter_context(lib_attn.recording(into=self.recording))
+            stack.enter_context(work.running(role))
+            schedule.at_step(0, _steps_asked(invocation))
+            try:
+                return call()
+            finally:
+                self.touched = time.perf_counter()
+
+
+def _steps_asked(invocation) -> int | None:
+    for name in ("steps", "num_steps"):
+        value = getattr(invocation, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _watch_steps(context) -> None:
+    """This node's step callbacks tell the schedule the step after the ones done."""
+    util = context.util
+    for name in [n for n in dir(type(util)) if n.endswith("step_callback")]:
+        real = getattr(util, name)
+
+        def callback(intermediate_state, *args, _real=real, **kwargs):
+            done, total = getattr(intermediate_state, "step", None), getattr(intermediate_state, "total_steps", None)
+            if isinstance(done, int) and isinstance(total, int) and total > 0:
+                schedule.at_step(min(done, total - 1), total)
+            return _real(intermediate_state, *args, **kwargs)
+
+        setattr(util, name, callback)
+
+
+def _watch_loads(context) -> None:
+    """After this node loads a model, route the model modules diffusers imported for it."""
+    models = context.models
+    for name in LOADERS:
+        real = getattr(models, name, None)
+        if real is None:
+            continue
+
+        def load(*args, _real=real, **kwargs):
+            loaded = _real(*args, **kwargs)
+            targets.route()
+            return loaded
+
+        setattr(models, name, load)
+
+
+def _watch_saves(session: Session, context, metadata_field) -> None:
+    """Every image this node saves records the session's attention under ``METADATA_KEY``, beside the
+    metadata it would have had (given to ``save``, or the node's own)."""
+    images = context.images
+    real = images.save
+
+    def save(image, board_id=None, image_category=None, metadata=None):
+        base = metadata if metadata else getattr(context._data.invocation, "metadata", None)
+        data = dict(base.root) if base is not None else {}
+        data[METADATA_KEY] = session.metadata()
+        extra = {} if image_category is None else {"image_category": image_category}
+        return real(image, board_id=board_id, metadata=metadata_field(data), **extra)
+
+    images.save = save
+
+
+# --- the sessions -----------------------------------------------------------------------------------
+
+_sessions: collections.OrderedDict = collections.OrderedDict()  # id -> Session, or None: nothing to route
+_lock = threading.Lock()
+default_choice = [None]  # ATTN_INVOKE_ROUTE's, set at startup
+
+
+def of(context, node_type: str) -> Session | None:
+    """The session of the queue item ``context`` runs, or None when nothing in it is routed."""
+    item = context._data.queue_item
+    session_id = item.session_id
+    with _lock:
+        if session_id in _sessions:
+            _sessions.move_to_end(session_id)
+            return _sessions[session_id]
+    graph_choices = choices.GraphChoices(getattr(item.session, "graph", None), node_type, default_choice[0])
+    made = Session(session_id, graph_choices) if graph_choices else None
+    with _lock:
+        made = _sessions.setdefault(session_id, made)
+        while len(_sessions) > KEEP:
+            _sessions.popitem(last=False)
+    return made
+
+
+def reset() -> None:
+    with _lock:
+        _sessions.clear()

@@ -1,0 +1,27 @@
+"""The role of the node running in this thread or task: what the stand-ins at the models' attention
+ask at every call. None (the default, and every node no session routes) means "pass the call on
+exactly as made"; InvokeAI runs each session in a thread of its own, so sessions on several devices
+each see their own node's role."""
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+
+_role: ContextVar = ContextVar("invoke_attn_role", default=None)
+
+#: The role of every call made now: "unet", "dit", "vae", or None.
+role = _role.get
+
+
+def vae_role() -> str | None:
+    """For code that only a VAE runs (an autoencoder's module): "vae" whenever a node is routed."""
+    return "vae" if _role.get() is not None else None
+
+
+@contextlib.contextmanager
+def running(node_role: str):
+    token = _role.set(node_role)
+    try:
+        yield
+    finally:
+        _role.reset(token)
