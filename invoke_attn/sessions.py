@@ -60,9 +60,8 @@ class Session:
 
     def metadata(self) -> dict:
         """What an image this session saves records: the report, and what chose the configuration."""
-        data = readout.to_json(self.report())
-        data["configuration"] = [c.summary for c in self.said]
-        return data
+        report = self.report()
+        return {"text": readout.lines(report), "configuration": [c.summary for c in self.said], **report.to_dict()}
 
     def note(self, text: str) -> None:
         if text not in self.notes:

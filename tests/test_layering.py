@@ -78,7 +78,8 @@ def test_lib_attn_modules_import_only_below_themselves():
 
 
 def test_lib_attn_imports_no_host_module():
-    hosts = ("modules", "backend", "ldm_patched", "comfy", "gradio", "host_attn", "webui_attn", "comfy_attn", "server")
+    hosts = ("modules", "backend", "ldm_patched", "comfy", "gradio", "host_attn", "webui_attn", "comfy_attn", "server",
+             "invokeai", "invoke_attn")
     found = [f"{_module_name(p)} imports {t}" for p in _files("lib_attn") for t in _imports(p)
              if t.split(".")[0] in hosts]
     assert found == []
@@ -108,7 +109,7 @@ def _cycle(graph: dict):
     return None
 
 
-ADAPTERS = ("webui_attn", "comfy_attn")
+ADAPTERS = ("webui_attn", "comfy_attn", "invoke_attn")
 
 
 def _package_imports(package: str) -> set:
@@ -169,3 +170,14 @@ def test_adapters_have_no_import_cycle():
 def test_a_cycle_is_found_when_there_is_one():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_invoke_attn_imports_invokeai_only_at_its_edge():
+    """InvokeAI's own modules are imported by the nodes and the hook alone; the rest of the adapter works
+    on what those hand it (and is tested without InvokeAI's app)."""
+    edge = {"invoke_attn.nodes", "invoke_attn.hook"}
+    found = sorted(f"{_module_name(p)} imports {t}" for p in _files("invoke_attn") for t in _imports(p)
+                   if t.split(".")[0] == "invokeai" and _module_name(p) not in edge)
+    assert found == []
+    assert {_module_name(p) for p in _files("invoke_attn")
+            if any(t.split(".")[0] == "invokeai" for t in _imports(p))} == edge
