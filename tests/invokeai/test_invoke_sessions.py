@@ -1,0 +1,237 @@
+"""The node pack in the InvokeAI double: loading, the nodes, which nodes a session routes, the report,
+the image's metadata, schedules by InvokeAI's step callbacks, the environment's default, and two
+sessions at once. The graphs run the double's core nodes on tiny real models (a diffusers UNet and VAE,
+InvokeAI's own FLUX.1 model, diffusers' Qwen-Image transformer)."""
+import contextlib
+import os
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+import lib_attn
+from invoke_attn import choices, hook, sessions, startup, targets
+from invokeai_host import insert_on_edge, flux_graph, node_types_by_pack, qwen_image_graph, txt2img_graph
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACK = "sd-webui-flash-attention"
+
+
+@pytest.fixture(autouse=True)
+def pack(tmp_path):
+    """The repository loaded from a nodes folder the way InvokeAI loads it, under its folder's name; the
+    defaults, sessions and stand-ins cleared after the test."""
+    folder = tmp_path / "nodes"
+    folder.mkdir()
+    (folder / PACK).symlink_to(ROOT, target_is_directory=True)
+    from invokeai.app.invocations.load_custom_nodes import load_custom_nodes
+    import logging
+
+    for name in [n for n in list(__import__("sys").modules) if n.startswith(f"{PACK}")]:
+        del __import__("sys").modules[name]
+    load_custom_nodes(folder, logging.getLogger("InvokeAI"))
+    yield __import__("sys").modules[f"{PACK}.attention_nodes"]
+    sessions.default_choice[0] = None
+    sessions.reset()
+    targets.undo()
+    lib_attn.configure(schedule="")
+
+
+def _attention(node_id="attn", **fields):
+    return {"type": "flash_attention_backend", "id": node_id, "use_cache": False, **fields}
+
+
+def _with_nodes(graph, attention=None, report_after="l2i"):
+    """``graph`` with an Attention backend node (unconnected: the whole graph) and a report node."""
+    if attention is not None:
+        graph.add_node(_validated(attention))
+    if report_after:
+        graph.add_node(_validated({"type": "flash_attention_report", "id": "report", "use_cache": False}))
+        from invokeai.app.services.shared.graph import Edge, EdgeConnection
+        graph.add_edge(Edge(source=EdgeConnection(node_id=report_after, field="image"),
+                            destination=EdgeConnection(node_id="report", field="image")))
+    return graph
+
+
+def _validated(node):
+    from invokeai.app.invocations.baseinvocation import InvocationRegistry
+
+    return InvocationRegistry.get_invocation_typeadapter().validate_python(node)
+
+
+def _pixels(host, item):
+    return np.asarray(host.saved_image(item).image).astype(int)
+
+
+@contextlib.contextmanager
+def _sdpa_calls():
+    """Counts PyTorch's SDPA calls while no node is routed: the calls the engine must count when one is."""
+    real, counted = torch.nn.functional.scaled_dot_product_attention, [0]
+
+    def counting(*args, **kwargs):
+        counted[0] += 1
+        return real(*args, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = counting
+    try:
+        yield counted
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = real
+
+
+def test_the_pack_loads_under_its_folder_name(pack):
+    assert node_types_by_pack()[PACK] == ["flash_attention_backend", "flash_attention_report"]
+    assert pack.AttentionBackendInvocation.UIConfig.node_pack == PACK
+
+
+def test_a_graph_without_the_node_runs_as_before(host):
+    plain = host.run_graph(txt2img_graph(seed=3))
+    assert plain.status == "completed", plain.error_traceback
+    assert "attention" not in host.images.get_metadata(host.output(plain, "l2i").image.image_name).root
+    assert targets.routed() == []  # nothing was put anywhere
+
+
+def test_the_node_routes_the_unet_and_the_vae_and_the_image_stays(host):
+    with _sdpa_calls() as counted:
+        plain = host.run_graph(txt2img_graph(seed=5))
+    routed = host.run_graph(_with_nodes(txt2img_graph(seed=5), _attention()))
+    assert routed.status == "completed", routed.error_traceback
+    # The same kernel (Auto picks PyTorch's SDPA on a CPU in fp32): the same pixels, bit for bit.
+    assert np.array_equal(_pixels(host, plain), _pixels(host, routed))
+
+    text = host.output(routed, "report").report
+    session = sessions._sessions[routed.session_id]
+    assert session.recording.total() == counted[0] > 0
+    assert session.recording.total("unet") > 0 and session.recording.total("vae") == 1
+    assert text.splitlines()[0].startswith("UNet: sdpa") and f"×{session.recording.total('unet')}" in text
+    assert "VAE: sdpa" in text and "×1" in text
+
+    metadata = host.images.get_metadata(host.output(routed, "l2i").image.image_name).root
+    assert metadata["seed"] == 5 and metadata["generation_mode"] == "txt2img"  # InvokeAI's own, kept
+    attention = metadata["attention"]
+    assert attention["text"][0].startswith("UNet: sdpa")
+    assert attention["configuration"] == [{"backend": "auto", "vae": "auto", "guard": "on", "schedule": None,
+                                           "strict": False, "said_by": "node attn"}]
+    assert {(c["role"], c["backend"]): c["count"] for c in attention["calls"]} == dict(session.recording.calls)
+
+
+def test_a_chain_chosen_in_the_node_runs_and_stays_within_one_level(host):
+    plain = host.run_graph(txt2img_graph(seed=6))
+    routed = host.run_graph(_with_nodes(txt2img_graph(seed=6), _attention(backend="sdpa-math", vae_chain="math")))
+    calls = sessions._sessions[routed.session_id].recording.calls
+    assert set(calls) == {("unet", "sdpa-math"), ("vae", "math")}
+    assert np.abs(_pixels(host, plain) - _pixels(host, routed)).max() <= 1
+
+
+def test_a_connected_node_routes_only_the_nodes_that_get_their_model_through_it(host):
+    graph = insert_on_edge(txt2img_graph(seed=7), _attention(backend="sdpa-math"), destination=("denoise", "unet"),
+                           input_field="unet")
+    item = host.run_graph(_with_nodes(graph))
+    assert item.status == "completed", item.error_traceback
+    recording = sessions._sessions[item.session_id].recording
+    assert recording.total("unet") > 0 and recording.total("vae") == 0  # l2i gets its VAE from the loader
+    assert "VAE" not in host.output(item, "report").report
+
+
+@pytest.mark.parametrize("field,value,said", [
+    ("chain", "flash-atn,sdpa", "unknown backend id 'flash-atn'; valid ids: flash-attn"),
+    ("vae_chain", "nope", "unknown backend id 'nope'"),
+    ("schedule", "0-50%: sdpa; 50-120%: math", "schedule rule 2 ('50-120%: math')"),
+    ("backend", "flash", "flash_attention_backend.backend"),
+])
+def test_a_bad_value_is_refused_when_the_graph_is_made(field, value, said):
+    from invokeai.app.services.shared.graph import Graph
+
+    data = txt2img_graph().model_dump(mode="json")
+    data["nodes"]["attn"] = _attention(**{field: value})
+    with pytest.raises(ValidationError) as caught:
+        Graph.model_validate(data)
+    assert said in str(caught.value)
+
+
+def _rules(session):
+    return {(label, role, backend): n for (_, label, role, backend), n in session.recording.rules.items()}
+
+
+@pytest.mark.parametrize("make,role", [(txt2img_graph, "unet"), (flux_graph, "dit"), (qwen_image_graph, "dit")])
+def test_the_schedule_gets_the_step_from_invokeai_callbacks(host, make, role):
+    """SD and Qwen-Image call back with step 0 before the loop, FLUX.1 only after each step: the step
+    rules hold as written either way (2 steps: the first on sdpa, the second on sdpa-math)."""
+    graph = _with_nodes(make(steps=2), _attention(schedule="0-50%: sdpa; 50-100%: sdpa-math"), report_after=None)
+    item = host.run_graph(graph)
+    assert item.status == "completed", item.error_traceback
+    rules = _rules(sessions._sessions[item.session_id])
+    first, second = rules.get(("0-50%", role, "sdpa"), 0), rules.get(("50-100%", role, "sdpa-math"), 0)
+    assert first > 0 and first == second
+
+
+def test_flux1_and_qwen_image_run_on_the_engine_with_the_same_output(host):
+    for make in (flux_graph, qwen_image_graph):
+        plain = host.run_graph(make(seed=4))
+        routed = host.run_graph(_with_nodes(make(seed=4), _attention(), report_after=None))
+        assert routed.status == "completed", routed.error_traceback
+        recording = sessions._sessions[routed.session_id].recording
+        assert recording.total("dit") > 0 and recording.total() == recording.total("dit")
+        a, b = host.output(plain, "denoise").latents.latents_name, host.output(routed, "denoise").latents.latents_name
+        torch.testing.assert_close(host.services.tensors.load(b), host.services.tensors.load(a), rtol=0, atol=0)
+
+
+def test_two_sessions_at_once_keep_their_kernels_and_their_counts(host):
+    with _sdpa_calls() as counted:
+        host.run_graph(txt2img_graph(seed=8))
+    one = _with_nodes(txt2img_graph(seed=8), _attention(backend="sdpa"))
+    two = _with_nodes(txt2img_graph(seed=9), _attention(backend="sdpa-math", vae_chain="math"))
+    first, second = host.run_concurrently([one, two])
+    assert first.status == second.status == "completed"
+    calls_one = dict(sessions._sessions[first.session_id].recording.calls)
+    calls_two = dict(sessions._sessions[second.session_id].recording.calls)
+    assert set(calls_one) == {("unet", "sdpa"), ("vae", "sdpa")}
+    assert set(calls_two) == {("unet", "sdpa-math"), ("vae", "math")}
+    assert sum(calls_one.values()) == sum(calls_two.values()) == counted[0]
+    assert "sdpa-math" not in host.output(first, "report").report
+    assert "sdpa-math" in host.output(second, "report").report
+
+
+def test_the_environment_routes_every_session_without_a_node(host):
+    startup.start(PACK, environ={choices.ENV_ROUTE: "sdpa-math", choices.ENV_SCHEDULE: "cross: sdpa"})
+    item = host.run_graph(_with_nodes(txt2img_graph(seed=10)))
+    session = sessions._sessions[item.session_id]
+    assert {b for _, b in session.recording.calls} == {"sdpa", "sdpa-math"}  # cross on sdpa, the rest sdpa-math
+    attention = host.images.get_metadata(host.output(item, "l2i").image.image_name).root["attention"]
+    assert attention["configuration"][0]["said_by"] == "ATTN_INVOKE_ROUTE=sdpa-math"
+    # A node beats the variable for the nodes it applies to.
+    item = host.run_graph(_with_nodes(txt2img_graph(seed=10), _attention(backend="sdpa")))
+    assert {b for _, b in sessions._sessions[item.session_id].recording.calls} == {"sdpa"}
+
+
+def test_a_bad_environment_value_is_said_and_routes_nothing(host, capsys):
+    startup.start(PACK, environ={choices.ENV_ROUTE: "flash-atn", choices.ENV_SCHEDULE: "0-200%: sdpa"})
+    out = capsys.readouterr().out
+    assert "ATTN_INVOKE_ROUTE='flash-atn': unknown backend id 'flash-atn'" in out
+    assert "ATTN_INVOKE_SCHEDULE='0-200%: sdpa'" in out
+    item = host.run_graph(txt2img_graph(seed=11))
+    assert sessions._sessions[item.session_id] is None
+
+
+def test_the_report_without_anything_routed_says_so(host):
+    item = host.run_graph(_with_nodes(txt2img_graph(seed=12)))
+    text = host.output(item, "report").report
+    assert "InvokeAI's own attention, not through this extension" in text and "ATTN_INVOKE_ROUTE" in text
+
+
+def test_attention_type_sliced_is_said_in_the_report(host):
+    host.configuration.attention_type = "sliced"
+    item = host.run_graph(_with_nodes(txt2img_graph(seed=13), _attention()))
+    assert "InvokeAI's attention_type is 'sliced'" in host.output(item, "report").report
+
+
+def test_the_hook_comes_off_exactly():
+    from invokeai.app.invocations.baseinvocation import BaseInvocation
+
+    hooked = BaseInvocation.invoke_internal
+    original = hooked.__wrapped__
+    assert hook.remove() == 1
+    assert BaseInvocation.invoke_internal is original
+    hook.install("flash_attention_backend")
+    assert BaseInvocation.invoke_internal is not original
