@@ -103,6 +103,7 @@ class GraphChoices:
     """The choice for each node of one session's graph (by the id of the node it was prepared from)."""
 
     def __init__(self, graph, node_type: str, default: Choice | None = None):
+        self.node_type = node_type
         self.by_node: dict = {}
         self.everywhere = default
         nodes = getattr(graph, "nodes", None) or {}

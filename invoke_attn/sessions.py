@@ -50,7 +50,8 @@ class Session:
         self.started = self.touched = time.perf_counter()
         self.probe = VramProbe().start()
         self.notes: list = []
-        self.said: list = []  # the choices that routed nodes, in the order met
+        self.said: list = []  # the choices of the nodes that made calls, in the order met
+        self.running = None  # (the choice of the node running now, the calls counted when it began)
 
     def report(self) -> Report:
         report = Report.from_recording(self.recording, seconds=self.touched - self.started, vram=self.probe.stop())
@@ -61,7 +62,16 @@ class Session:
     def metadata(self) -> dict:
         """What an image this session saves records: the report, and what chose the configuration."""
         report = self.report()
-        return {"text": readout.lines(report), "configuration": [c.summary for c in self.said], **report.to_dict()}
+        return {"text": readout.lines(report), "configuration": [c.summary for c in self._said()], **report.to_dict()}
+
+    def _said(self) -> list:
+        """The choices of the nodes that made calls, in the order met (the node running now included)."""
+        said = list(self.said)
+        if self.running is not None:
+            choice, before = self.running
+            if self.recording.total() > before and choice not in said:
+                said.append(choice)
+        return said
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -70,12 +80,11 @@ class Session:
     def run(self, invocation, context, services, call, metadata_field):
         """Run one node (``call()``) as this session routes it."""
         _watch_saves(self, context, metadata_field)
-        role = choices.role_of(invocation)
+        own = invocation.get_type() == self.choices.node_type  # the Attention backend node passes models on
+        role = None if own else choices.role_of(invocation)
         choice = self.choices.get(context._data.source_invocation_id) if role else None
         if choice is None:
             return call()
-        if choice not in self.said:
-            self.said.append(choice)
         attention_type = getattr(getattr(services, "configuration", None), "attention_type", None)
         if role == "unet" and attention_type in OTHER_PROCESSORS:
             self.note(f"InvokeAI's attention_type is {attention_type!r}: its SD1.5/SDXL UNet attention runs on its "
@@ -89,10 +98,13 @@ class Session:
             stack.enter_context(lib_attn.recording(into=self.recording))
             stack.enter_context(work.running(role))
             schedule.at_step(0, _steps_asked(invocation))
+            # What chose the configuration is said once its node made calls (a LoRA loader makes none).
+            self.running = (choice, self.recording.total())
             try:
                 return call()
             finally:
                 self.touched = time.perf_counter()
+                self.said, self.running = self._said(), None
 
 
 def _steps_asked(invocation) -> int | None:

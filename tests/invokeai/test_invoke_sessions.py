@@ -203,6 +203,15 @@ def test_the_environment_routes_every_session_without_a_node(host):
     # A node beats the variable for the nodes it applies to.
     item = host.run_graph(_with_nodes(txt2img_graph(seed=10), _attention(backend="sdpa")))
     assert {b for _, b in sessions._sessions[item.session_id].recording.calls} == {"sdpa"}
+    # Connected on the UNet only: the VAE decode keeps the variable's (a chain is the denoisers'; the VAE
+    # runs Auto); the metadata names both, and only what made calls (not the Attention backend node
+    # itself, which has a UNet input).
+    graph = insert_on_edge(txt2img_graph(seed=10), _attention(backend="sdpa"), destination=("denoise", "unet"),
+                           input_field="unet")
+    item = host.run_graph(graph)
+    assert set(sessions._sessions[item.session_id].recording.calls) == {("unet", "sdpa"), ("vae", "sdpa")}
+    attention = host.images.get_metadata(host.output(item, "l2i").image.image_name).root["attention"]
+    assert [c["said_by"] for c in attention["configuration"]] == ["node attn", "ATTN_INVOKE_ROUTE=sdpa-math"]
 
 
 def test_a_bad_environment_value_is_said_and_routes_nothing(host, capsys):
