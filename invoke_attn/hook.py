@@ -4,23 +4,32 @@ session runs (after InvokeAI has built that node's context). It hands the node t
 InvokeAI's method back."""
 from __future__ import annotations
 
+import sys
+
 from invokeai.app.invocations.baseinvocation import BaseInvocation
 from invokeai.app.invocations.fields import MetadataField
 
+from host_attn import voice
 from host_attn.patching import Patches
 
-from . import sessions
+from . import sessions, targets
 
 _patches = Patches("InvokeAI node hook")
 
 
-def install(node_type: str) -> None:
-    """Hook ``invoke_internal``; sessions are found by their Attention backend nodes of ``node_type``."""
+def install(node_type: str, nodes_module: str) -> None:
+    """Hook ``invoke_internal``; sessions are found by their Attention backend nodes of ``node_type``;
+    ``nodes_module`` is the nodes' module, gone from ``sys.modules`` once the pack is uninstalled."""
     if _patches.active:
         return
     original = BaseInvocation.invoke_internal
 
     def invoke_internal(self, context, services):
+        if nodes_module not in sys.modules:
+            removed = remove() + targets.undo()
+            sessions.reset()
+            voice.log(f"InvokeAI: the pack was uninstalled; {removed} replaced names put back")
+            return original(self, context, services)
         session = sessions.of(context, node_type)
         if session is None:
             return original(self, context, services)

@@ -34,7 +34,7 @@ def load_nodes(pack: str):
 def start(pack: str, environ=os.environ):
     """Define the nodes, hook InvokeAI, read the defaults; returns the nodes' module."""
     nodes = load_nodes(pack)
-    hook.install(nodes.BACKEND_TYPE)
+    hook.install(nodes.BACKEND_TYPE, nodes.__name__)
     try:
         sessions.default_choice[0] = choices.from_environment(environ)
     except ValueError as exc:

@@ -242,5 +242,23 @@ def test_the_hook_comes_off_exactly():
     original = hooked.__wrapped__
     assert hook.remove() == 1
     assert BaseInvocation.invoke_internal is original
-    hook.install("flash_attention_backend")
+    hook.install("flash_attention_backend", f"{PACK}.attention_nodes")
     assert BaseInvocation.invoke_internal is not original
+
+
+def test_uninstalling_the_pack_takes_the_hook_and_the_stand_ins_off(host, pack):
+    """InvokeAI's Custom Node Manager unregisters the pack's nodes and drops its modules from sys.modules."""
+    import sys
+
+    from invokeai.app.invocations.baseinvocation import BaseInvocation, InvocationRegistry
+
+    host.run_graph(_with_nodes(txt2img_graph(seed=14), _attention()))
+    assert targets.routed()
+    original = BaseInvocation.invoke_internal.__wrapped__
+    InvocationRegistry.unregister_pack(PACK)
+    for name in [n for n in sys.modules if n == PACK or n.startswith(f"{PACK}.")]:
+        del sys.modules[name]
+    plain = host.run_graph(txt2img_graph(seed=14))
+    assert plain.status == "completed", plain.error_traceback
+    assert BaseInvocation.invoke_internal is original
+    assert targets.routed() == []
