@@ -262,3 +262,28 @@ def test_uninstalling_the_pack_takes_the_hook_and_the_stand_ins_off(host, pack):
     assert plain.status == "completed", plain.error_traceback
     assert BaseInvocation.invoke_internal is original
     assert targets.routed() == []
+
+
+def test_the_shipped_workflow_matches_the_nodes(pack):
+    """docs/invokeai-workflow.json (imported by the Custom Node Manager) names the nodes' current version and
+    every one of their inputs, and the graph it describes is one the nodes accept."""
+    import json
+
+    with open(os.path.join(ROOT, "docs", "invokeai-workflow.json"), encoding="utf-8") as f:
+        workflow = json.load(f)
+    base = {"id", "type", "is_intermediate", "use_cache"}
+    ours = {pack.BACKEND_TYPE: pack.AttentionBackendInvocation, pack.REPORT_TYPE: pack.AttentionReportInvocation}
+    seen = set()
+    for node in workflow["nodes"]:
+        data = node["data"]
+        if data["type"] in ours:
+            cls = ours[data["type"]]
+            seen.add(data["type"])
+            assert data["version"] == pack.VERSION and data["nodePack"] == PACK
+            assert set(data["inputs"]) == set(cls.model_fields) - base
+            values = {k: v["value"] for k, v in data["inputs"].items() if "value" in v}
+            cls(id=data["id"], **values)  # the values pass the node's own checks
+    assert seen == set(ours)
+    wired = {(e["source"], e["sourceHandle"], e["target"], e["targetHandle"]) for e in workflow["edges"]}
+    assert ("decode", "image", "report", "image") in wired
+    assert not any("attention" in (e["source"], e["target"]) for e in workflow["edges"])  # routes the whole graph
