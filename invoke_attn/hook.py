@@ -9,6 +9,12 @@ import sys
 from invokeai.app.invocations.baseinvocation import BaseInvocation
 from invokeai.app.invocations.fields import MetadataField
 
+try:  # the device of this thread's session (InvokeAI 6.13+ runs one session per GPU, each in a thread)
+    from invokeai.backend.util.devices import TorchDevice
+    session_device = TorchDevice.choose_torch_device
+except Exception:  # noqa: BLE001 - an older release: VRAM measured on the current device
+    session_device = None
+
 from host_attn import voice
 from host_attn.patching import Patches
 
@@ -30,7 +36,7 @@ def install(node_type: str, nodes_module: str) -> None:
             sessions.reset()
             voice.log(f"InvokeAI: the pack was uninstalled; {removed} replaced names put back")
             return original(self, context, services)
-        session = sessions.of(context, node_type)
+        session = sessions.of(context, node_type, session_device)
         if session is None:
             return original(self, context, services)
         return session.run(self, context, services, lambda: original(self, context, services), MetadataField)

@@ -43,12 +43,12 @@ LOADERS = ("load", "load_by_attrs", "load_by_key")
 
 
 class Session:
-    def __init__(self, session_id: str, graph_choices: choices.GraphChoices):
+    def __init__(self, session_id: str, graph_choices: choices.GraphChoices, device=None):
         self.id = session_id
         self.choices = graph_choices
         self.recording = lib_attn.Recording(here=True)
         self.started = self.touched = time.perf_counter()
-        self.probe = VramProbe().start()
+        self.probe = VramProbe(device).start()  # on the session's own GPU
         self.notes: list = []
         self.said: list = []  # the choices of the nodes that made calls, in the order met
         self.running = None  # (the choice of the node running now, the calls counted when it began)
@@ -169,8 +169,9 @@ _lock = threading.Lock()
 default_choice = [None]  # ATTN_INVOKE_ROUTE's, set at startup
 
 
-def of(context, node_type: str) -> Session | None:
-    """The session of the queue item ``context`` runs, or None when nothing in it is routed."""
+def of(context, node_type: str, device_now=None) -> Session | None:
+    """The session of the queue item ``context`` runs, or None when nothing in it is routed;
+    ``device_now()`` gives the device this thread's session runs on (where VRAM is measured)."""
     item = context._data.queue_item
     session_id = item.session_id
     with _lock:
@@ -178,7 +179,7 @@ def of(context, node_type: str) -> Session | None:
             _sessions.move_to_end(session_id)
             return _sessions[session_id]
     graph_choices = choices.GraphChoices(getattr(item.session, "graph", None), node_type, default_choice[0])
-    made = Session(session_id, graph_choices) if graph_choices else None
+    made = Session(session_id, graph_choices, device_now() if device_now else None) if graph_choices else None
     with _lock:
         made = _sessions.setdefault(session_id, made)
         while len(_sessions) > KEEP:

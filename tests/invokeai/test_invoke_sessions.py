@@ -287,3 +287,13 @@ def test_the_shipped_workflow_matches_the_nodes(pack):
     wired = {(e["source"], e["sourceHandle"], e["target"], e["targetHandle"]) for e in workflow["edges"]}
     assert ("decode", "image", "report", "image") in wired
     assert not any("attention" in (e["source"], e["target"]) for e in workflow["edges"])  # routes the whole graph
+
+
+def test_vram_is_measured_on_the_device_of_the_session_s_thread(host, monkeypatch):
+    """InvokeAI pins each session thread to its GPU (``TorchDevice.choose_torch_device``); the session's
+    VRAM probe asks it once, when the session starts."""
+    asked = []
+    monkeypatch.setattr(hook, "session_device", lambda: asked.append(1) or torch.device("cpu"))
+    item = host.run_graph(_with_nodes(txt2img_graph(seed=15), _attention()))
+    assert asked == [1]
+    assert sessions._sessions[item.session_id].probe.device == torch.device("cpu")
