@@ -86,3 +86,12 @@ def reset() -> None:
     configure(preference="auto", fp32="cast", strict=False, tune="auto", avoid=(), guard="on", schedule="")
     _schedule.leave()
     _dispatch.reset()
+
+
+def __getattr__(name: str):
+    # ``lib_attn.parallel`` (several processes, torch.distributed) loads on first use, not with the engine.
+    if name == "parallel":
+        import importlib
+
+        return importlib.import_module(".parallel", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

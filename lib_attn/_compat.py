@@ -43,8 +43,11 @@ MATH_OP = _aten("_scaled_dot_product_attention_math")
 #: The cuDNN operator took no ``attn_bias`` before torch 2.5.
 CUDNN_OP_TAKES_BIAS = _schema_has(CUDNN_OP, "attn_bias")
 EFFICIENT_OP_TAKES_BIAS = _schema_has(EFFICIENT_OP, "attn_bias")
+#: PyTorch's CPU flash kernel has its own operator from torch 2.2 (returning the output and its
+#: log-sum-exp); on torch 2.1 ``FLASH_OP`` serves the CPU too.
+CPU_FLASH_OP = _aten("_scaled_dot_product_flash_attention_for_cpu")
 #: PyTorch's CPU flash kernel took no mask before torch 2.3 (it ran masked calls on the math kernel).
-CPU_FLASH_TAKES_MASK = _schema_has(_aten("_scaled_dot_product_flash_attention_for_cpu"), "attn_mask")
+CPU_FLASH_TAKES_MASK = _schema_has(CPU_FLASH_OP, "attn_mask")
 
 #: ``torch._fused_sdp_choice`` answers which kernel F.scaled_dot_product_attention would run.
 FUSED_SDP_CHOICE = getattr(torch, "_fused_sdp_choice", None)

@@ -135,7 +135,9 @@ class Report:
     ``paths``: {fallback key: {(((id, reason), ...) also passed over, id that ran)}};
     ``guard``: {(role, backend id, what, backend that ran instead, recomputed): n}, what the output
     guard caught; ``rules``: {(schedule text, rule label, role,
-    backend id): n}, the calls a schedule served, per rule (``rule_items`` in the schedule's order).
+    backend id): n}, the calls a schedule served, per rule (``rule_items`` in the schedule's order);
+    ``parallel``: {(role, kind, mode, ranks, ulysses, ring, note): (calls, bytes this rank sent)}, the
+    calls split over several ranks (``lib_attn.parallel``).
     """
 
     calls: dict = field(default_factory=dict)
@@ -150,6 +152,7 @@ class Report:
     paths: dict = field(default_factory=dict, compare=False)  # in-process detail: not in the JSON
     guard: dict = field(default_factory=dict)
     rules: dict = field(default_factory=dict)
+    parallel: dict = field(default_factory=dict)
 
     @classmethod
     def from_recording(cls, rec, seconds: float | None = None, vram: Vram | None = None) -> "Report":
@@ -158,7 +161,8 @@ class Report:
             seconds = getattr(rec, "seconds", None)
         return cls(dict(rec.calls), dict(rec.fallbacks), dict(rec.kernels), seconds, vram,
                    tuned=frozenset(getattr(rec, "tuned", ())), paths=dict(getattr(rec, "paths", {})),
-                   guard=dict(getattr(rec, "guard", {})), rules=dict(getattr(rec, "rules", {})))
+                   guard=dict(getattr(rec, "guard", {})), rules=dict(getattr(rec, "rules", {})),
+                   parallel=dict(getattr(rec, "parallel", {})))
 
     def roles(self) -> list[str]:
         present = {role for role, _ in self.calls}
@@ -204,6 +208,11 @@ class Report:
         """((role, backend, what, ran_on, recomputed), n) pairs: by role, then most frequent first."""
         return sorted(self.guard.items(), key=lambda item: (role_rank(item[0][0]), -item[1], item[0][1:3]))
 
+    def parallel_items(self) -> list:
+        """((role, kind, mode, ranks, ulysses, ring, note), (calls, bytes sent)) pairs: by role, then most
+        calls first."""
+        return sorted(self.parallel.items(), key=lambda item: (role_rank(item[0][0]), -item[1][0], item[0][1:]))
+
     @property
     def schedules(self) -> list[str]:
         """The schedules (their text) that served calls, in the order they were met (one, normally)."""
@@ -227,8 +236,9 @@ class Report:
         return out
 
     def to_dict(self) -> dict:
-        """The report as JSON-ready data (``from_dict`` reads it back)."""
-        return {
+        """The report as JSON-ready data (``from_dict`` reads it back); ``parallel`` only when calls ran
+        split over ranks."""
+        data = {
             "calls": [{"role": role, "backend": b, "kernel": self.describe(b), "count": n,
                        "tuned": self.is_tuned(role, b)}
                       for role in self.roles() for b, n in self.backends(role)],
@@ -245,6 +255,11 @@ class Report:
             "ran_on": self.ran_on,
             "hint": self.hint,
         }
+        if self.parallel:
+            data["parallel"] = [{"role": role, "kind": kind, "mode": mode, "ranks": ranks, "ulysses": u, "ring": r,
+                                 "note": note, "count": n, "bytes_sent": sent, "bytes_per_call": sent // n if n else 0}
+                                for (role, kind, mode, ranks, u, r, note), (n, sent) in self.parallel_items()]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "Report":
@@ -257,9 +272,11 @@ class Report:
         guard = {(g["role"], g["backend"], g["what"], g["ran_on"], bool(g["recomputed"])): int(g["count"])
                  for g in data.get("guard", ())}
         rules = {(r["schedule"], r["rule"], r["role"], r["backend"]): int(r["count"]) for r in data.get("rules", ())}
+        parallel = {(p["role"], p["kind"], p["mode"], int(p["ranks"]), int(p["ulysses"]), int(p["ring"]), p["note"]):
+                    (int(p["count"]), int(p["bytes_sent"])) for p in data.get("parallel", ())}
         return cls(calls, fallbacks, kernels, data.get("seconds"), Vram.from_dict(v) if v else None,
                    tuple(data.get("notes") or ()), data.get("ran_on"), data.get("hint"), tuned, guard=guard,
-                   rules=rules)
+                   rules=rules, parallel=parallel)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), ensure_ascii=False)

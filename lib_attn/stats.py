@@ -43,6 +43,10 @@ _fallbacks: dict = {}  # (role, backend passed over, reason) -> Cell
 #: What each fallback went through: (fallback key, ((id, reason), ...) also passed over, id that ran) -> Cell.
 _paths: dict = {}
 _guard: dict = {}      # (role, backend caught, what, backend that ran instead, recomputed) -> Cell
+#: Calls split over several ranks (``lib_attn.parallel``), and the bytes this rank sent for them, per
+#: (role, kind, mode, ranks, ulysses degree, ring degree, note: why the call ran otherwise, or "").
+_parallel: dict = {}
+_parallel_bytes: dict = {}
 _lock = threading.Lock()
 
 
@@ -70,14 +74,16 @@ def path_cell(key) -> Cell:
 
 
 #: The process-wide tables by the name a recording keeps its own counts under.
-_TABLES = {"calls": _calls, "fallbacks": _fallbacks, "paths": _paths, "guard": _guard}
+_TABLES = {"calls": _calls, "fallbacks": _fallbacks, "paths": _paths, "guard": _guard, "parallel": _parallel,
+           "parallel_bytes": _parallel_bytes}
 
 
 def count(kind: str, key, n: int = 1, recordings: tuple = ()) -> None:
-    """Count ``n`` of ``key`` in the process-wide table ``kind`` (calls, fallbacks, paths, guard) and
+    """Count ``n`` of ``key`` in the process-wide table ``kind`` (a name of ``_TABLES``) and
     in ``recordings`` (those open in the scope in force). Keys: calls (role, backend id, rule or None);
     fallbacks (role, backend passed over, reason); paths (fallback key, others passed over, backend that
-    ran); guard (role, backend, what, ran_on, recomputed)."""
+    ran); guard (role, backend, what, ran_on, recomputed); parallel and parallel_bytes (role, kind, mode,
+    ranks, ulysses, ring, note)."""
     _cell(_TABLES[kind], key).n += n
     for rec in recordings:
         rec.here[kind][key] += n
@@ -142,6 +148,13 @@ class Recording:
     @property
     def guard(self) -> Counter:
         return self._now("guard")
+
+    @property
+    def parallel(self) -> dict:
+        """{(role, kind, mode, ranks, ulysses, ring, note): (calls, bytes sent)} for calls split over
+        ranks (``lib_attn.parallel``); empty when none was."""
+        sent = self._now("parallel_bytes")
+        return {key: (n, sent.get(key, 0)) for key, n in self._now("parallel").items()}
 
     @property
     def seconds(self) -> float:

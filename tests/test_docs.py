@@ -572,7 +572,7 @@ def test_the_command_check_finds_a_wrong_command_option_or_value():
               "`doctor [--json] [--dtyp fp16]`\n")]
     assert cli_problems(pages) == [
         "README.md:2: bench has no option --modle",
-        "README.md:2: python -m lib_attn doctr: no such command (doctor, bench, tune)",
+        "README.md:2: python -m lib_attn doctr: no such command (doctor, bench, tune, parallel)",
         "README.md:4: doctor has no option --dtyp",
         "README.md:3: tune --model: sd9 not among sd15, sd2, sdxl, sd3, flux, vae, wan, hunyuan-video, all",
     ]

@@ -1,4 +1,4 @@
-"""The command line, ``python -m lib_attn doctor|bench|tune``: one parser for the three commands,
+"""The command line, ``python -m lib_attn doctor|bench|tune|parallel``: one parser for the commands,
 the options they share (``--model``, ``--res``, ``--dtype``, ``--device``) defined and read in one
 place, and one way of writing results: a command module builds a document and its text, and only
 this module prints them (``_print``, ``_print_json``, ``_save_json``)."""
@@ -16,6 +16,7 @@ from lib_attn import shapes
 from lib_attn import tuning_file
 
 from . import bench, doctor
+from . import parallel as parallel_command
 from . import tune as tune_command
 from .dtypes import dtype_name, parse_dtype
 
@@ -44,7 +45,7 @@ def _add_device(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lib_attn",
                                      description="Attention engine diagnostics and benchmark.")
-    sub = parser.add_subparsers(dest="command", metavar="{doctor,bench,tune}")
+    sub = parser.add_subparsers(dest="command", metavar="{doctor,bench,tune,parallel}")
 
     doc = sub.add_parser("doctor", help="versions, device, backends and what the engine would run")
     doc.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -79,7 +80,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device(t)
     t.add_argument("--clear", action="store_true",
                    help="forget every stored result first (alone: only forget)")
+    _add_parallel(sub)
     return parser
+
+
+def _add_parallel(sub) -> None:
+    p = sub.add_parser("parallel", help="split model attention calls over N local processes, check and time each mode")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="processes to start (default: the GPUs this torch sees, at least 2; 2 on CPU)")
+    p.add_argument("--model", nargs="+", default=None, choices=shapes.MODELS,
+                   help=f"models whose calls to split (default: {' '.join(parallel_command.DEFAULT_MODELS)})")
+    p.add_argument("--res", type=int, default=None, help="image side, or video frame height (default: native)")
+    p.add_argument("--dtype", default=None, help="fp16, bf16 or fp32 (default: bf16 on GPUs, fp32 on CPU)")
+    p.add_argument("--scale", type=int, default=None, metavar="N",
+                   help="divide split tokens and heads by N (default: 8 on CPU, 1 on GPUs)")
+    p.add_argument("--repeat", type=int, default=3, help="timed runs per call and mode (median)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a collective may wait, and twice that for the whole run")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)
 
 
 # ------------------------------------------------------------------ reading the shared options
@@ -206,7 +225,37 @@ def _tune(args, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-COMMANDS = {"doctor": _doctor, "bench": _bench, "tune": _tune}
+def _parallel(args, parser: argparse.ArgumentParser) -> int:
+    models = args.model or list(parallel_command.DEFAULT_MODELS)
+    try:
+        for m in models:
+            shapes.model_calls(m, args.res)
+        if args.dtype:
+            parse_dtype(args.dtype)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.scale is not None and args.scale < 1:
+        parser.error(f"--scale {args.scale}: must be a whole number of 1 or more")
+    if args.as_rank:
+        parallel_command.rank_main(models, args.res, args.dtype, args.scale, args.repeat, args.timeout)
+        return 0
+    ranks = args.ranks or max(2, torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    if ranks < 2:
+        parser.error(f"--ranks {ranks}: needs 2 or more")
+    if torch.cuda.is_available() and ranks > torch.cuda.device_count():
+        parser.error(f"--ranks {ranks}: this machine has {torch.cuda.device_count()} GPU(s); NCCL needs one per rank")
+    argv = ["--model", *models, "--repeat", str(args.repeat), "--timeout", str(args.timeout)]
+    argv += (["--res", str(args.res)] if args.res else []) + (["--dtype", args.dtype] if args.dtype else [])
+    argv += ["--scale", str(args.scale)] if args.scale else []
+    doc = parallel_command.run(ranks, argv, timeout=2 * args.timeout)
+    if args.json:
+        _print_json(doc)
+    else:
+        _print(parallel_command.render(doc))
+    return 0 if doc["ok"] else 1
+
+
+COMMANDS = {"doctor": _doctor, "bench": _bench, "tune": _tune, "parallel": _parallel}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -47,6 +47,7 @@ from .. import scope as _scope
 from ..config import current as _current_config
 from ..config import use as _use_config
 from ..dispatch import attention
+from . import diffusers_parallel as _split
 
 log = logging.getLogger("lib_attn")
 
@@ -95,7 +96,7 @@ def served_sdpa(role):
             reason = "not 4-D" if query.dim() != 4 or key.dim() != 4 else _unserved(
                 query.shape[1], key.shape[1], dropout_p, is_causal, enable_gqa)
             if not reason:
-                return attention(query, key, value, mask=attn_mask, scale=scale, role=call_role)
+                return _split.attend(query, key, value, "bhsd", attn_mask, scale, call_role, attention)
             _count_unserved(call_role, reason, "PyTorch SDPA")
         extra = {"enable_gqa": True} if enable_gqa else {}
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
@@ -118,7 +119,7 @@ def _engine_bshd(query, key, value, attn_mask, scale, role):
     if attn_mask is not None and attn_mask.dim() == 2 and attn_mask.shape == (query.shape[0], key.shape[1]):
         # The dispatcher's (batch, keys) mask; the engine's masks broadcast like SDPA's.
         attn_mask = attn_mask[:, None, None, :]
-    return attention(query, key, value, layout="bshd", mask=attn_mask, scale=scale, role=role)
+    return _split.attend(query, key, value, "bshd", attn_mask, scale, role, attention)
 
 
 def _dispatch_reason(query, key, dropout_p, is_causal, enable_gqa, return_lse=False, parallel=None) -> str:
@@ -437,7 +438,7 @@ class Routing:
 
 
 @contextlib.contextmanager
-def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: str | None = None):
+def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: str | None = None, parallel=None):
     """Route every attention call of a diffusers model or pipeline through ``lib_attn`` in the scope.
 
     A pipeline routes its denoiser (``unet`` as role "unet"; ``transformer``, ``prior``, ``decoder`` as
@@ -451,6 +452,11 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
     or one configured before), the scope tells it the step of a pipeline's sampling (``Sampling``) and
     the denoiser's block (``lib_attn.schedule.blocks``); ``pass_name`` (base, hires, refiner) names the
     pass the pipeline's steps belong to, e.g. "refiner" for an SDXL refiner pipeline.
+
+    ``parallel`` (a ``lib_attn.parallel.Parallel``, every rank running the same pipeline) splits the
+    denoiser's sequence over the ranks and puts the configuration in force for the scope
+    (``diffusers_parallel``); a denoiser whose split is not known raises ValueError before anything
+    changes.
     """
     from ..spec import ROLES
 
@@ -476,6 +482,8 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
                 plan.append((processor, kind, model_role))
     registry = _dispatcher_registry() if any(kind == DISPATCHER for _, kind, _ in plan) else None
     with contextlib.ExitStack() as scope:
+        if parallel is not None:
+            _split.split(scope, models, parallel)
         if schedule is not None:
             scope.enter_context(_use_config(schedule=schedule))
         if _current_config().schedule is not None:

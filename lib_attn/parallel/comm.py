@@ -1,0 +1,104 @@
+"""The collectives a parallel call makes, each bounded in time and counted in bytes.
+
+Only what gloo has too: ``all_to_all_single`` with split sizes (gloo has no list ``all_to_all`` in
+torch 2.1, and ``all_to_all_single`` takes uneven splits on both backends), ``all_gather``
+of equal-sized tensors, and point-to-point ``isend``/``irecv`` for the ring (plain pairs: gloo's
+``batch_isend_irecv`` is not dependable). The same calls run on NCCL.
+
+Every operation is started asynchronously and waited for with the configuration's timeout on gloo,
+where ``Work.wait(timeout)`` raises when a peer failed or stalled. On NCCL the group's own timeout and
+watchdog apply (a CPU wait with a timeout would stall the stream that should overlap the kernel).
+A failure becomes a ``ParallelError`` that names this rank, the operation and the peers, on every
+rank that waits, so a rank that raised or stalled never leaves the others hanging without end.
+"""
+from __future__ import annotations
+
+import torch
+
+from .mesh import Parallel, ParallelError
+
+
+class Traffic:
+    """Bytes this rank sent during one parallel call (what the readout reports per call)."""
+
+    __slots__ = ("sent",)
+
+    def __init__(self):
+        self.sent = 0
+
+
+def _wait(work, par: Parallel, what: str, peers) -> None:
+    try:
+        if par.backend == "gloo":
+            work.wait(timeout=par.wait_for)
+        else:
+            work.wait()
+    except Exception as exc:  # noqa: BLE001 - every transport error becomes one clear error
+        raise ParallelError(
+            f"rank {par.rank} of {par.world} ({par.mode}): {what}{f' with ranks {list(peers)}' if peers else ''} "
+            f"failed: a peer rank "
+            f"raised, left, or stalled past the timeout of {par.timeout:g} s ({str(exc).strip()[:300]})"
+        ) from exc
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def all_gather_ints(values: list[int], par: Parallel, group, ranks) -> list[list[int]]:
+    """Every rank's ``values`` (the same count on each), in the group's rank order."""
+    dist = _dist()
+    device = _device(par)
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    out = [torch.empty_like(mine) for _ in ranks]
+    _wait(dist.all_gather(out, mine, group=group, async_op=True), par, "the shape exchange", ranks)
+    return [t.tolist() for t in out]
+
+
+def all_gather(t: torch.Tensor, par: Parallel, group, ranks, traffic: Traffic) -> list[torch.Tensor]:
+    """Every rank's ``t`` (all of the same shape), in the group's rank order."""
+    dist = _dist()
+    t = t.contiguous()
+    out = [torch.empty_like(t) for _ in ranks]
+    _wait(dist.all_gather(out, t, group=group, async_op=True), par, "all_gather", ranks)
+    traffic.sent += t.numel() * t.element_size() * (len(ranks) - 1)
+    return out
+
+
+def all_to_all(pieces: list[torch.Tensor], sizes_in: list[int], par: Parallel, group, ranks,
+               traffic: Traffic, me: int) -> list[torch.Tensor]:
+    """Send ``pieces[j]`` to the j-th rank of ``group`` and return what each rank sent here, as flat
+    tensors of ``sizes_in[j]`` elements. One ``all_to_all_single`` over flat buffers: pieces may differ
+    in size (uneven sequence shards)."""
+    dist = _dist()
+    send = torch.cat([p.reshape(-1) for p in pieces])
+    recv = torch.empty(sum(sizes_in), dtype=send.dtype, device=send.device)
+    sizes_out = [p.numel() for p in pieces]
+    work = dist.all_to_all_single(recv, send, sizes_in, sizes_out, group=group, async_op=True)
+    _wait(work, par, "all_to_all", ranks)
+    traffic.sent += (send.numel() - sizes_out[me]) * send.element_size()
+    return list(recv.split(sizes_in))
+
+
+def exchange(send: torch.Tensor, recv_numel: int, to_rank: int, from_rank: int, par: Parallel):
+    """Start sending ``send`` to global rank ``to_rank`` and receiving ``recv_numel`` elements from
+    ``from_rank`` (a ring step); returns a function that waits for both and gives the received buffer.
+    Point-to-point goes through the default group, which holds every rank of any subgroup."""
+    dist = _dist()
+    send = send.contiguous()
+    recv = torch.empty(recv_numel, dtype=send.dtype, device=send.device)
+    works = [dist.isend(send.reshape(-1), to_rank, group=None),
+             dist.irecv(recv, from_rank, group=None)]
+
+    def done():
+        for work in works:
+            _wait(work, par, f"ring step (sending to rank {to_rank}, receiving from rank {from_rank})", ())
+        return recv
+    return done
+
+
+def _device(par: Parallel):
+    # NCCL moves CUDA tensors only; gloo CPU tensors (and CUDA ones, through the host).
+    return torch.device("cuda", torch.cuda.current_device()) if par.backend == "nccl" else torch.device("cpu")

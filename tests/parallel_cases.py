@@ -1,0 +1,180 @@
+"""One rank of the multi-process checks of ``lib_attn.parallel`` (started by tests/test_parallel.py
+through ``lib_attn.parallel.launch.run_ranks``): runs every case on its share and reports its errors
+against a float64 reference computed here from the whole inputs (the same on every rank: one seed).
+
+    python tests/parallel_cases.py cases SEED      # every mode x kind x length x heads x dtype
+    python tests/parallel_cases.py fault SEED HOW  # rank 1 raises before the call (raise), inside a ring
+                                                   # step (step), or sleeps past the timeout (stall)
+"""
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import lib_attn  # noqa: E402
+from lib_attn import parallel  # noqa: E402
+from lib_attn.parallel import launch, local, modes  # noqa: E402
+
+D = 8
+TEXT = 5
+
+
+def reference(q, k, v):
+    """softmax(q k^T / sqrt(d)) v in float64, written out: no engine code."""
+    q, k, v = q.double(), k.double(), v.double()
+    return torch.softmax(q @ k.transpose(-1, -2) / D ** 0.5, dim=-1) @ v
+
+
+def rel(a, b) -> float:
+    return float(torch.linalg.vector_norm(a.double() - b.double()) / torch.linalg.vector_norm(b.double()))
+
+
+def one_case(par, kind, n, heads, dtype, gen, layout="bhsd"):
+    """(relative error of this rank's output, calls counted) for one call."""
+    w, r = par.world, par.rank
+    full = [torch.randn(2, heads, n, D, generator=gen, dtype=torch.float64) for _ in range(3)]
+    text = [torch.randn(2, heads, TEXT, D, generator=gen, dtype=torch.float64) for _ in range(3)]
+    start, stop = parallel.bounds(n, w, r)
+    kwargs = {}
+    if kind == "cross":
+        q, k, v = full[0][:, :, start:stop], text[1], text[2]
+        want = reference(full[0], text[1], text[2])[:, :, start:stop]
+    elif kind == "self":
+        q, k, v = (x[:, :, start:stop] for x in full)
+        want = reference(*full)[:, :, start:stop]
+    else:  # joint, text in front ("joint") or at the back ("joint-back")
+        front = kind == "joint"
+        whole = [torch.cat([t, x] if front else [x, t], dim=2) for t, x in zip(text, full)]
+        ref = reference(*whole)
+        ref_t, ref_x = (ref[:, :, :TEXT], ref[:, :, TEXT:]) if front else (ref[:, :, n:], ref[:, :, :n])
+        q, k, v = (torch.cat([t, x[:, :, start:stop]] if front else [x[:, :, start:stop], t], dim=2)
+                   for t, x in zip(text, full))
+        want = torch.cat([ref_t, ref_x[:, :, start:stop]] if front else [ref_x[:, :, start:stop], ref_t], dim=2)
+        kwargs = {"text_len": TEXT, "text_first": front}
+        kind = "joint"
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    if layout == "bshd":
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    with lib_attn.recording() as rec:
+        out = parallel.attention(q, k, v, kind=kind, layout=layout, role="dit", parallel=par, **kwargs)
+    if layout == "bshd":
+        out = out.transpose(1, 2)
+    if out.shape != want.shape:
+        return float("inf"), 0, {}
+    if want.numel() == 0:
+        return 0.0, sum(c for c, _ in rec.parallel.values()), rec.parallel
+    return rel(out, want), sum(c for c, _ in rec.parallel.values()), rec.parallel
+
+
+def cases(seed: int):
+    began = time.monotonic()
+    rank, world, _ = launch.init(timeout=60)
+    gen = torch.Generator().manual_seed(seed)
+    grids = [(u, world // u) for u in range(1, world + 1) if world % u == 0 and u in (1, 2, world)]
+    results = []
+    for u, r in grids:
+        for uneven in ("pad", "ring") if u > 1 else ("pad",):
+            par = parallel.Parallel(ulysses=u, ring=r, timeout=30, uneven_heads=uneven)
+            for dtype in (torch.float32, torch.float64):
+                for kind in ("self", "cross", "joint", "joint-back"):
+                    for n in (8 * world, 5 * world + world - 1) + ((world - 1,) if kind == "self" else ()):
+                        for heads in (4, 3) if uneven == "pad" else (3,):
+                            err, counted, table = one_case(par, kind, n, heads, dtype, gen)
+                            modes_seen = sorted({key[2] for key in table})
+                            results.append({"grid": f"{u}x{r}", "uneven_heads": uneven, "dtype": str(dtype),
+                                            "kind": kind, "n": n, "heads": heads, "err": err, "counted": counted,
+                                            "modes": modes_seen,
+                                            "bytes": sum(b for _, b in table.values())})
+    par = parallel.Parallel(ring=world, timeout=30)
+    err, counted, table = one_case(par, "joint", 4 * world + 1, 4, torch.float32, gen, layout="bshd")
+    results.append({"grid": f"1x{world}", "kind": "joint bshd", "dtype": "torch.float32", "err": err,
+                    "counted": counted, "uneven_heads": "pad", "n": 4 * world + 1, "heads": 4,
+                    "modes": sorted({key[2] for key in table}), "bytes": sum(b for _, b in table.values())})
+    extra = {"results": results, "rank": rank, "world": world,
+             "zero_lse": _zero_lse_case(par, gen), "broken_merge": _broken_merge_case(par, gen)}
+    extra["mismatch"] = _mismatch_case(par, gen, seed)
+    with lib_attn.recording() as rec:
+        one_case(parallel.Parallel(timeout=30), "self", 4 * world, 4, torch.float32, gen)
+    extra["report"] = lib_attn.Report.from_recording(rec).to_dict()
+    extra["seconds"] = time.monotonic() - began
+    launch.report(extra)
+    launch.finish()
+
+
+def _zero_lse_case(par, gen) -> dict:
+    """A backend whose LSE form returns zeros must be caught by the LSE check, and the ring step
+    recomputed: the result stays right and the guard counts the catch."""
+    real = local.RUNNERS["sdpa"]
+
+    def zero_lse(q, k, v, scale):
+        out, lse = real(q, k, v, scale)
+        return out, torch.zeros_like(lse)
+    local.RUNNERS["sdpa"] = zero_lse
+    local.reset()
+    try:
+        with lib_attn.recording() as rec:
+            err, _, _ = one_case(par, "self", 6 * par.world + 1, 4, torch.float64, gen)
+    finally:
+        local.RUNNERS["sdpa"] = real
+        local.reset()
+    return {"err": err, "guard": [list(key) for key in rec.guard], "calls": [list(key) for key in rec.calls]}
+
+
+def _mismatch_case(par, gen, seed: int) -> dict:
+    """Rank 1 makes a call with other heads than the others: every rank must raise the same error at
+    once (from the shape exchange), and the group stays usable."""
+    start = time.monotonic()
+    try:
+        one_case(par, "self", 8 * par.world, 2 if par.rank == 1 else 4, torch.float32, gen)
+        error = ""
+    except parallel.ParallelError as exc:
+        error = str(exc)
+    seconds = time.monotonic() - start
+    # Rank 1 drew fewer random numbers: a generator seeded alike on every rank for the call after.
+    err, _, _ = one_case(par, "self", 8 * par.world, 4, torch.float64, torch.Generator().manual_seed(seed + 1))
+    return {"error": error, "seconds": seconds, "err_after": err}
+
+
+def _broken_merge_case(par, gen) -> float:
+    """The checks must be able to fail: with the merge keeping only the last partial output, the
+    error must be far above any bound."""
+    real = modes._merge
+    modes._merge = lambda acc, part: (part[0].to(part[1].dtype), part[1])
+    try:
+        err, _, _ = one_case(par, "self", 8 * par.world, 4, torch.float64, gen)
+    finally:
+        modes._merge = real
+    return err
+
+
+def fault(seed: int, how: str):
+    rank, world, _ = launch.init(timeout=30)
+    par = parallel.Parallel(ring=world, timeout=float(os.environ.get("PARALLEL_TIMEOUT", "3")))
+    gen = torch.Generator().manual_seed(seed)
+    start = time.monotonic()
+    error = ""
+    try:
+        if rank == 1 and how == "raise":
+            raise RuntimeError("injected failure on rank 1")
+        if rank == 1 and how == "step":
+            def failing(*args):
+                raise RuntimeError("injected failure inside a ring step on rank 1")
+            modes.attention_lse = failing
+        if rank == 1 and how == "stall":
+            time.sleep(float(os.environ.get("PARALLEL_STALL", "8")))
+        for _ in range(3):  # a generation goes on calling: a rank that was served before the fault is not spared
+            one_case(par, "self", 8 * world, 4, torch.float32, gen)
+    except Exception as exc:  # noqa: BLE001 - the test reads what each rank saw
+        error = f"{type(exc).__name__}: {exc}"
+    launch.report({"rank": rank, "error": error, "seconds": time.monotonic() - start})
+    os._exit(1 if error else 0)  # leave at once: a broken group must not hold the process at exit
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "cases":
+        cases(int(sys.argv[2]))
+    else:
+        fault(int(sys.argv[2]), sys.argv[3])

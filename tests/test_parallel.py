@@ -1,0 +1,129 @@
+"""Context-parallel attention (``lib_attn.parallel``) with real processes on gloo.
+
+Each world size is launched once (tests/parallel_cases.py, through ``launch.run_ranks``): every rank
+runs every mode of its grid (Ulysses, ring, Ulysses x ring), every kind of call (self, cross, joint
+with the text in front and at the back), even and uneven lengths (and fewer tokens than ranks),
+head counts that do and do not divide the Ulysses degree (padded, or run as a ring), in float32 and
+float64, on fresh random inputs, and compares its share of the output with a float64 reference of
+the whole call. The bounds are tied to the dtype: ``BOUND_EPS`` machine epsilons of it.
+"""
+import os
+import random
+
+import pytest
+import torch
+
+from lib_attn import Report
+from lib_attn.parallel import launch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CASES = os.path.join(HERE, "parallel_cases.py")
+BOUND_EPS = 100
+BOUNDS = {"torch.float32": BOUND_EPS * torch.finfo(torch.float32).eps,
+          "torch.float64": BOUND_EPS * torch.finfo(torch.float64).eps}
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+
+_runs: dict = {}
+
+
+def _cases(world: int):
+    """Every rank's results for ``world`` ranks (launched once per session), and the seed."""
+    if world not in _runs:
+        seed = random.SystemRandom().randrange(2**31)
+        _runs[world] = (launch.run_ranks(world, [CASES, "cases", str(seed)], timeout=240), seed)
+    ranks, seed = _runs[world]
+    for r in ranks:
+        assert r["returncode"] == 0 and r["result"], f"rank {r['rank']} of {world} (seed {seed}) failed:\n{r['output']}"
+    return [r["result"] for r in ranks], seed
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_mode_matches_one_process(world):
+    results, seed = _cases(world)
+    for res in results:
+        cases = res["results"]
+        bad = [c for c in cases if not c["err"] <= BOUNDS[c["dtype"]]]
+        assert bad == [], f"rank {res['rank']} of {world}, seed {seed}: {bad[:5]}"
+        # What was covered, so that a case silently dropped fails here.
+        grids = {c["grid"] for c in cases}
+        assert grids == ({"1x2", "2x1"} if world == 2 else {"1x4", "4x1", "2x2"})
+        assert {c["kind"] for c in cases} == {"self", "cross", "joint", "joint-back", "joint bshd"}
+        assert {c["dtype"] for c in cases} == set(BOUNDS)
+        assert any(c["n"] % world for c in cases) and any(c["n"] % world == 0 for c in cases)
+        assert any(c["n"] < world for c in cases)  # a rank with no token
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_call_is_counted_with_its_mode_and_traffic(world):
+    results, seed = _cases(world)
+    for res in results:
+        for c in res["results"]:
+            assert c["counted"] == 1, (seed, c)
+            if c["kind"] == "cross":
+                assert c["modes"] == ["local"] and c["bytes"] == 0, (seed, c)
+            elif c["n"] >= world:  # below that, a rank may have nothing to send
+                assert c["bytes"] > 0, (seed, c)
+        # Heads that do not divide: padded under "pad", a ring over every rank under "ring".
+        uneven = [c for c in res["results"] if c["heads"] == 3 and c["kind"] != "cross" and c["grid"] != f"1x{world}"]
+        assert uneven and all(c["modes"] == (["ring"] if c["uneven_heads"] == "ring" else
+                                             ["ulysses" if c["grid"] == f"{world}x1" else "ulysses-ring"])
+                              for c in uneven), uneven[:3]
+
+
+def test_the_readout_json_says_parallel_ranks_mode_and_bytes():
+    results, _ = _cases(2)
+    for res in results:
+        rows = res["report"]["parallel"]
+        assert len(rows) == 1
+        row = rows[0]
+        # One self call of 2 x 4 heads x 8 tokens x 8 dims in fp32, Ulysses over 2 ranks: q, k, v half out and
+        # the output half back, 4 tensors x 2 x 2 heads x 4 tokens x 8 x 4 bytes sent by each rank.
+        assert (row["mode"], row["ranks"], row["ulysses"], row["ring"], row["count"]) == ("ulysses", 2, 2, 1, 1)
+        assert row["bytes_sent"] == row["bytes_per_call"] == 4 * 2 * 2 * 4 * 8 * 4
+        again = Report.from_dict(res["report"])
+        assert again.to_dict()["parallel"] == rows
+
+
+def test_an_all_zero_lse_is_caught_and_the_step_recomputed():
+    results, seed = _cases(2)
+    for res in results:
+        zero = res["zero_lse"]
+        assert zero["err"] <= BOUNDS["torch.float64"], (seed, zero)
+        assert ["dit", "sdpa", "ring step: log-sum-exp is all zero", "next backend", True] in zero["guard"]
+        assert ["dit", "math"] in zero["calls"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_checks_can_fail(world):
+    # The same harness with the ring's merge broken reports an error far above any bound.
+    results, _ = _cases(world)
+    assert all(res["broken_merge"] > 1000 * BOUNDS["torch.float64"] for res in results)
+
+
+@pytest.mark.parametrize("how", ["raise", "step", "stall"])
+def test_a_rank_that_raises_or_stalls_ends_the_run_on_every_rank(how):
+    timeout = 2
+    ranks = launch.run_ranks(2, [CASES, "fault", "7", how], timeout=60,
+                             env={"PARALLEL_TIMEOUT": str(timeout), "PARALLEL_STALL": "3.5"})
+    for r in ranks:
+        assert r["returncode"] == 1 and r["result"], r
+    first, second = (r["result"] for r in ranks)
+    assert "ParallelError: rank 0 of 2" in first["error"] and "peer rank raised, left, or stalled" in first["error"]
+    assert first["seconds"] < timeout + 3, first
+    if how == "stall":
+        # The stalled rank finds its peer gone when it comes back: a clear error too, no hang.
+        assert "ParallelError: rank 1 of 2" in second["error"], second
+    else:
+        assert "injected failure" in second["error"], second
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_that_disagree_on_a_call_all_raise_the_same_error_at_once(world):
+    results, _ = _cases(world)
+    errors = [res["mismatch"]["error"] for res in results]
+    for res, error in zip(results, errors):
+        assert "the ranks disagree on this self call" in error and "differ in heads 4 vs 2" in error, error
+        assert res["mismatch"]["seconds"] < 10
+        assert res["mismatch"]["err_after"] <= BOUNDS["torch.float64"]  # the group still works
+    assert len({e.split(": ", 1)[1] for e in errors}) == 1  # the same words on every rank, after its name
