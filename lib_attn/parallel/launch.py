@@ -4,7 +4,7 @@
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; ``OMP_NUM_THREADS=1``
 unless set) and a file for each to report into; ``run_torchrun`` starts them through torchrun
 itself. A rank calls ``init()`` to join the group (NCCL when it has a GPU, else gloo), ``report(data)``
-to hand back a JSON-ready result and ``finish()`` to leave. Ranks still running after the time
+to hand back a JSON-ready result and ``finish()`` to leave the group and end. Ranks still running after the time
 allowed are ended (by their own process id), and the result says so.
 """
 from __future__ import annotations
@@ -103,13 +103,18 @@ def init(timeout: float = 120.0, backend: str | None = None):
 
 
 def finish() -> None:
-    """Leave the group: every rank waits for the others, then the group is destroyed before the
-    interpreter exits (gloo's threads, left to the interpreter's exit, can abort the process)."""
+    """Leave the group and end this rank's process: every rank waits for the others (none leaves while
+    another may still send to it), then the process ends at once, without the interpreter's exit.
+    Tearing the group down is where a rank can stay: gloo's threads left to the interpreter's exit can
+    abort the process, and once in CI on torch 2.1.2 a rank never ended after this barrier (its peers
+    had). What a rank hands back is written before (``report``)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def report(data) -> None:
