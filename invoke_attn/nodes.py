@@ -122,7 +122,7 @@ class AttentionReportInvocation(BaseInvocation):
     def invoke(self, context: InvocationContext) -> AttentionReportOutput:
         session = sessions.of(context, BACKEND_TYPE)
         if session is None:
-            report = lib_attn.Report(ran_on="InvokeAI's own attention", notes=(
+            report = lib_attn.Report(ran_on=sessions.OWN_ATTENTION, notes=(
                 f"nothing in this session is routed: add an Attention backend node, or set {choices.ENV_ROUTE}",))
         else:
             report = session.report()

@@ -34,6 +34,8 @@ from host_attn import readout
 from . import choices, targets, work
 
 METADATA_KEY = "attention"
+#: What ran attention in a session whose calls none went through the engine.
+OWN_ATTENTION = "InvokeAI's own attention"
 #: Sessions kept for their reports (the newest; a report node reads its own session's).
 KEEP = 32
 #: InvokeAI's ``attention_type`` values under which its SD1.5/SDXL UNet uses a processor of its own
@@ -56,7 +58,7 @@ class Session:
     def report(self) -> Report:
         report = Report.from_recording(self.recording, seconds=self.touched - self.started, vram=self.probe.stop())
         if not report.calls:
-            report = dataclasses.replace(report, ran_on="InvokeAI's own attention")
+            report = dataclasses.replace(report, ran_on=OWN_ATTENTION)
         return dataclasses.replace(report, notes=tuple(self.notes)) if self.notes else report
 
     def metadata(self) -> dict:

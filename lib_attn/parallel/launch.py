@@ -56,12 +56,7 @@ def run_ranks(n: int, argv: list, timeout: float = 120.0, env: dict | None = Non
             log.seek(0)
             text = log.read().decode("utf-8", "replace")
             log.close()
-            path = os.path.join(folder, f"rank{rank}.json")
-            result = None
-            if os.path.exists(path):
-                with open(path, encoding="utf-8") as f:
-                    result = json.load(f)
-            out.append({"rank": rank, "returncode": code, "result": result, "output": text[-4000:]})
+            out.append(_outcome(folder, rank, code, text))
         return out
 
 
@@ -78,15 +73,17 @@ def run_torchrun(n: int, argv: list, timeout: float = 120.0, env: dict | None = 
             code, text = done.returncode, done.stdout.decode("utf-8", "replace")
         except subprocess.TimeoutExpired as exc:
             code, text = None, (exc.stdout or b"").decode("utf-8", "replace")
-        out = []
-        for rank in range(n):
-            path = os.path.join(folder, f"rank{rank}.json")
-            result = None
-            if os.path.exists(path):
-                with open(path, encoding="utf-8") as f:
-                    result = json.load(f)
-            out.append({"rank": rank, "returncode": code, "result": result, "output": text[-4000:]})
-        return out
+        return [_outcome(folder, rank, code, text) for rank in range(n)]
+
+
+def _outcome(folder: str, rank: int, code, text: str) -> dict:
+    """What one rank left: its exit status, the result it reported (or None), the end of its output."""
+    path = os.path.join(folder, f"rank{rank}.json")
+    result = None
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            result = json.load(f)
+    return {"rank": rank, "returncode": code, "result": result, "output": text[-4000:]}
 
 
 def init(timeout: float = 120.0, backend: str | None = None):
