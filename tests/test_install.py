@@ -28,7 +28,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INSTALL_PY = os.path.join(ROOT, "install.py")
 WEBUI_ROOT = os.path.join(ROOT, "tests", "doubles", "a1111")
-LABELS = ("flash-attn", "xformers", "sageattention", "flash-attn-4", "kernel hub flash-attn2", "kernel hub flash-attn3",
+LABELS = ("flash-attn", "xformers", "sageattention", "flash-attn-4", "comfy-kitchen", "kernel hub flash-attn2", "kernel hub flash-attn3",
           "kernel hub sage-attention")
 
 
@@ -786,3 +786,38 @@ def test_hub_fetch_on_an_offline_machine_says_so_and_changes_nothing(env, wheels
     line = line_for(out, "kernel hub flash-attn2")
     assert "network failure: could not reach huggingface.co" in line and "offline" in line, line
     assert "Nothing was changed" in line
+
+
+# ---------------------------------------------------------------------------------------------
+# comfy-kitchen: offered from PyPI outside ComfyUI (ComfyUI 0.19+ installs it itself)
+# ---------------------------------------------------------------------------------------------
+
+def test_comfy_kitchen_is_offered_and_installed_from_pypi_with_torch_held(env, wheels, tmp_path):
+    env.add_torch("2.10.0+cu130", "13.0")
+    make_wheel(wheels, "comfy-kitchen", "0.2.40", {"comfy_kitchen/__init__.py": ""})
+
+    code, out, commands = run_install(env.python, tmp_path, wheels)
+    status = line_for(out, "comfy-kitchen")
+    assert "not installed" in status and "ATTN_INSTALL=comfy-kitchen" in status, status
+    assert "ComfyUI 0.19 and later install it themselves" in status, status
+
+    code, out, commands = run_install(env.python, tmp_path, wheels, ATTN_INSTALL="ck")
+
+    assert code == 0, out
+    assert len(commands) == 1 and '"comfy-kitchen>=0.2.40"' in commands[0], commands
+    assert "--only-binary=:all:" in commands[0] and "-c" in commands[0].split(), commands
+    assert "0.2.40 installed and imports; torch stays 2.10.0+cu130" in line_for(out, "comfy-kitchen"), out
+    assert env.dist_version("comfy-kitchen") == "0.2.40" and env.dist_version("torch") == "2.10.0+cu130"
+
+
+def test_a_comfy_kitchen_without_the_attention_kernels_is_named_and_left_alone(env, wheels, tmp_path):
+    env.add_torch("2.10.0+cu130", "13.0")
+    env.add_files("comfy-kitchen", "0.2.8", {"comfy_kitchen/__init__.py": ""})
+
+    code, out, commands = run_install(env.python, tmp_path, wheels, ATTN_INSTALL="comfy-kitchen")
+    assert code == 0 and commands == [], out
+    assert "0.2.8 already installed; nothing to do" in line_for(out, "comfy-kitchen"), out
+
+    code, out, commands = run_install(env.python, tmp_path, wheels)
+    status = line_for(out, "comfy-kitchen")
+    assert "0.2.8 is installed; its INT8 attention and Sol-Attn need 0.2.40 or later" in status, status

@@ -12,12 +12,15 @@ webui-user.bat / webui-user.sh):
                                            the newest release with a wheel for this torch, xformers
                                            paired with this torch, SageAttention 1.0.6 from PyPI
   ATTN_INSTALL=flash-attn-4                FlashAttention-4 from PyPI (Hopper and Blackwell, Linux)
+  ATTN_INSTALL=comfy-kitchen               comfy-kitchen from PyPI: INT8 attention and Sol-Attn (ComfyUI
+                                           0.19+ installs it itself)
   ATTN_INSTALL=hub-flash-attn2             the `kernels` package and the Hugging Face kernel hub's
   ATTN_INSTALL=hub-flash-attn3             FA2 / FA3 / SageAttention build for this torch and CUDA
   ATTN_INSTALL=hub-sage                    (builds exist where no wheel does: torch 2.9+, CUDA 13, Windows)
   ATTN_WHEEL_FLASH_ATTN=<file or URL>      use this wheel instead of the default source
   ATTN_WHEEL_XFORMERS=<file or URL>
   ATTN_WHEEL_SAGE=<file or URL>            (SageAttention 2.2 comes only this way)
+  ATTN_WHEEL_COMFY_KITCHEN=<file or URL>
   ATTN_INSTALL_DRY_RUN=1                   print the pip command, run nothing
 
 Every install runs pip with `--only-binary=:all:` (never a source build) and a constraint file

@@ -14,7 +14,7 @@ import tempfile
 
 from .probe import (dist_version, flash_attn_choice, linux, linux_x86_64, python_tag, say, torch_requirement_mismatch,
                     triton_installed)
-from .wheels import (BACKENDS, ENGINE_ID, FA4_REQUIREMENT, FLASH_ATTN_WHEEL_URL, HUB_FETCH, HUB_REPOS, PYTORCH_INDEX,
+from .wheels import (BACKENDS, COMFY_KITCHEN_REQUIREMENT, ENGINE_ID, FA4_REQUIREMENT, FLASH_ATTN_WHEEL_URL, HUB_FETCH, HUB_REPOS, PYTORCH_INDEX,
                      SAGE_1_WARNING, SAGE_PYPI, XFORMERS_FOR_TORCH, XFORMERS_STABLE_ABI)
 
 #: The extension's folder, which the self-test puts on ``sys.path`` to import the engine.
@@ -122,6 +122,10 @@ def install_plan(backend, torch, python):
             return None, f"FlashAttention-4's CuTe DSL has Linux wheels only, and this is {platform.system()}", None
         extra = "[cu13]" if int(torch.cuda.split(".")[0]) >= 13 else ""
         return FA4_REQUIREMENT.format(extra=extra), "", "FlashAttention-4 from PyPI"
+    if backend.id == "comfy-kitchen":
+        if torch.hip:
+            return None, "this installer offers comfy-kitchen for CUDA builds of torch only", None
+        return COMFY_KITCHEN_REQUIREMENT, "", "comfy-kitchen from PyPI (INT8 attention and Sol-Attn)"
     if backend.id in HUB_REPOS:
         if torch.hip:
             return None, "this installer only fetches the hub's CUDA builds", None

@@ -10,10 +10,11 @@ import platform
 import re
 import sys
 
-from .wheels import (HUB_REPOS, SAGE_1_WARNING, TRITON_DISTS, flash_attn_coverage,
+from .wheels import (COMFY_KITCHEN_REQUIREMENT, HUB_REPOS, SAGE_1_WARNING, TRITON_DISTS, flash_attn_coverage,
                      flash_attn_release)
 
-TAG = "[flash-attention]"  # the runtime's prefix too
+TAG = "[flash-attention]"
+COMFY_KITCHEN_MINIMUM = COMFY_KITCHEN_REQUIREMENT.split(">=")[1]  # the runtime's prefix too
 
 
 def say(backend, text):
@@ -186,6 +187,9 @@ def status(backend, torch):
                 return f"{head}; its CuTe DSL has Linux wheels only, and this is {platform.system()}"
             return (f"{head}. To install FlashAttention-4 from PyPI for {torch.describe()}, "
                     f"set ATTN_INSTALL={backend.id} and restart")
+        if backend.id == "comfy-kitchen":
+            return (f"{head}. To install comfy-kitchen's wheel from PyPI (INT8 attention and Sol-Attn) for "
+                    f"{torch.describe()}, set ATTN_INSTALL={backend.id} and restart")
         if backend.id in HUB_REPOS:
             return (f"{head}. To fetch the kernel hub's {HUB_REPOS[backend.id]} build for {torch.describe()} "
                     f"(the kernels package and one build; nothing is downloaded otherwise), "
@@ -202,6 +206,9 @@ def status(backend, torch):
         return f"{installed} is installed, but Triton is not: sage kernels cannot run without it"
     if backend.dist == "sageattention" and installed.startswith("1."):
         return f"{installed} is installed; {SAGE_1_WARNING}"
+    if backend.id == "comfy-kitchen" and _release_key(installed) < _release_key(COMFY_KITCHEN_MINIMUM):
+        return (f"{installed} is installed; its INT8 attention and Sol-Attn need {COMFY_KITCHEN_MINIMUM} or later "
+                f"(ComfyUI updates it with its requirements; elsewhere: pip install -U comfy-kitchen)")
     if backend.id in HUB_REPOS:
         return (f"kernels {installed} is installed: the engine takes {HUB_REPOS[backend.id]} from the local cache "
                 f"when it holds a build for this torch (see the doctor command); ATTN_INSTALL={backend.id} fetches it")

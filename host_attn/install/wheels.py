@@ -104,6 +104,12 @@ FA4_REQUIREMENT = "flash-attn-4{extra}>=4.0.0b1"
 # The Hugging Face kernel hub: the `kernels` package downloads a repository's build for the running
 # torch, CUDA and platform into the Hugging Face cache, where the engine finds it (never downloading
 # anything itself). Builds exist for torch releases flash-attn has no wheel for.
+# comfy-kitchen on PyPI (ComfyUI's kernel library; ComfyUI 0.19 and later install it with their
+# requirements): wheels per CPython (cp310, cp311, cp312-abi3) for Linux x86-64 and Windows, with the
+# compiled CUDA (and HIP) extension inside. The extension reaches tensors through DLPack, and the wheel
+# requires no torch release. 0.2.40 is the first with both INT8 attention and Sol-Attn.
+COMFY_KITCHEN_REQUIREMENT = "comfy-kitchen>=0.2.40"
+
 HUB_REPOS = {"hub-flash-attn2": "kernels-community/flash-attn2", "hub-flash-attn3": "kernels-community/flash-attn3",
              "hub-sage": "kernels-community/sage-attention"}
 HUB_FETCH = """
@@ -142,6 +148,9 @@ BACKENDS = (
     Backend("flash-attn-4", "flash-attn-4", "flash-attn-4", "flash_attn.cute",
             ("flash-attn-4", "flash_attn_4", "fa4"), "ATTN_WHEEL_FLASH_ATTN_4",
             "NVIDIA Hopper (sm90) or Blackwell (sm100/sm120), fp16/bf16, Linux"),
+    Backend("comfy-kitchen", "comfy-kitchen", "comfy-kitchen", "comfy_kitchen",
+            ("comfy-kitchen", "comfy_kitchen", "kitchen", "ck", "ck-int8"), "ATTN_WHEEL_COMFY_KITCHEN",
+            "an NVIDIA GPU: INT8 attention from Turing (sm75); ComfyUI 0.19 and later install it themselves"),
     Backend("hub-flash-attn2", "kernel hub flash-attn2", "kernels", "kernels",
             ("hub-flash-attn2", "hub", "hub-fa2"), "",
             "the kernels package and a hub build for this torch and CUDA; NVIDIA Ampere (sm80) or newer"),
@@ -154,4 +163,4 @@ BACKENDS = (
             "(its SageAttention 3 on sm120)"),
 )
 #: The engine backend each installable one is used through.
-ENGINE_ID = {"hub-flash-attn2": "flash-attn", "hub-flash-attn3": "flash-attn", "hub-sage": "sage"}
+ENGINE_ID = {"comfy-kitchen": "ck-int8", "hub-flash-attn2": "flash-attn", "hub-flash-attn3": "flash-attn", "hub-sage": "sage"}

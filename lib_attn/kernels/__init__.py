@@ -11,6 +11,7 @@ from . import hub
 from .base import Backend, Status
 from .flash import FlashAttn
 from .flash4 import FlashAttn4
+from .kitchen import CkInt8
 from .math import Math
 from .sage import Sage, SageCuda, SageFp8, SageFp8pp, SageTriton
 from .sage3 import Sage3
@@ -20,7 +21,7 @@ from .xformers import Xformers
 REGISTRY: dict[str, Backend] = {
     b.id: b
     for b in (FlashAttn(), FlashAttn4(), SdpaCudnn(), SdpaFlash(), SdpaEfficient(), Xformers(), Sage(), SageTriton(),
-              SageCuda(), SageFp8(), SageFp8pp(), Sage3(), Sdpa(), SdpaMath(), Math())
+              SageCuda(), SageFp8(), SageFp8pp(), Sage3(), CkInt8(), Sdpa(), SdpaMath(), Math())
 }
 BUILTIN_IDS = tuple(REGISTRY)
 
