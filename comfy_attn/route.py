@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextvars
 import importlib
+import inspect
 import sys
 
 import lib_attn
@@ -53,12 +54,35 @@ _vae_config: contextvars.ContextVar = contextvars.ContextVar("lib_attn_vae_confi
 _blocks = Patches("comfy-vae")
 _global = Patches("comfy-global")
 _functions: dict = {}
+_consults: dict = {}
 
 
 def precision():
     """ComfyUI's ``get_attn_precision(requested, dtype)``, called as ComfyUI defines it."""
     attention = importlib.import_module(SOURCE)
     return convention.PrecisionRule(getattr(attention, "get_attn_precision", None), "ComfyUI")
+
+
+def consults_precision(func) -> bool:
+    """Whether ComfyUI's attention function ``func`` acts on ``attn_precision``: its basic, split and
+    sub-quadratic functions ask ``get_attn_precision`` and upcast; PyTorch's, xformers', flash-attn's
+    and SageAttention's run in the inputs' dtype whatever the call asks. A function that cannot be
+    read is taken to act on it."""
+    try:
+        return _consults[func]
+    except (KeyError, TypeError):
+        pass
+    code = getattr(inspect.unwrap(func), "__code__", None)
+    found = code is None or "get_attn_precision" in code.co_names
+    try:
+        _consults[func] = found
+    except TypeError:
+        pass
+    return found
+
+
+def _no_upcast(requested, dtype):
+    return None
 
 
 def fp32_rule(fp32: str | None):
@@ -68,14 +92,18 @@ def fp32_rule(fp32: str | None):
     return rule
 
 
-def function(role: str, fp32: str | None = None):
-    """The engine's attention function for ``role`` (ComfyUI's form; see ``host_attn.convention``)."""
-    key = (role, fp32)
+def function(role: str, fp32: str | None = None, upcasts: bool = True):
+    """The engine's attention function for ``role`` (ComfyUI's form; see ``host_attn.convention``).
+    ``upcasts``: the ComfyUI function the call stands in for acts on ``attn_precision``
+    (``consults_precision``); where it does not, a call asking for fp32 runs in its own dtype as there,
+    unless the node's fp32 setting is given (then it runs in fp32 under that setting)."""
+    key = (role, fp32, upcasts)
     if key not in _functions:
         if role == "vae":
             _functions[key] = convention.make_spatial_function(precision(), fp32_rule(fp32))
         else:
-            _functions[key] = convention.make_heads_function(role, precision(), fp32_rule(fp32))
+            rule = precision() if upcasts or fp32 else _no_upcast
+            _functions[key] = convention.make_heads_function(role, rule, fp32_rule(fp32))
     return _functions[key]
 
 
@@ -92,10 +120,10 @@ def role_of(model_patcher) -> str:
 def make_override(role: str, fp32: str | None = None):
     """``optimized_attention_override``: ComfyUI calls it as ``override(func, *args, **kwargs)`` with
     the arguments of the attention function ``func``; the engine serves the call instead."""
-    serve = function(role, fp32)
+    upcasting, own_dtype = function(role, fp32), function(role, fp32, upcasts=False)
 
     def override(func, *args, **kwargs):
-        return serve(*args, **kwargs)
+        return (upcasting if consults_precision(func) else own_dtype)(*args, **kwargs)
 
     override.__qualname__ = override.__name__ = f"lib_attn_{role}_override"
     return override
@@ -203,16 +231,17 @@ def route_everything(config: dict | None = None) -> list[str]:
         lib_attn.configure(**config)
     if not _global.active:
         wrap = getattr(attention, "wrap_attn", None)
+        upcasts = consults_precision(attention.optimized_attention)
         for _, module, name in copies(attention, NAMES, prefix="comfy"):
-            _global.patch(module, name, _global_function("unet" if module is attention else "dit", wrap))
+            _global.patch(module, name, _global_function("unet" if module is attention else "dit", wrap, upcasts))
     route_vae_blocks()
     return _global.targets() + _blocks.targets()
 
 
-def _global_function(role: str, wrap):
-    key = ("global", role)
+def _global_function(role: str, wrap, upcasts: bool = True):
+    key = ("global", role, upcasts)
     if key not in _functions:
-        serve = function(role)
+        serve = function(role, upcasts=upcasts)
 
         def attention_function(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
                                skip_output_reshape=False, **kwargs):

@@ -7,8 +7,10 @@ ComfyUI's::
     fn(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kwargs)
 
 so one adapter serves every host: Forge's narrower calls fit it, and keyword arguments it does not
-know (ComfyUI's ``transformer_options``, ``_inside_attn_wrapper``) are accepted and ignored. Every
-call asks the engine, so a backend change between generations needs no re-patching.
+know (ComfyUI's ``transformer_options``, ``_inside_attn_wrapper``) are accepted and ignored.
+ComfyUI's ``low_precision_attention=False`` (calls whose model breaks under 8-bit attention, which
+ComfyUI's SageAttention function sends to PyTorch's) is honoured: the call runs on an exact kernel.
+Every call asks the engine, so a backend change between generations needs no re-patching.
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ def _upcast(tensors, upcast: bool):
 
 
 def heads_attention(q, k, v, heads: int, mask=None, *, role: str, upcast: bool = False,
-                    skip_reshape: bool = False, skip_output_reshape: bool = False, fp32_rule=keep_fp32):
+                    skip_reshape: bool = False, skip_output_reshape: bool = False, fp32_rule=keep_fp32,
+                    exact: bool = False):
     """Multi-head attention in the hosts' convention, in q's dtype.
 
     q: ``(b, n, heads*d)``, k/v: ``(b, m, heads*d)``; with ``skip_reshape`` all three are already
@@ -51,6 +54,7 @@ def heads_attention(q, k, v, heads: int, mask=None, *, role: str, upcast: bool =
     or additive, shaped ``(n, m)``, ``(b|1, n, m)`` or ``(b|1, heads|1, n, m)``, as PyTorch's SDPA reads
     it. Returns ``(b, n, heads*d)``, or ``(b, heads, n, d)`` with ``skip_output_reshape``.
     ``upcast`` runs the attention in fp32; ``fp32_rule(upcast)`` gives the per-call fp32 policy then.
+    ``exact`` keeps the call off approximate kernels.
     """
     dtype = q.dtype
     b = q.shape[0]
@@ -63,7 +67,7 @@ def heads_attention(q, k, v, heads: int, mask=None, *, role: str, upcast: bool =
     q, k, v = _upcast((q, k, v), upcast)
     if mask is not None and mask.dim() == 3:
         mask = mask.unsqueeze(1)  # (b, n, m) has no heads axis: it applies to every head
-    out = lib_attn.attention(q, k, v, layout=layout, mask=mask, role=role, fp32=fp32_rule(upcast))
+    out = lib_attn.attention(q, k, v, layout=layout, mask=mask, role=role, fp32=fp32_rule(upcast), exact=exact)
     if skip_output_reshape:
         out = out if skip_reshape else out.transpose(1, 2)
         return out.to(dtype)
@@ -120,7 +124,8 @@ def make_heads_function(role: str, precision: PrecisionRule | None = None, fp32_
                            skip_output_reshape=False, **kwargs):
         wanted = precision(attn_precision, q.dtype) if precision is not None else attn_precision
         return heads_attention(q, k, v, heads, mask, role=role, upcast=wanted == torch.float32,
-                               skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape, fp32_rule=fp32_rule)
+                               skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape, fp32_rule=fp32_rule,
+                               exact=kwargs.get("low_precision_attention", True) is False)
 
     attention_function.__qualname__ = attention_function.__name__ = f"lib_attn_{role}_attention"
     return attention_function

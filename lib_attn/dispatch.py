@@ -63,7 +63,7 @@ _scope_get = _scope.get
 _GLOBAL = _scope.GLOBAL
 
 
-def _key(q, k, v, mask, layout, role, backend, fp32):
+def _key(q, k, v, mask, layout, role, backend, fp32, exact=False):
     """Everything a decision depends on, read from metadata only. Strides are not in it (every
     backend takes strided views); k's and v's devices are read as their index, which is cheaper and,
     with q's full device, tells a mixed call from a valid one. The schedule's token (None without a
@@ -74,7 +74,7 @@ def _key(q, k, v, mask, layout, role, backend, fp32):
     return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
             mask if mask is None else (mask.shape, mask.dtype, mask.get_device()),
             _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-            (scope.config or _GLOBAL.config).token, scope.where.token, layout, role, backend, fp32)
+            (scope.config or _GLOBAL.config).token, scope.where.token, exact, layout, role, backend, fp32)
 
 
 def _scheduled(cfg, spec: CallSpec):
@@ -98,7 +98,7 @@ def _with_rule(cfg, role: str, rule):
     return cfg if rule is None else replace(cfg, preference={**cfg.preference, role: rule.chain})
 
 
-def _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key, measure=True) -> Decision:
+def _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key, measure=True, exact=False) -> Decision:
     """Validate a call and decide for it; ``key`` is its signature (None when it has none).
     ``measure``: tuning may run kernels on this call's inputs (not for ``explain``)."""
     validate(q, k, v, mask, layout, role, scale)
@@ -106,7 +106,7 @@ def _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key, measure
         raise ValueError(f"unknown backend id {backend!r}; valid ids: {', '.join(REGISTRY)}")
     if fp32 is not None and fp32 not in _config.FP32_POLICIES:
         raise ValueError(f"fp32 policy {fp32!r} is not one of {', '.join(_config.FP32_POLICIES)}")
-    cfg, spec = _scheduled(_config.current(), spec_of(q, k, v, mask, layout, role))
+    cfg, spec = _scheduled(_config.current(), spec_of(q, k, v, mask, layout, role, exact))
     chain, explicit = chain_for(role, spec.device, backend, cfg, spec)
     fp32 = fp32 or cfg.fp32
     excluded = _guarded_out(spec, fp32, cfg)
@@ -133,48 +133,50 @@ def _guarded_out(spec: CallSpec, fp32: str, cfg) -> dict | None:
     return {bid: reason for bid, reason in tuning_file.rejections(spec, fp32).items() if bid != "math"} or None
 
 
-def explain(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", backend=None, fp32=None) -> Decision:
+def explain(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", backend=None, fp32=None,
+            exact=False) -> Decision:
     """The decision ``attention`` would take for this call, without running a kernel.
 
     After the signature's first call this is the cached decision. Before it, with tuning on, it is
     the stored ranking when the tuning file has one, else the fixed order (``source == "order"``).
     """
     try:
-        key = _key(q, k, v, mask, layout, role, backend, fp32)
+        key = _key(q, k, v, mask, layout, role, backend, fp32, exact)
         found = _cache.get(key)
     except (AttributeError, TypeError, IndexError, RuntimeError):
         key = found = None
-    return found or _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key, measure=False)
+    return found or _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key, measure=False, exact=exact)
 
 
-def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", backend=None, fp32=None):
+def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", backend=None, fp32=None, exact=False):
     """Attention over q, k, v on the fastest backend that takes the call, falling back per call.
 
     q: (b, h, q_len, d), k and v: (b, h, kv_len, d) in layout ``"bhsd"``; (b, seq, h, d) in ``"bshd"``.
     Strided views are fine. ``mask`` follows F.scaled_dot_product_attention (bool: True takes part;
     float: added to the scores), broadcastable to (b, h, q_len, kv_len). ``scale`` defaults to
     1/sqrt(d). ``role`` (unet, dit, vae, text) selects the chain; ``backend`` puts one id first for
-    this call; ``fp32`` ("cast"/"keep") overrides the fp32 policy for this call.
+    this call; ``fp32`` ("cast"/"keep") overrides the fp32 policy for this call; ``exact`` keeps the
+    call off every ``approximate`` backend (each passed over with that reason).
     Returns (b, h, q_len, d) or (b, q_len, h, d) as the input, in q's dtype.
 
     Under torch.compile the call is one opaque operator (``traced``), decided when it runs.
     """
     if _compiling():
-        return traced(q, k, v, mask, layout, scale, role, backend, fp32)
+        return traced(q, k, v, mask, layout, scale, role, backend, fp32, exact)
     scope = _scope_get() or _GLOBAL
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
                mask if mask is None else (mask.shape, mask.dtype, mask.get_device()),
                _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-               (scope.config or _GLOBAL.config).token, scope.where.token, layout, role, backend, fp32)
+               (scope.config or _GLOBAL.config).token, scope.where.token, exact, layout, role, backend, fp32)
         dec = _cache[key]
     except KeyError:
-        dec = _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key)
+        dec = _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key, exact=exact)
         if dec.final:
             _cache[key] = dec
     except (AttributeError, TypeError, RuntimeError):  # not tensors (or an unhashable argument)
         key = None
-        dec = _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key)
+        dec = _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key, exact=exact)
     if dec.fallback_cell is not None:
         _on_fallback(dec)
     dec.countdown -= 1
@@ -294,7 +296,7 @@ def _caught(key, dec: Decision, reason: str, late: int, q, k, v, mask, scale):
         if cached.backend == dec.backend and cached.spec == spec:
             _cache.pop(other, None)
     chain, explicit = chain_for(role, spec.device, backend, cfg, spec)
-    new = decide(replace(spec_of(q, k, v, mask, layout, role), rule=spec.rule), chain, fp32=fp32, explicit=explicit,
+    new = decide(replace(spec_of(q, k, v, mask, layout, role, spec.exact), rule=spec.rule), chain, fp32=fp32, explicit=explicit,
                  failed=_failed.get(key), excluded=_guarded_out(spec, fp32, cfg))
     if key is not None:
         _cache[key] = new
@@ -367,7 +369,7 @@ def _recover(key, dec: Decision, exc: Exception, q, k, v, mask, scale):
     layout, role, backend, fp32 = key[-4:]
     chain, explicit = chain_for(role, dec.spec.device, backend, cfg, dec.spec)
     # A fresh spec carries this call's tensors, so PyTorch's own checks speak for the next backend.
-    new = decide(replace(spec_of(q, k, v, mask, layout, role), rule=dec.spec.rule), chain, fp32=fp32 or cfg.fp32,
+    new = decide(replace(spec_of(q, k, v, mask, layout, role, dec.spec.exact), rule=dec.spec.rule), chain, fp32=fp32 or cfg.fp32,
                  explicit=explicit, failed=failed, excluded=_guarded_out(dec.spec, fp32 or cfg.fp32, cfg))
     _cache[key] = new
     if new.fallback_cell is not None:

@@ -23,16 +23,16 @@ from . import _compat
 _engine = None
 
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? mask, str layout, float? scale, str role, str? backend, "
-          "str? fp32) -> Tensor")
+          "str? fp32, bool exact=False) -> Tensor")
 
 
-def _run(q, k, v, mask, layout, scale, role, backend, fp32):
-    out = _engine(q, k, v, layout=layout, mask=mask, scale=scale, role=role, backend=backend, fp32=fp32)
+def _run(q, k, v, mask, layout, scale, role, backend, fp32, exact=False):
+    out = _engine(q, k, v, layout=layout, mask=mask, scale=scale, role=role, backend=backend, fp32=fp32, exact=exact)
     # The compiled graph reads the result with the fake's (contiguous) strides, whichever backend ran.
     return out if out.is_contiguous() else out.contiguous()
 
 
-def _fake(q, k, v, mask, layout, scale, role, backend, fp32):
+def _fake(q, k, v, mask, layout, scale, role, backend, fp32, exact=False):
     return q.new_empty(q.shape)
 
 
@@ -68,7 +68,7 @@ def _backward(ctx, grad):
     grads = _backward_math(q, k, v, mask, ctx.scale, grad)
     if ctx.layout == "bshd":
         grads = tuple(g.transpose(1, 2) for g in grads)
-    return grads + (None,) * 6
+    return grads + (None,) * 7
 
 
 _op = None
@@ -83,13 +83,13 @@ def _register():
     return torch._dynamo.disable(_run)
 
 
-def traced(q, k, v, mask, layout, scale, role, backend, fp32):
+def traced(q, k, v, mask, layout, scale, role, backend, fp32, exact=False):
     """The call as the graph holds it: the operator, which runs the engine when the graph runs."""
-    return _op(q, k, v, mask, layout, None if scale is None else float(scale), role, backend, fp32)
+    return _op(q, k, v, mask, layout, None if scale is None else float(scale), role, backend, fp32, bool(exact))
 
 
 def operator(engine):
-    """Make ``engine`` (the eager ``attention(q, k, v, *, layout, mask, scale, role, backend, fp32)``)
+    """Make ``engine`` (the eager ``attention(q, k, v, *, layout, mask, scale, role, backend, fp32, exact)``)
     what the operator runs; returns ``traced``, the call a traced ``attention`` makes instead."""
     global _engine, _op
     _engine = engine

@@ -43,6 +43,8 @@ class CallSpec:
     requires_grad: bool = False
     tensors: tuple | None = field(default=None, compare=False, repr=False)
     rule: tuple | None = field(default=None, compare=False)
+    #: The caller asks for exact attention: an ``approximate`` backend does not take the call.
+    exact: bool = False
 
     def with_dtype(self, dtype: torch.dtype) -> "CallSpec":
         """The same call after a cast to ``dtype`` (PyTorch's checks then see no tensors)."""
@@ -120,7 +122,7 @@ def mask_kind(mask) -> str:
     return KEY_PADDING if shape[1] == 1 and shape[2] == 1 else DENSE
 
 
-def spec_of(q, k, v, mask, layout: str, role: str) -> CallSpec:
+def spec_of(q, k, v, mask, layout: str, role: str, exact: bool = False) -> CallSpec:
     """Describe a validated call; q, k, v are in ``layout``."""
     if layout == "bshd":
         b, n, h, d = q.shape
@@ -141,4 +143,5 @@ def spec_of(q, k, v, mask, layout: str, role: str) -> CallSpec:
         role=role,
         requires_grad=grad,
         tensors=(bq, bk, bv, mask),
+        exact=exact,
     )

@@ -606,3 +606,114 @@ def test_a_bad_default_schedule_is_said_at_startup_and_not_used(comfy_factory, c
     with lib_attn.recording() as rec:
         sample(unet_patcher(), prompt_id="b1", steps=2)
     assert rec.calls == {("unet", "sdpa"): 4} and not rec.rules
+
+
+# --- calls ComfyUI keeps off 8-bit kernels, and the precision ComfyUI's own function runs in ----------------
+
+@pytest.fixture
+def sage_on_cpu(monkeypatch):
+    """SageAttention as if installed and able to run here: its stand-in kernel is exact attention, so what
+    is tested is which backend a call reaches, never the kernel's numbers."""
+    from lib_attn.kernels import REGISTRY, Status, reset_probes
+    sage = REGISTRY["sage"]
+
+    def kernel(q, k, v, mask, scale):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    monkeypatch.setattr(sage, "devices", ("cpu",))
+    monkeypatch.setattr(sage, "dtypes", (torch.float32, torch.bfloat16))
+    monkeypatch.setattr(sage, "probe", lambda: Status(True, version="stand-in"))
+    monkeypatch.setattr(sage, "extra_reasons", lambda spec, asked: [])
+    monkeypatch.setattr(sage, "variant", lambda spec: "")
+    monkeypatch.setattr(sage, "runner", lambda spec: kernel)
+    reset_probes()
+    yield
+    monkeypatch.undo()
+    reset_probes()
+
+
+def heads_inputs(heads=4, d=16, n=12, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, n, heads * d, generator=gen, dtype=torch.float64) for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.view(1, n, heads, d).transpose(1, 2) for t in (q, k, v))).transpose(1, 2).reshape(1, n, heads * d)
+    return (q.float(), k.float(), v.float()), ref
+
+
+def test_sage_as_the_global_route_keeps_low_precision_false_calls_exact(comfy_factory, sage_on_cpu):
+    from lib_attn.kernels.base import EXACT_ASKED
+    _, _ = loaded(comfy_factory, argv=("--cpu", "--use-sage-attention"))
+    from comfy.ldm.modules import attention
+    assert lib_attn.config().preference["unet"] == ("sage",)
+    (q, k, v), ref = heads_inputs()
+    with lib_attn.recording() as rec:
+        exact = attention.optimized_attention(q, k, v, 4, low_precision_attention=False)   # as Hunyuan3D 2.1 asks
+        quantised = attention.optimized_attention(q, k, v, 4)
+    assert rel_err(exact, ref) <= FP32 and rel_err(quantised, ref) <= FP32
+    assert rec.calls == {("unet", "sdpa"): 1, ("unet", "sage"): 1}
+    assert rec.fallbacks == {("unet", "sage", EXACT_ASKED): 1}
+
+
+def test_sage_on_the_node_keeps_low_precision_false_calls_exact(comfy_factory, sage_on_cpu):
+    from lib_attn.kernels.base import EXACT_ASKED
+    _, nodes = loaded(comfy_factory)
+    from comfy.ldm.modules import attention
+    (routed,) = node(nodes, "FlashAttentionBackend", prompt_id="x1", model=unet_patcher(), tune="auto",
+                     **dict(BACKEND, backend="sage"))
+    options = routed.model_options["transformer_options"]
+    (q, k, v), ref = heads_inputs()
+    from comfy_attn import run
+    from comfy_execution.utils import CurrentNodeContext
+    # What the node's sampling wrapper puts in force while its model samples.
+    with CurrentNodeContext("x1", "3"), run.segment({"preference": {"unet": ("sage",)}}), lib_attn.recording() as rec:
+        for low in (False, True):
+            out = attention.optimized_attention(q, k, v, 4, transformer_options=options, low_precision_attention=low)
+            assert rel_err(out, ref) <= FP32
+    assert rec.calls == {("unet", "sdpa"): 1, ("unet", "sage"): 1}
+    assert rec.fallbacks == {("unet", "sage", EXACT_ASKED): 1}
+    text = node(nodes, "FlashAttentionReport", prompt_id="x1", images=torch.zeros(1, 8, 8, 3))["ui"]["text"]
+    assert any(line.startswith(f"fallback UNet sage ×1: {EXACT_ASKED}") for line in text), text
+
+
+@pytest.mark.parametrize("fp32,comfy_function,dtype_seen", [
+    ("auto", "attention_pytorch", torch.bfloat16),      # ComfyUI's GPU function does not upcast: nor does the node
+    ("auto", "attention_sage", torch.bfloat16),
+    ("auto", "attention_sub_quad", torch.float32),      # ComfyUI's CPU function upcasts: so does the node
+    ("auto", "attention_basic", torch.float32),
+    ("keep", "attention_pytorch", torch.float32),       # the node's fp32 setting forces fp32
+])
+def test_fp32_precision_runs_as_comfyuis_own_function_would(comfy_factory, monkeypatch, fp32, comfy_function,
+                                                           dtype_seen):
+    _, nodes = loaded(comfy_factory)
+    from comfy.ldm.modules import attention
+    from host_attn import convention
+    seen = []
+    engine = lib_attn.attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((q.dtype, kwargs["fp32"]))
+        return engine(q, k, v, **kwargs)
+
+    monkeypatch.setattr(convention.lib_attn, "attention", spy)
+    (routed,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto", **dict(BACKEND, fp32=fp32))
+    options = routed.model_options["transformer_options"]
+    (q, k, v), ref = heads_inputs()
+    func = getattr(attention, comfy_function)   # the function ComfyUI hands the override is the one it chose
+    out = func(*(t.bfloat16() for t in (q, k, v)), 4, attn_precision=torch.float32, transformer_options=options,
+               low_precision_attention=True)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) <= 2e-2
+    assert seen == [(dtype_seen, None if fp32 != "auto" or dtype_seen != torch.float32 else "keep")]
+
+
+def test_global_route_runs_fp32_calls_as_comfyuis_chosen_function(comfy_factory, monkeypatch):
+    _, _ = loaded(comfy_factory, argv=("--cpu", "--use-pytorch-cross-attention"), env={"ATTN_COMFY_ROUTE": "auto"})
+    from comfy.ldm.modules import attention
+    from host_attn import convention
+    assert attention.optimized_attention.__wrapped__.__name__ == "lib_attn_unet_attention"
+    seen = []
+    engine = lib_attn.attention
+    monkeypatch.setattr(convention.lib_attn, "attention",
+                        lambda q, k, v, **kw: seen.append(q.dtype) or engine(q, k, v, **kw))
+    (q, k, v), _ = heads_inputs()
+    attention.optimized_attention(q.half(), k.half(), v.half(), 4, attn_precision=torch.float32)
+    assert seen == [torch.float16]

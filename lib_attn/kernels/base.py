@@ -95,6 +95,10 @@ def needs_grad(q, k, v) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
+#: Why an approximate kernel does not take a call that asks for exact attention.
+EXACT_ASKED = "approximate kernel: the call asks for exact attention"
+
+
 class Backend:
     """Base class of every backend, built-in or added with ``lib_attn.register_backend``.
 
@@ -161,6 +165,8 @@ class Backend:
             out.append(f"{spec.mask} attention mask not supported")
         if spec.requires_grad and not self.backward:
             out.append("no backward pass (inference only)")
+        if spec.exact and self.approximate:
+            out.append(EXACT_ASKED)
         # An AMD GPU is a "cuda" device to torch, but NVIDIA's architecture rules do not apply to it.
         out.extend(self.rocm_reasons(spec, asked) if spec.device.platform == "rocm" else self.extra_reasons(spec, asked))
         return out

@@ -141,6 +141,7 @@ def attention_sub_quad(query, key, value, heads, mask=None, attn_precision=None,
 @wrap_attn
 def attention_split(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
                     **kwargs):
+    attn_precision = get_attn_precision(attn_precision, q.dtype)
     return attention_basic(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape,
                            _inside_attn_wrapper=True)
 
@@ -166,6 +167,9 @@ def attention_xformers(q, k, v, heads, mask=None, attn_precision=None, skip_resh
 @wrap_attn
 def attention_sage(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
                    **kwargs):
+    if kwargs.get("low_precision_attention", True) is False:  # 0.19.3: such a call runs on PyTorch's
+        return attention_pytorch(q, k, v, heads, mask=mask, skip_reshape=skip_reshape,
+                                 skip_output_reshape=skip_output_reshape, **kwargs)
     from sageattention import sageattn
     q, k, v, _ = _split_heads(q, k, v, heads, skip_reshape)
     return _merge(sageattn(q, k, v, attn_mask=_sdpa_mask(mask), is_causal=False, tensor_layout="HND"),
