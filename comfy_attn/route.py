@@ -2,30 +2,35 @@
 
 * One model (the Attention backend node): ComfyUI wraps every attention function in ``wrap_attn``,
   which calls ``transformer_options["optimized_attention_override"](func, *args, **kwargs)`` when a
-  model's options carry one: every call of that model's forward (SD1.5/SDXL, Flux, SD3, Wan,
-  Qwen-Image, Lumina, HunyuanVideo, …) then reaches ``override``. An ``OUTER_SAMPLE`` wrapper puts
-  the node's configuration in force while that model samples and counts the run; while a schedule is
-  in force it also has the model's blocks tell the engine where they start
-  (``lib_attn.schedule.blocks``), and an ``APPLY_MODEL`` wrapper tells it the step of each model
-  call (``steps.model_call``).
+  call passes the model's options: most calls of most families (SD1.5/SDXL, Flux, SD3, Wan,
+  Qwen-Image, Lumina, HunyuanVideo, …) then reach ``override``. Calls that pass no options (PixArt,
+  Hunyuan-DiT, Ernie-Image, ACE-Step 1.5, Hunyuan3D 2.1, Wan Animate's face attention, MultiTalk's
+  audio attention, the SAG node's) reach the rebound module names below, which serve them for the
+  model being sampled. An ``OUTER_SAMPLE`` wrapper puts the node's configuration in force while that
+  model samples, says which model that is, and counts the run; while a schedule is in force it also
+  has the model's blocks tell the engine where they start (``lib_attn.schedule.blocks``), and an
+  ``APPLY_MODEL`` wrapper tells it the step of each model call (``steps.model_call``).
 * One VAE (the VAE attention backend node): VAE blocks store their function when built and no
   wrapper reaches them, so a class descriptor (``Patches.patch_stored``) gives them the engine's
   function while a routed VAE's encode or decode runs; the VAE object ComfyUI caches keeps its own.
+* Module names: every loaded ComfyUI module's ``optimized_attention`` / ``optimized_attention_masked``
+  that is ComfyUI's chosen function (the SAG node's module too, which ComfyUI loads as ``nodes_sag``)
+  is rebound, once a node or the global route is used, to a function wrapped in ComfyUI's own
+  ``wrap_attn`` (overrides still apply) that serves a call on the engine while a routed model samples
+  (its role), while a routed VAE runs (``vae``) or under the global route (the module's role), and
+  hands it to ComfyUI's function otherwise. Text, audio and image encoders keep ComfyUI's function.
 * Every model and VAE (the global route, ``ATTN_COMFY_ROUTE`` or ComfyUI's own
-  ``--use-flash-attention`` / ``--use-sage-attention`` with this package installed): every loaded
-  module's ``optimized_attention`` / ``optimized_attention_masked`` that is ComfyUI's chosen function
-  is rebound to the engine's, wrapped in ComfyUI's own ``wrap_attn`` so that overrides still apply,
-  and the VAE blocks see the engine's function always. No wrapper reaches every model, so the step
-  is followed from the attention calls (a new ``sigmas`` tensor is a new model call), and the blocks
-  are not known.
-
-Text encoders ask ``optimized_attention_for_device`` for their function and keep ComfyUI's.
+  ``--use-flash-attention`` / ``--use-sage-attention`` with this package installed): the module
+  names serve every call, and the VAE blocks see the engine's function always. No wrapper reaches
+  every model, so the step is followed from the attention calls (a new ``sigmas`` tensor is a new
+  model call; a call that passes no options has no step), and the blocks are not known.
 """
 from __future__ import annotations
 
 import contextvars
 import importlib
 import inspect
+import os
 import sys
 
 import lib_attn
@@ -46,13 +51,26 @@ VAE_BLOCKS = (
     ("comfy.ldm.cosmos.cosmos_tokenizer.layers3d", "CausalAttnBlock"),
     ("comfy.ldm.mmaudio.vae.vae_modules", "AttnBlock1D"),
 )
+#: ComfyUI's modules whose attention is an encoder's (text, audio, image) or no generation's: they keep
+#: ComfyUI's function.
+ENCODER_MODULES = ("comfy.text_encoders", "comfy.audio_encoders", "comfy.clip_model", "comfy.clip_vision",
+                   "comfy.image_encoders", "comfy.ldm.rt_detr")
+#: ComfyUI's modules whose attention serves a VAE (role ``vae`` under the global route).
+VAE_MODULES = ("comfy.ldm.genmo.vae", "comfy.ldm.cosmos.cosmos_tokenizer", "comfy.ldm.wan.vae",
+               "comfy.ldm.mmaudio.vae", "comfy.ldm.modules.diffusionmodules.model", "comfy.ldm.lightricks.vae")
+#: Modules outside ``comfy.ldm.modules.attention`` whose attention serves a UNet: the SAG node's (it
+#: replaces a UNet's middle self-attention).
+UNET_MODULES = ("nodes_sag",)
 WRAPPER_KEY = "flash_attention"
 UNET_CLASS = ("comfy.ldm.modules.diffusionmodules.openaimodel", "UNetModel")
 
 #: The configuration of the routed VAE whose encode/decode runs now (None: ComfyUI's own attention).
 _vae_config: contextvars.ContextVar = contextvars.ContextVar("lib_attn_vae_config", default=None)
+#: (role, fp32) of the model an Attention backend node routes, while it samples (None: no such model).
+_serving: contextvars.ContextVar = contextvars.ContextVar("lib_attn_comfy_serving", default=None)
 _blocks = Patches("comfy-vae")
-_global = Patches("comfy-global")
+_names = Patches("comfy-names")
+_everything = [False]   # the global route is on
 _functions: dict = {}
 _consults: dict = {}
 
@@ -72,6 +90,7 @@ def consults_precision(func) -> bool:
         return _consults[func]
     except (KeyError, TypeError):
         pass
+    func = getattr(func, "comfy_function", func)   # a rebound name stands for ComfyUI's function
     code = getattr(inspect.unwrap(func), "__code__", None)
     found = code is None or "get_attn_precision" in code.co_names
     try:
@@ -97,13 +116,20 @@ def function(role: str, fp32: str | None = None, upcasts: bool = True):
     ``upcasts``: the ComfyUI function the call stands in for acts on ``attn_precision``
     (``consults_precision``); where it does not, a call asking for fp32 runs in its own dtype as there,
     unless the node's fp32 setting is given (then it runs in fp32 under that setting)."""
-    key = (role, fp32, upcasts)
+    if role != "vae":
+        return _heads(role, fp32, upcasts)
+    key = (role, fp32)
     if key not in _functions:
-        if role == "vae":
-            _functions[key] = convention.make_spatial_function(precision(), fp32_rule(fp32))
-        else:
-            rule = precision() if upcasts or fp32 else _no_upcast
-            _functions[key] = convention.make_heads_function(role, rule, fp32_rule(fp32))
+        _functions[key] = convention.make_spatial_function(precision(), fp32_rule(fp32))
+    return _functions[key]
+
+
+def _heads(role: str, fp32: str | None = None, upcasts: bool = True):
+    """The engine's function of ComfyUI's ``(q, k, v, heads, ...)`` form for ``role`` (a VAE's too)."""
+    key = ("heads", role, fp32, upcasts)
+    if key not in _functions:
+        rule = precision() if upcasts or fp32 else _no_upcast
+        _functions[key] = convention.make_heads_function(role, rule, fp32_rule(fp32))
     return _functions[key]
 
 
@@ -129,21 +155,30 @@ def make_override(role: str, fp32: str | None = None):
     return override
 
 
-def make_sample_wrapper(config: dict):
-    """An ``OUTER_SAMPLE`` wrapper: the model samples under ``config``, counted in the run. While a
-    schedule is in force, the blocks of the model being sampled (the guider's, ``executor.class_obj``)
-    tell the engine where they start; no step is known before or after."""
+def make_sample_wrapper(config: dict, role: str = "unet", fp32: str | None = None):
+    """An ``OUTER_SAMPLE`` wrapper: the model samples under ``config``, counted in the run, and the
+    calls that pass no options are served as ``role`` with ``fp32``. While a schedule is in force, the
+    blocks of the model being sampled (the guider's, ``executor.class_obj``) tell the engine where
+    they start; no step is known before or after."""
     def wrapper(executor, *args, **kwargs):
-        with run.segment(config):
-            if lib_attn.config().schedule is None:
-                return executor(*args, **kwargs)
-            steps.leave()
-            try:
-                with schedule.blocks(executor.class_obj.model_patcher.model.diffusion_model):
-                    return executor(*args, **kwargs)
-            finally:
-                steps.leave()
+        token = _serving.set((role, fp32))
+        try:
+            return _sample(executor, config, *args, **kwargs)
+        finally:
+            _serving.reset(token)
     return wrapper
+
+
+def _sample(executor, config, *args, **kwargs):
+    with run.segment(config):
+        if lib_attn.config().schedule is None:
+            return executor(*args, **kwargs)
+        steps.leave()
+        try:
+            with schedule.blocks(executor.class_obj.model_patcher.model.diffusion_model):
+                return executor(*args, **kwargs)
+        finally:
+            steps.leave()
 
 
 def model_call_wrapper(executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options={},
@@ -158,12 +193,14 @@ def route_model(model_patcher, config: dict, fp32: str | None = None):
     """A clone of ``model_patcher`` whose attention runs on the engine under ``config``."""
     from comfy.patcher_extension import WrappersMP
 
+    rebind_names()
     model = model_patcher.clone()
+    role = role_of(model)
     options = model.model_options.setdefault("transformer_options", {})
-    options["optimized_attention_override"] = make_override(role_of(model), fp32)
+    options["optimized_attention_override"] = make_override(role, fp32)
     for kind in (WrappersMP.OUTER_SAMPLE, WrappersMP.APPLY_MODEL):
         model.remove_wrappers_with_key(kind, WRAPPER_KEY)
-    model.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, make_sample_wrapper(config))
+    model.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, make_sample_wrapper(config, role, fp32))
     model.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, model_call_wrapper)
     return model
 
@@ -171,7 +208,7 @@ def route_model(model_patcher, config: dict, fp32: str | None = None):
 # --- VAE blocks ---------------------------------------------------------------------------------------
 
 def _vae_routed() -> bool:
-    return _vae_config.get() is not None or _global.active
+    return _vae_config.get() is not None or _everything[0]
 
 
 def route_vae_blocks() -> list[str]:
@@ -195,15 +232,18 @@ VAE_METHODS = ("decode", "decode_tiled", "encode", "encode_tiled")
 
 def route_vae(vae, config: dict):
     """A copy of ComfyUI's ``VAE`` object whose encode/decode run its blocks on the engine under
-    ``config``; the original (which ComfyUI caches between graphs) is left as it is."""
+    ``config``; the original (which ComfyUI caches between graphs) is left as it is. A VAE another
+    node routed is routed afresh from its own methods: the last node in a chain wins, as with the
+    model nodes, and each encode or decode is one segment of the run."""
     import copy
 
     route_vae_blocks()
+    rebind_names()   # a video VAE's attention that calls ComfyUI's module function (Mochi's)
     routed = copy.copy(vae)
     for name in VAE_METHODS:
         method = getattr(vae, name, None)
         if method is not None:
-            setattr(routed, name, _in_vae_segment(method, config))
+            setattr(routed, name, _in_vae_segment(getattr(method, "vae_method", method), config))
     return routed
 
 
@@ -218,45 +258,111 @@ def _in_vae_segment(method, config: dict):
         finally:
             _vae_config.reset(token)
     routed.__name__ = getattr(method, "__name__", "routed")
+    routed.vae_method = method
     return routed
 
 
-# --- every model: the global route --------------------------------------------------------------------
+# --- module names and the global route ----------------------------------------------------------------
+
+def _comfy_model_module(module_name: str, module, root: str) -> bool:
+    """A module of ComfyUI's own (its ``comfy`` package, or a file of ``comfy_extras`` such as the SAG
+    node's, which ComfyUI loads under its bare file name) that is no encoder's."""
+    if module_name.startswith(ENCODER_MODULES):
+        return False
+    if module_name.startswith("comfy.") or module_name == "comfy":
+        return True
+    path = getattr(module, "__file__", None) or ""
+    return os.path.dirname(os.path.abspath(path)) == os.path.join(root, "comfy_extras") if path else False
+
+
+def _module_role(module_name: str, attention) -> str:
+    if module_name.startswith(VAE_MODULES):
+        return "vae"
+    return "unet" if module_name in (attention.__name__, *UNET_MODULES) else "dit"
+
+
+def rebind_names() -> list[str]:
+    """Rebind ComfyUI's chosen function wherever a loaded module of ComfyUI's holds it (once per
+    module; a module loaded later is reached at the next call of this); returns what is rebound."""
+    attention = importlib.import_module(SOURCE)
+    wrap = getattr(attention, "wrap_attn", None)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(attention.__file__)))))
+    chosen = [_names.original(attention, name) for name in NAMES if hasattr(attention, name)]
+    for module_name, module, name in copies(attention, NAMES, values=chosen):
+        if _comfy_model_module(module_name, module, root) and not _names.is_patched(module, name):
+            original = getattr(module, name)
+            _names.patch(module, name, _rebound(_module_role(module_name, attention), original, wrap))
+    return _names.targets()
+
+
+def _rebound(module_role: str, original, wrap):
+    """The function a rebound name holds: the engine serves the call as the model sampling now, the VAE
+    running now or (global route) the module says; otherwise ComfyUI's ``original`` takes it."""
+    upcasts = consults_precision(original)
+
+    def attention_function(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                           skip_output_reshape=False, **kwargs):
+        serving = _serving.get()
+        if serving is None:
+            vae = _vae_config.get()
+            if vae is not None:
+                serving = ("vae", vae.get("fp32"))
+            elif _everything[0]:
+                serving = (module_role, None)
+                run.begin()  # counts the run a graph without the nodes is
+                if schedule.position().schedule is not None:
+                    steps.attention_call(kwargs.get("transformer_options"))
+            else:
+                return original(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, **kwargs)
+        role, fp32 = serving
+        return _heads(role, fp32, upcasts)(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape,
+                                           **kwargs)
+
+    attention_function.__qualname__ = attention_function.__name__ = f"lib_attn_{module_role}_attention"
+    attention_function.comfy_function = original
+    wrapped = wrap(attention_function) if wrap is not None else attention_function
+    wrapped.comfy_function = original
+    return wrapped
+
 
 def route_everything(config: dict | None = None) -> list[str]:
-    """Rebind ComfyUI's chosen function wherever a loaded module holds it, and route every VAE
-    block; returns what was routed. ``config`` is put in force for good."""
-    attention = importlib.import_module(SOURCE)
+    """Serve every call of ComfyUI's module names and every VAE block on the engine; returns what was
+    routed. ``config`` is put in force for good."""
     if config:
         lib_attn.configure(**config)
-    if not _global.active:
-        wrap = getattr(attention, "wrap_attn", None)
-        upcasts = consults_precision(attention.optimized_attention)
-        for _, module, name in copies(attention, NAMES, prefix="comfy"):
-            _global.patch(module, name, _global_function("unet" if module is attention else "dit", wrap, upcasts))
+    _everything[0] = True
+    rebind_names()
     route_vae_blocks()
-    return _global.targets() + _blocks.targets()
+    _passes_as_vae()
+    return _names.targets() + _blocks.targets()
 
 
-def _global_function(role: str, wrap, upcasts: bool = True):
-    key = ("global", role, upcasts)
-    if key not in _functions:
-        serve = function(role, upcasts=upcasts)
+def _passes_as_vae() -> None:
+    """Every encode and decode of ComfyUI's ``VAE`` serves its calls as ``vae`` (SVD's temporal VAE
+    calls the function the UNet's attention module holds)."""
+    sd = sys.modules.get("comfy.sd")
+    cls = getattr(sd, "VAE", None)
+    for name in VAE_METHODS:
+        method = cls.__dict__.get(name) if cls is not None else None
+        if method is not None and not _names.is_patched(cls, name):
+            _names.patch(cls, name, _as_vae(method))
 
-        def attention_function(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
-                               skip_output_reshape=False, **kwargs):
-            run.begin()  # counts the run a graph without the nodes is
-            if schedule.position().schedule is not None:
-                steps.attention_call(kwargs.get("transformer_options"))
-            return serve(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, **kwargs)
 
-        attention_function.__qualname__ = attention_function.__name__ = f"lib_attn_{role}_attention"
-        _functions[key] = wrap(attention_function) if wrap is not None else attention_function
-    return _functions[key]
+def _as_vae(method):
+    def vae_pass(self, *args, **kwargs):
+        if _vae_config.get() is not None:   # a routed VAE's pass: its node's configuration
+            return method(self, *args, **kwargs)
+        token = _vae_config.set({})
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _vae_config.reset(token)
+    vae_pass.__name__ = vae_pass.__qualname__ = method.__name__
+    return vae_pass
 
 
 def routing() -> voice.Routing:
-    if _global.active and _global.intact():
+    if _everything[0] and _names.active and _names.intact():
         return voice.ROUTED
     return voice.Routing(False, "ComfyUI's own attention, except the models and VAEs an Attention backend "
                                "node routes", "add the Attention backend nodes, or start ComfyUI with "
@@ -265,4 +371,5 @@ def routing() -> voice.Routing:
 
 def undo() -> int:
     """Every rebinding and descriptor back as ComfyUI had it (tests)."""
-    return _global.undo() + _blocks.undo()
+    _everything[0] = False
+    return _names.undo() + _blocks.undo()

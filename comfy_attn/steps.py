@@ -26,6 +26,7 @@ SLACK = 1e-5
 
 _schedule = [None, ()]    # the sample_sigmas tensor last seen, its values
 _seen = [None]            # the sigmas tensor of the last model call followed
+_told = [(None, None, None), False]   # (step, total, sigma) told for it; whether a call without one came since
 
 
 def step_of(sigma: float, values) -> int:
@@ -52,22 +53,37 @@ def model_call(options) -> None:
     sample_sigmas = options.get("sample_sigmas") if options is not None else None
     _seen[0] = sigmas
     if sigmas is None or sample_sigmas is None or len(sample_sigmas) < 2:
-        schedule.at_step(None, None)
+        _tell(None, None, None)
         return
     values = _values(sample_sigmas)
     sigma = float(sigmas.reshape(-1)[0])
-    schedule.at_step(step_of(sigma, values), len(values) - 1, sigma)
+    _tell(step_of(sigma, values), len(values) - 1, sigma)
+
+
+def _tell(step, total, sigma) -> None:
+    _told[:] = [(step, total, sigma), False]
+    schedule.at_step(step, total, sigma)
 
 
 def attention_call(options) -> None:
-    """An attention call with transformer options ``options``: a new ``sigmas`` tensor means a new
-    model call (where nothing wraps the model calls: the global route)."""
-    if options is not None and options.get("sigmas") is not _seen[0]:
+    """An attention call with transformer options ``options`` (where nothing wraps the model calls: the
+    global route): a new ``sigmas`` tensor means a new model call. A call that passes no options has no
+    step (it may be another model's, a VAE's, a node's of its own): no step rule holds for it, and the
+    next call of the model followed gets its step back without reading it again."""
+    sigmas = options.get("sigmas") if options is not None else None
+    if sigmas is None:
+        if not _told[1]:
+            _told[1] = True
+            schedule.at_step(None, None)
+    elif sigmas is not _seen[0]:
         model_call(options)
+    elif _told[1]:
+        _tell(*_told[0])
 
 
 def leave() -> None:
     """Sampling is over: no step is known, and the tensors are let go."""
     _schedule[:] = [None, ()]
     _seen[0] = None
+    _told[:] = [(None, None, None), False]
     schedule.leave()

@@ -49,7 +49,7 @@ def heads_attention(q, k, v, heads: int, mask=None, *, role: str, upcast: bool =
                     exact: bool = False):
     """Multi-head attention in the hosts' convention, in q's dtype.
 
-    q: ``(b, n, heads*d)``, k/v: ``(b, m, heads*d)``; with ``skip_reshape`` all three are already
+    q: ``(b, n, heads*d)``, k/v: ``(b, m, heads*d)`` (or ``(b, m, heads, d)``); with ``skip_reshape`` all three are already
     ``(b, heads, n|m, d)`` (strided views are fine: Flux passes them). ``mask`` is bool (True attends)
     or additive, shaped ``(n, m)``, ``(b|1, n, m)`` or ``(b|1, heads|1, n, m)``, as PyTorch's SDPA reads
     it. Returns ``(b, n, heads*d)``, or ``(b, heads, n, d)`` with ``skip_output_reshape``.
@@ -63,7 +63,9 @@ def heads_attention(q, k, v, heads: int, mask=None, *, role: str, upcast: bool =
     else:
         layout = "bshd"
         d = q.shape[-1] // heads
-        q, k, v = (t.unflatten(-1, (heads, d)) for t in (q, k, v))
+        # As ComfyUI views each input as (b, -1, heads, d): Wan Animate passes keys of (b, m, heads, d).
+        q, k, v = (t.unflatten(-1, (heads, d)) if t.dim() == 3 else t.reshape(t.shape[0], -1, heads, d)
+                   for t in (q, k, v))
     q, k, v = _upcast((q, k, v), upcast)
     if mask is not None and mask.dim() == 3:
         mask = mask.unsqueeze(1)  # (b, n, m) has no heads axis: it applies to every head

@@ -62,12 +62,15 @@ def import_quietly(name: str):
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def copies(source, names, prefix: str = "") -> list[tuple[str, object, str]]:
+def copies(source, names, prefix: str = "", values=None) -> list[tuple[str, object, str]]:
     """(module name, module, attribute) of every loaded module (whose name starts with ``prefix``) that
     holds the ``source`` module's own value of one of ``names`` under that name: the host's chosen
-    function, imported by name. ``source`` itself comes first."""
-    chosen = {id(getattr(source, name)) for name in names if hasattr(source, name)}
-    found = [(source.__name__, source, name) for name in names if hasattr(source, name)]
+    function, imported by name. ``source`` itself comes first. ``values``: the chosen functions, where
+    ``source`` no longer holds them (some of its names are rebound already)."""
+    if values is None:
+        values = [getattr(source, name) for name in names if hasattr(source, name)]
+    chosen = {id(value) for value in values}
+    found = [(source.__name__, source, name) for name in names if id(source.__dict__.get(name)) in chosen]
     for module_name, module in list(sys.modules.items()):
         namespace = getattr(module, "__dict__", None)
         if module is source or not module_name.startswith(prefix) or not isinstance(namespace, dict):

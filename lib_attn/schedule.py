@@ -355,11 +355,12 @@ BLOCK_LISTS = (
     ("input_blocks", False), ("middle_block", False), ("output_blocks", False),
     ("down_blocks", False), ("mid_block", False), ("up_blocks", False),
     ("joint_blocks", True), ("double_blocks", True), ("single_blocks", True),
-    ("transformer_blocks", None), ("single_transformer_blocks", True), ("blocks", False),
+    ("transformer_blocks", None), ("single_transformer_blocks", True), ("blocks", None),
 )
-#: Model classes whose ``transformer_blocks`` attend jointly (diffusers' SD3 and Flux, Qwen-Image).
+#: Model classes whose ``transformer_blocks`` or ``blocks`` attend jointly (diffusers' SD3 and Flux,
+#: Qwen-Image; ComfyUI's Mochi, which concatenates the visual and text tokens in every block).
 JOINT_MODELS = ("SD3Transformer2DModel", "FluxTransformer2DModel", "Flux2Transformer2DModel",
-                "QwenImageTransformer2DModel")
+                "QwenImageTransformer2DModel", "AsymmDiTJoint")
 
 
 def block_modules(model) -> list:

@@ -259,6 +259,22 @@ def test_vae_route_and_a_later_graph_without_the_node(comfy_factory):
     assert "optimized_attention" not in type(block).__dict__ and block.optimized_attention is own
 
 
+def test_chained_vae_nodes_the_last_wins_with_one_segment_per_decode(comfy_factory):
+    comfy, nodes = loaded(comfy_factory)
+    from comfy.sd import VAE
+    vae = VAE()
+    (first,) = node(nodes, "FlashAttentionVAEBackend", vae=vae, **dict(BACKEND, backend="math"))
+    (last,) = node(nodes, "FlashAttentionVAEBackend", vae=first, **dict(BACKEND, backend="sdpa-math"))
+    sent = len(comfy.server.sent)
+    with lib_attn.recording() as rec:
+        last.decode(torch.randn(1, 4, 8, 8))
+    assert rec.calls == {("vae", "sdpa-math"): 1}
+    assert [e for e, _, _ in comfy.server.sent[sent:]] == ["flash-attention.report"]   # one segment
+    with lib_attn.recording() as rec:
+        first.decode(torch.randn(1, 4, 8, 8))                                     # the first node's VAE keeps its own
+    assert rec.calls == {("vae", "math"): 1}
+
+
 # --- the report ---------------------------------------------------------------------------------------------
 
 def test_report_of_a_run_and_of_a_run_without_routed_calls(comfy_factory):
@@ -717,3 +733,166 @@ def test_global_route_runs_fp32_calls_as_comfyuis_chosen_function(comfy_factory,
     (q, k, v), _ = heads_inputs()
     attention.optimized_attention(q.half(), k.half(), v.half(), 4, attn_precision=torch.float32)
     assert seen == [torch.float16]
+
+
+# --- families whose calls pass no transformer options -------------------------------------------------------
+
+def family_patcher(module, cls, seed=0, **options):
+    """ComfyUI's ``ModelPatcher`` over family ``module``'s model class ``cls`` (tiny), with ``options`` in its
+    transformer options."""
+    import importlib
+    from comfy.model_base import BaseModel
+    from comfy.model_patcher import ModelPatcher
+    torch.manual_seed(seed)
+    patcher = ModelPatcher(BaseModel(getattr(importlib.import_module(module), cls)()))
+    patcher.model_options["transformer_options"].update(options)
+    return patcher
+
+
+def multitalk_patcher(seed=0):
+    """Wan with MultiTalk's audio attention, as its nodes add it: an ``attn2_patch`` and the audio in the
+    transformer options."""
+    from comfy.ldm.wan.model_multitalk import MultiTalkCrossAttnPatch, SingleStreamAttention
+    torch.manual_seed(seed)
+    patch = MultiTalkCrossAttnPatch(torch.nn.ModuleList([SingleStreamAttention(32, 16, 4) for _ in range(2)]))
+    return family_patcher("comfy.ldm.wan.model", "WanModel", seed, patches={"attn2_patch": [patch]},
+                          audio_embeds=torch.randn(2, 5, 16), grid_sizes=(2, 8, 4))
+
+
+class SAGUNet(torch.nn.Module):
+    """A diffusion model whose middle self-attention the SAG node replaced with its own (``attn_and_record``
+    of ComfyUI's ``nodes_sag`` module, loaded from ``comfy_extras`` as ComfyUI loads it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj_in, self.to_qkv, self.proj_out = torch.nn.Linear(4, 32), torch.nn.Linear(32, 96), torch.nn.Linear(32, 4)
+
+    def forward(self, x, timesteps=None, context=None, transformer_options={}, **kwargs):
+        import nodes_sag
+        b, c, h, w = x.shape
+        t = self.proj_in(x.flatten(2).transpose(1, 2))
+        q, k, v = self.to_qkv(t).chunk(3, dim=-1)
+        t = t + nodes_sag.attn_and_record(q, k, v, {"n_heads": 4, "attn_precision": None})
+        return self.proj_out(t).transpose(1, 2).reshape(b, c, h, w)
+
+
+def sag_patcher(seed=0):
+    from comfy.model_base import BaseModel
+    from comfy.model_patcher import ModelPatcher
+    torch.manual_seed(seed)
+    return ModelPatcher(BaseModel(SAGUNet()))
+
+
+def load_sag():
+    import nodes
+    asyncio.run(nodes.load_custom_node(os.path.join(COMFY_ROOT, "comfy_extras", "nodes_sag.py"),
+                                       module_parent="comfy_extras"))
+
+
+FAMILIES = {   # name: (patcher, attention calls per model call, calls of them that ask for exact attention)
+    "PixArt": (lambda: family_patcher("comfy.ldm.pixart.pixartms", "PixArtMS"), 4, 0),
+    "Hunyuan-DiT": (lambda: family_patcher("comfy.ldm.hydit.models", "HunYuanDiT"), 4, 0),
+    "Ernie-Image": (lambda: family_patcher("comfy.ldm.ernie.model", "ErnieImageModel"), 2, 0),
+    "ACE-Step 1.5": (lambda: family_patcher("comfy.ldm.ace.ace_step15", "AceStepDiTModel"), 4, 4),
+    "Hunyuan3D 2.1": (lambda: family_patcher("comfy.ldm.hunyuan3dv2_1.hunyuandit", "HunYuanDiTPlain"), 4, 4),
+    "Wan Animate": (lambda: family_patcher("comfy.ldm.wan.model_animate", "AnimateWanModel"), 3, 0),
+    "MultiTalk": (multitalk_patcher, 4, 0),
+    "SAG": (sag_patcher, 1, 0),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_call_of_a_family_that_passes_no_options_runs_through_the_node(comfy_factory, family):
+    _, nodes = loaded(comfy_factory)
+    load_sag()
+    make, per_call, exact = FAMILIES[family]
+    from comfy.ldm.modules import attention
+    ref = sample(make(), steps=2)                                              # ComfyUI's own attention
+    (routed,) = node(nodes, "FlashAttentionBackend", model=make(), tune="auto", **dict(BACKEND, backend="sdpa-math"))
+    with lib_attn.recording() as rec:
+        out = sample(routed, steps=2)
+    assert rel_err(out, ref) <= FP32
+    assert rec.calls == {("dit", "sdpa-math"): 2 * per_call}
+    assert not rec.fallbacks                                                   # sdpa-math is exact: no call passed over
+    with lib_attn.recording() as rec:                                          # the same model without the node
+        sample(make(), steps=2)
+    assert not rec.calls and attention.optimized_attention.comfy_function is attention.attention_sub_quad
+
+
+@pytest.mark.parametrize("family", ["PixArt", "Wan Animate", "SAG"])
+def test_a_schedule_takes_the_steps_of_calls_that_pass_no_options(comfy_factory, family):
+    _, nodes = loaded(comfy_factory)
+    load_sag()
+    make, per_call, _ = FAMILIES[family]
+    (scheduled,) = node(nodes, "FlashAttentionBackend", model=make(), tune="auto", schedule=WINDOWS, **BACKEND)
+    with lib_attn.recording() as rec:
+        sample(scheduled, steps=4)
+    assert rec.rules == {(WINDOWS, "0-50%", "dit", "sdpa"): 2 * per_call, (WINDOWS, "50-100%", "dit", "math"): 2 * per_call}
+
+
+def test_the_global_route_reaches_the_sag_module_and_gives_calls_without_options_no_step(comfy_factory):
+    comfy = comfy_factory(argv=("--cpu",), env={"ATTN_COMFY_ROUTE": "auto",
+                                                "ATTN_COMFY_SCHEDULE": "0-50%: math; 50-100%: sdpa"})
+    load_sag()                                   # ComfyUI loads its comfy_extras before the custom nodes
+    assert comfy.load_node()
+    import nodes_sag
+    assert nodes_sag.optimized_attention.comfy_function.__name__ == "attention_sub_quad"
+    assert nodes_sag.optimized_attention.__wrapped__.__name__ == "lib_attn_unet_attention"
+    rules = lib_attn.config().schedule.text
+    with lib_attn.recording() as rec:
+        sample(unet_patcher(), prompt_id="g1", steps=2)                   # steps 1-2 (2 calls each): math, sdpa
+        q = torch.randn(1, 8, 32)
+        nodes_sag.attn_and_record(q, q, q, {"n_heads": 4, "attn_precision": None})   # no options: no step
+    assert rec.rules == {(rules, "0-50%", "unet", "math"): 2, (rules, "50-100%", "unet", "sdpa"): 2,
+                         (rules, "otherwise", "unet", "sdpa"): 1}
+
+
+class TemporalVAE(torch.nn.Module):
+    """A VAE whose attention is ComfyUI's ``CrossAttention`` (SVD's temporal VAE decoder has such blocks):
+    its calls reach the function the UNet's attention module holds."""
+
+    def __init__(self):
+        super().__init__()
+        from comfy.ldm.modules.attention import CrossAttention
+        self.attn = CrossAttention(4, heads=1, dim_head=4)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        t = x.flatten(2).transpose(1, 2)
+        return (t + self.attn(t)).transpose(1, 2).reshape(b, c, h, w)
+
+
+def test_roles_under_the_global_route_follow_what_the_module_serves(comfy_factory):
+    _, nodes = loaded(comfy_factory, env={"ATTN_COMFY_ROUTE": "auto"})
+    from comfy.sd import VAE
+    torch.manual_seed(0)
+    vae = VAE(first_stage_model=TemporalVAE())
+    latent = torch.randn(1, 4, 8, 8)
+    with lib_attn.recording() as rec:
+        vae.decode(latent)                                    # the UNet attention module's function, in a VAE
+        sample(unet_patcher(), prompt_id="r1")
+    assert rec.calls == {("vae", "sdpa"): 1, ("unet", "sdpa"): 4}
+    (routed,) = node(nodes, "FlashAttentionVAEBackend", prompt_id="r1", vae=vae, **dict(BACKEND, backend="sdpa-math"))
+    with lib_attn.recording() as rec:
+        routed.decode(latent)                                 # a routed VAE: its node's configuration
+    assert rec.calls == {("vae", "sdpa-math"): 1}
+    from comfy_attn import route
+    route.undo()
+    with lib_attn.recording() as rec:
+        vae.decode(latent)
+    assert not rec.calls and VAE.__dict__["decode"].__qualname__ == "VAE.decode"   # ComfyUI's own method again
+
+
+def test_mochis_blocks_are_joint(comfy_factory):
+    from lib_attn import schedule
+
+    class AsymmDiTJoint(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Identity(), torch.nn.Identity()])
+
+    class WanModel(AsymmDiTJoint):
+        pass
+
+    assert [joint for _, joint in schedule.block_modules(AsymmDiTJoint())] == [True, True]
+    assert [joint for _, joint in schedule.block_modules(WanModel())] == [False, False]

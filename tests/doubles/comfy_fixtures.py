@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 COMFY_ROOT = os.path.join(HERE, "comfy")
 REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
 NODE_NAME = "sd-webui-flash-attention"
-DOUBLE_MODULES = ("comfy", "comfy_execution", "server", "nodes", "execution")
+DOUBLE_MODULES = ("comfy", "comfy_execution", "server", "nodes", "execution", "nodes_sag")
 ENV = ("ATTN_COMFY_ROUTE", "ATTN_COMFY_SCHEDULE", "ATTN_CLAIMED_FLAGS")
 
 

@@ -1,7 +1,8 @@
 """Double of ComfyUI's nodes.py custom-node loader (``load_custom_node``, async in 0.8.0).
 
 A folder is imported from its ``__init__.py`` as a package whose ``sys.modules`` name is the folder's
-path (dots replaced by ``_x_``); the folder is not put on ``sys.path``, so inside it ``from .pkg import``
+path (dots replaced by ``_x_``), a file (ComfyUI's own ``comfy_extras/nodes_*.py``) as a module of its
+bare file name (``nodes_sag``); the folder is not put on ``sys.path``, so inside it ``from .pkg import``
 works and a bare ``import pkg`` of a sibling does not. ``NODE_CLASS_MAPPINGS`` (even empty) makes the load
 a success; ``WEB_DIRECTORY`` registers the folder's web files. An exception is logged as the import
 failure ComfyUI reports ("IMPORT FAILED") and the load returns False.
@@ -27,9 +28,12 @@ def get_module_name(module_path):
 
 async def load_custom_node(module_path, ignore=set(), module_parent="custom_nodes"):
     module_name = get_module_name(module_path)
-    sys_module_name = module_path.replace(".", "_x_")
+    if os.path.isfile(module_path):   # a file (ComfyUI's own comfy_extras/nodes_*.py): its bare name
+        sys_module_name, init = module_name, module_path
+    else:
+        sys_module_name, init = module_path.replace(".", "_x_"), os.path.join(module_path, "__init__.py")
     try:
-        spec = importlib.util.spec_from_file_location(sys_module_name, os.path.join(module_path, "__init__.py"))
+        spec = importlib.util.spec_from_file_location(sys_module_name, init)
         module = importlib.util.module_from_spec(spec)
         sys.modules[sys_module_name] = module
         spec.loader.exec_module(module)

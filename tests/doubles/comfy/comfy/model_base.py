@@ -4,9 +4,16 @@ then hands them to the diffusion model. Like the real one it imports every
 model family's module, so they are all loaded (and hold their by-name copies) before custom nodes load."""
 from torch import nn
 
+import comfy.ldm.ace.ace_step15  # noqa: F401
+import comfy.ldm.ernie.model  # noqa: F401
 import comfy.ldm.flux.model  # noqa: F401
+import comfy.ldm.hunyuan3dv2_1.hunyuandit  # noqa: F401
+import comfy.ldm.hydit.models  # noqa: F401
 import comfy.ldm.modules.diffusionmodules.openaimodel  # noqa: F401
+import comfy.ldm.pixart.pixartms  # noqa: F401
 import comfy.ldm.wan.model  # noqa: F401
+import comfy.ldm.wan.model_animate  # noqa: F401
+import comfy.ldm.wan.model_multitalk  # noqa: F401
 import comfy.patcher_extension
 
 
