@@ -106,7 +106,7 @@ class AttentionReport:
     def show(self, images):
         report = run.report_for(images) or lib_attn.Report(
             ran_on="ComfyUI's own attention", notes=("no call of this run went through this extension",))
-        run.send(report)
+        run.send(report, run.prompt_id())
         return {"ui": {"text": readout.lines(report)}, "result": (images,)}
 
 

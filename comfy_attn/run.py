@@ -4,7 +4,9 @@ A run is one prompt that ComfyUI executes (its prompt id). A run holds a ``lib_a
 when it began, which counts every engine call from then on, whichever node (sampler, VAE decode) or
 the global route made it. The last run's report is the
 status route's ``last_report``; it is sent to the UI as the server message ``flash-attention.report``
-when a routed sampling or VAE pass ends, and by the Attention report node.
+when a routed sampling or VAE pass ends, and by the Attention report node: with its prompt id, to the
+client that queued the prompt, as ComfyUI sends a node's output (none when no client queued it: an API
+script), so that a page shows its own prompts' reports only.
 
 ComfyUI serves a node whose inputs did not change from its cache, without running it: a report node
 that runs on images made by an earlier prompt (its upstream came from the cache) shows what ran when
@@ -99,7 +101,7 @@ def segment(config: dict | None = None):
             yield run
     finally:
         run.touched = time.perf_counter()
-        send(run.report())
+        send(run.report(), run.prompt_id)
 
 
 def last_report() -> Report | None:
@@ -154,11 +156,13 @@ def report_for(images) -> Report | None:
     return dataclasses.replace(report, notes=(*report.notes, cached))
 
 
-def send(report: Report) -> None:
-    """The report to every UI client, as the server message ``MESSAGE`` (its JSON, with ``text``)."""
+def send(report: Report, prompt_id=None) -> None:
+    """The report of prompt ``prompt_id`` to the client that queued it (ComfyUI's ``client_id`` of the
+    prompt it executes), as the server message ``MESSAGE``: its JSON, with ``text`` and ``prompt_id``."""
     server = getattr(getattr(sys.modules.get("server"), "PromptServer", None), "instance", None)
-    if server is not None:
-        server.send_sync(MESSAGE, readout.to_json(report))
+    client = getattr(server, "client_id", None)
+    if server is not None and client is not None:
+        server.send_sync(MESSAGE, {**readout.to_json(report), "prompt_id": prompt_id}, client)
 
 
 def reset() -> None:

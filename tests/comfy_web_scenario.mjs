@@ -48,6 +48,26 @@ seen.executed = await state(report);
 api.message("flash-attention.report", { text: input.later });
 seen.message = await state(report);
 
+// Reports name their prompt: this page shows those of the prompts it queued only.
+api.promptIds.push("mine-1", "mine-2");
+await app.queuePrompt(0);
+api.message("flash-attention.report", { text: ["another tab's prompt"], prompt_id: "theirs-1" });
+seen.other_prompt = await state(report);
+api.message("flash-attention.report", { text: ["this page's prompt"], prompt_id: "mine-1" });
+seen.own_prompt = await state(report);
+let answer;
+api.answerGate = new Promise((resolve) => { answer = resolve; });
+const queuing = app.queuePrompt(0);                   // its answer comes after the prompt's first report
+await new Promise((resolve) => setTimeout(resolve, 0));
+api.message("flash-attention.report", { text: ["early report"], prompt_id: "mine-2" });
+seen.before_answer = await state(report);
+answer();
+await queuing;
+seen.after_answer = await state(report);
+api.message("flash-attention.report", { text: ["another tab's later prompt"], prompt_id: "theirs-2" });
+seen.other_later = await state(report);
+seen.queued = api.queued.length;
+
 // A page reload: the same workflow, a fresh node, ComfyUI's history with this node's outputs.
 app.graph._nodes = [];
 api.routes["/history"] = input.history;

@@ -291,13 +291,28 @@ def test_report_of_a_run_and_of_a_run_without_routed_calls(comfy_factory):
     text = result["ui"]["text"]
     assert text[0].startswith("UNet: sdpa") and text[0].endswith("×4") and text[1].startswith("VAE: sdpa")
     assert text[1].endswith("×1") and text[2].startswith("time ")
-    event, data, _ = comfy.server.sent[-1]
+    event, data, sid = comfy.server.sent[-1]
     assert event == "flash-attention.report" and data["text"] == text
+    assert data["prompt_id"] == "p1" and sid == "client-1"                  # its prompt, to the page that queued it
     assert {(c["role"], c["backend"], c["count"]) for c in data["calls"]} == {("unet", "sdpa", 4), ("vae", "sdpa", 1)}
     assert [e for e, _, _ in comfy.server.sent].count("flash-attention.report") == 3   # sampling, decode, node
     other = VAE().decode(latent)                                            # ComfyUI's own VAE, no node
     later = node(nodes, "FlashAttentionReport", prompt_id="p2", images=other)
     assert later["ui"]["text"][0] == "ComfyUI's own attention, not through this extension"
+
+
+def test_a_prompt_no_page_queued_sends_its_report_to_no_page(comfy_factory):
+    comfy, nodes = loaded(comfy_factory)
+    import execution
+    cls = nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"]
+    (model,) = execution.execute(cls, dict(model=unet_patcher(), tune="auto", **BACKEND), prompt_id="api-1",
+                                 client_id=None)                              # an API script's prompt
+    sample(model, prompt_id="api-1")
+    execution.execute(nodes.NODE_CLASS_MAPPINGS["FlashAttentionReport"], {"images": torch.zeros(1, 8, 8, 3)},
+                      prompt_id="api-1", client_id=None)
+    assert not [e for e, _, _ in comfy.server.sent if e == "flash-attention.report"]
+    from comfy_attn import api
+    assert api.status()["last_report"]["calls"][0]["count"] == 4           # the status route still has it
 
 
 def test_report_on_images_from_the_cache_says_what_ran_when_they_were_made(comfy_factory):

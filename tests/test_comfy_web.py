@@ -92,6 +92,16 @@ def test_report_shows_every_line_read_only_and_sized_to_them(scenario):
     assert message["shown"] == "\n".join(data["later"]) and message["height"] < executed["height"]
 
 
+def test_a_report_node_shows_its_own_pages_prompts_only(scenario):
+    _, seen = scenario
+    assert seen["queued"] == 2
+    assert seen["other_prompt"]["shown"] == seen["message"]["shown"]        # another tab's report: nothing changes
+    assert seen["own_prompt"]["shown"] == "this page's prompt"
+    assert seen["before_answer"]["shown"] == "this page's prompt"          # not yet known to be this page's
+    assert seen["after_answer"]["shown"] == "early report"                 # shown once ComfyUI's answer names it
+    assert seen["other_later"]["shown"] == "early report"
+
+
 def test_nothing_shown_is_sent_back_or_saved(scenario):
     _, seen = scenario
     for step in ("created", "executed", "message", "reloaded"):

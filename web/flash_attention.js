@@ -5,7 +5,9 @@
 // node and change its cache key, nor into the saved workflow. It shows the lines the node's run
 // returned ("text" in its ui output), the reports the server sends as "flash-attention.report"
 // while a routed sampling or VAE pass ends, and after a page reload the node's last output in
-// ComfyUI's history.
+// ComfyUI's history. A report message names its prompt: the page shows only those of the prompts it
+// queued itself (two tabs can share a client id, and a report of another tab's, user's or script's
+// prompt must not overwrite what this page's node says).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
@@ -94,6 +96,51 @@ async function restore(node) {
     }
 }
 
+// The prompts this page queued, and the latest report of each prompt not yet known to be one of them
+// (its first report can arrive before the answer to the page's own /prompt request).
+const queued = new Set();
+const early = new Map();
+const EARLY_KEPT = 16;
+
+function showInReportNodes(lines) {
+    for (const node of app.graph?._nodes ?? []) {
+        if (node.type === REPORT_NODE) show(node, lines);
+    }
+}
+
+export function onReport(detail) {
+    const id = detail?.prompt_id;
+    if (id === undefined || id === null || queued.has(id)) {
+        showInReportNodes(detail?.text);
+        return;
+    }
+    early.delete(id);
+    early.set(id, detail?.text);
+    if (early.size > EARLY_KEPT) early.delete(early.keys().next().value);
+}
+
+export function promptQueued(id) {
+    if (id === undefined || id === null) return;
+    queued.add(id);
+    if (early.has(id)) {
+        showInReportNodes(early.get(id));
+        early.delete(id);
+    }
+}
+
+// api.queuePrompt answers with the prompt id ComfyUI gave the prompt this page queued.
+function watchQueue() {
+    const queue = api.queuePrompt;
+    if (typeof queue !== "function" || queue.flashAttention) return;
+    const watched = async function (...args) {
+        const answer = await queue.apply(this, args);
+        promptQueued(answer?.prompt_id);
+        return answer;
+    };
+    watched.flashAttention = true;
+    api.queuePrompt = watched;
+}
+
 let unavailable = null;
 export function unavailableIds() {
     unavailable ??= api.fetchApi(STATUS_ROUTE)
@@ -141,11 +188,7 @@ app.registerExtension({
         if (node.type === REPORT_NODE) await restore(node);
     },
     setup() {
-        api.addEventListener("flash-attention.report", (event) => {
-            const lines = event.detail?.text;
-            for (const node of app.graph?._nodes ?? []) {
-                if (node.type === REPORT_NODE) show(node, lines);
-            }
-        });
+        watchQueue();
+        api.addEventListener("flash-attention.report", (event) => onReport(event.detail));
     },
 });

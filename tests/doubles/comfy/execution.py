@@ -4,8 +4,10 @@
 in its list ("Value not in list", the list shown up to 20 entries) unless the node's ``VALIDATE_INPUTS``
 takes that input, and ``VALIDATE_INPUTS`` is called with the inputs it names; a result other than True
 is reported once for every input it names ("Custom validation failed for node", each error naming
-that input). ``execute`` runs ``FUNCTION`` inside the node's execution context (its prompt id); a
-node's exception fails the prompt with that exception.
+that input). ``execute`` runs ``FUNCTION`` inside the node's execution context (its prompt id), with
+``PromptServer.instance.client_id`` set to the client that queued the prompt (the page sends its own
+with every prompt; an API script may send none, then it is None), as ``PromptExecutor.execute`` sets
+it for the whole prompt; a node's exception fails the prompt with that exception.
 """
 import inspect
 
@@ -40,7 +42,11 @@ def validate(node_cls, inputs):
     return (not errors), errors
 
 
-def execute(node_cls, inputs, prompt_id="prompt-1", node_id="1"):
-    """The node's outputs (its ``FUNCTION``'s return value), run as node ``node_id`` of ``prompt_id``."""
+def execute(node_cls, inputs, prompt_id="prompt-1", node_id="1", client_id="client-1"):
+    """The node's outputs (its ``FUNCTION``'s return value), run as node ``node_id`` of ``prompt_id``,
+    which ``client_id`` queued."""
+    from server import PromptServer
+    if PromptServer.instance is not None:
+        PromptServer.instance.client_id = client_id
     with CurrentNodeContext(prompt_id, node_id):
         return getattr(node_cls(), node_cls.FUNCTION)(**inputs)

@@ -1,6 +1,8 @@
 """Double of ComfyUI's server.py ``PromptServer``: one ``instance``, its aiohttp ``routes`` table (custom
 nodes add routes to it while they load; the app takes them afterwards), ``send_sync`` (queued to the
-UI's websocket; recorded here) and ``last_prompt_id`` (set by main.py for each prompt it executes)."""
+UI's websocket for the client ``sid``, to every client when None; recorded here), ``client_id`` (the
+client that queued the prompt being executed, set by the executor for each prompt) and
+``last_prompt_id`` (set by main.py for each prompt it executes)."""
 from aiohttp import web
 
 

@@ -4,6 +4,9 @@ class Api extends EventTarget {
         super();
         this.routes = {};     // route -> JSON body the fake server answers with
         this.fetched = [];
+        this.queued = [];
+        this.promptIds = [];
+        this.answerGate = null;
     }
 
     async fetchApi(route) {
@@ -12,6 +15,16 @@ class Api extends EventTarget {
         if (!(path in this.routes)) return { ok: false, status: 404, json: async () => ({}) };
         const body = this.routes[path];
         return { ok: true, status: 200, json: async () => JSON.parse(JSON.stringify(body)) };
+    }
+
+    // POST /prompt with {client_id, prompt, extra_data: {extra_pnginfo: {workflow}}}; ComfyUI answers with the
+    // prompt id it gave the prompt. The fake server hands out ``promptIds`` in turn; ``answer`` resolves
+    // the request (a test may hold it back, as a slow answer arrives after the prompt's first messages).
+    async queuePrompt(number, { output, workflow }, options) {
+        this.queued.push({ number, prompt: output, workflow });
+        const id = this.promptIds.shift();
+        await (this.answerGate ?? Promise.resolve());
+        return { prompt_id: id, number, node_errors: {} };
     }
 
     message(type, detail) {

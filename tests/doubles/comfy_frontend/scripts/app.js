@@ -1,4 +1,6 @@
 // ComfyApp and litegraph's node as an extension script meets them (see README.md).
+import { api } from "./api.js";
+
 export const NODE_TITLE_HEIGHT = 30;
 export const NODE_SLOT_HEIGHT = 20;
 
@@ -79,6 +81,12 @@ class App {
     }
 
     executed(node, output) { node.onExecuted?.(output); }
+
+    // The Run button: the prompt to api.queuePrompt, looked up on the api object at each call.
+    async queuePrompt(number) {
+        const p = await this.graphToPrompt();
+        return api.queuePrompt(number, p, {});
+    }
 
     async setup() { for (const ext of this.extensions) await ext.setup?.(this); }
 
