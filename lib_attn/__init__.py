@@ -10,6 +10,7 @@
         ...
     lib_attn.configure(tune="on")                      # rank the kernels by measuring them
     lib_attn.register_backend(MyKernel())              # a lib_attn.Backend subclass
+    lib_attn.configure(sparse="block-sparse, budget=0.15")   # long self-attention sparse, within an error budget
 
 Importing this package imports torch and nothing of any webui, and does not initialise CUDA.
 The public API is ``__all__``; everything else is the engine's own.
@@ -26,9 +27,11 @@ from .device import DeviceInfo, device_info
 from .chains import default_chain
 from .decision import Decision
 from .dispatch import AttentionFallbackError, attention, explain
-from .kernels import BACKEND_IDS, Backend, Status
+from .kernels import BACKEND_IDS, SPARSE_IDS, Backend, Status
+from .kernels.sparse import Knob, SparseBackend, SparseResult
 from .report import Report, Vram, VramProbe
 from .schedule import Schedule, ScheduleError
+from .sparse import Sparse, SparseError
 from .spec import LAYOUTS, ROLES, CallSpec
 from .stats import Recording, last_recording, recording
 
@@ -37,7 +40,7 @@ __all__ = [
     "default_chain", "device_info", "reset", "BACKEND_IDS", "ROLES", "LAYOUTS", "AttentionFallbackError",
     "BackendInfo", "CallSpec", "Config", "Decision", "DeviceInfo", "Recording",
     "Backend", "Status", "register_backend", "unregister_backend", "Report", "Vram", "VramProbe",
-    "Schedule", "ScheduleError",
+    "Schedule", "ScheduleError", "Sparse", "SparseError", "SparseBackend", "SparseResult", "Knob", "SPARSE_IDS",
 ]
 
 
@@ -54,10 +57,11 @@ class BackendInfo:
     packages: tuple = ()
 
 
-def backends() -> "list[BackendInfo]":
-    """Every backend, in registry order, with its probe result (probes run once, on first use)."""
+def backends(sparse: bool = False) -> "list[BackendInfo]":
+    """Every backend a chain may name (``sparse``: every sparse backend instead), in registry order,
+    with its probe result (probes run once, on first use)."""
     out = []
-    for bid in BACKEND_IDS:
+    for bid in SPARSE_IDS if sparse else BACKEND_IDS:
         st = _kernels.status(bid)
         backend = _kernels.REGISTRY[bid]
         out.append(BackendInfo(bid, backend.label, st.available, st.reason, st.version, tuple(backend.packages)))
@@ -68,7 +72,8 @@ def register_backend(backend: Backend) -> None:
     """Add a backend: an instance of a ``lib_attn.Backend`` subclass (see its docstring and docs/engine-api.md).
 
     Its ``id`` becomes valid wherever a built-in id is (chains, per-call ``backend``, flags, settings).
-    It is never in a default chain: a user's chain names it. Registering an id again replaces the
+    It is never in a default chain: a user's chain names it. A ``lib_attn.SparseBackend`` becomes a
+    sparse method instead (``configure(sparse=...)``), which no chain names. Registering an id again replaces the
     earlier backend; decisions taken so far are dropped.
     """
     _kernels.register(backend)
@@ -83,7 +88,7 @@ def unregister_backend(backend_id: str) -> None:
 
 def reset() -> None:
     """Back to a fresh state: default configuration, no cached decision or demotion (tests)."""
-    configure(preference="auto", fp32="cast", strict=False, tune="auto", avoid=(), guard="on", schedule="")
+    configure(preference="auto", fp32="cast", strict=False, tune="auto", avoid=(), guard="on", schedule="", sparse="")
     _schedule.leave()
     _dispatch.reset()
 

@@ -1,13 +1,15 @@
 """The engine's configuration: preference chains per role, backends to avoid, fp32 policy, strict mode, tuning,
-the output guard, the schedule."""
+the output guard, the schedule, sparse attention."""
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, replace
 
 from . import schedule as _schedule
 from . import scope as _scope
-from .kernels import BACKEND_IDS
+from . import sparse as _sparse
+from .kernels import BACKEND_IDS, not_in_chains
 from .spec import ROLES
 
 FP32_POLICIES = ("cast", "keep")
@@ -25,6 +27,7 @@ class Config:
     """``preference`` maps each role to a tuple of backend ids, or None for the default chain;
     ``avoid``: backend ids the default chains leave out (a chain the user names may still hold them);
     ``schedule``: a ``lib_attn.schedule.Schedule`` whose rules choose the chain for the calls they take, or None.
+    ``sparse``: ``lib_attn.sparse.Sparse`` settings, or None (no sparse attention).
     ``token``: a small number that equal configurations share (the dispatcher keys decisions on it)."""
 
     preference: dict = field(default_factory=lambda: {role: None for role in ROLES})
@@ -34,12 +37,24 @@ class Config:
     avoid: tuple = ()
     guard: str = "on"
     schedule: _schedule.Schedule | None = None
+    sparse: _sparse.Sparse | None = None
     token: int = field(default=0, init=False, compare=False, repr=False)
 
     def __post_init__(self):
         canonical = (tuple(sorted(self.preference.items())), self.fp32, self.strict, self.tune, self.avoid,
-                     self.guard, None if self.schedule is None else self.schedule.text)
+                     self.guard, None if self.schedule is None else self.schedule.text,
+                     None if self.sparse is None else self.sparse.text)
         object.__setattr__(self, "token", _TOKENS.setdefault(canonical, len(_TOKENS)))
+
+    @functools.cached_property
+    def positional(self) -> _schedule.Schedule | None:
+        """What the position of sampling is matched against: the schedule's rules, then the sparse dense
+        windows (numbered after them), so that a host tells steps and blocks when either asks for them."""
+        windows = self.sparse.windows if self.sparse is not None else ()
+        if not windows:
+            return self.schedule
+        rules = self.schedule.rules if self.schedule is not None else ()
+        return _schedule.Schedule(rules + tuple(replace(w, index=len(rules) + i) for i, w in enumerate(windows)))
 
 
 _TOKENS: dict = {}
@@ -64,6 +79,9 @@ def _check_ids(ids, where: str) -> tuple:
     if isinstance(ids, str):
         ids = [part.strip() for part in ids.split(",") if part.strip()]
     ids = tuple(ids)
+    sparse = not_in_chains(ids)
+    if sparse:
+        raise ValueError(f"{sparse} (in {where})")
     unknown = [i for i in ids if i not in BACKEND_IDS]
     if unknown:
         raise ValueError(f"unknown backend id {', '.join(map(repr, unknown))} in {where}; valid ids: {', '.join(BACKEND_IDS)}")
@@ -111,7 +129,8 @@ def _mode(value, modes: tuple, name: str) -> str:
     return value
 
 
-def configure(preference=None, fp32=None, strict=None, tune=None, avoid=None, guard=None, schedule=None) -> Config:
+def configure(preference=None, fp32=None, strict=None, tune=None, avoid=None, guard=None, schedule=None,
+              sparse=None) -> Config:
     """Change the process-wide configuration; an argument left at None keeps its current value. (Inside
     a ``use`` block the configuration ``use`` put in force stays in force there until the block ends.)
 
@@ -128,14 +147,18 @@ def configure(preference=None, fp32=None, strict=None, tune=None, avoid=None, gu
     watched for non-finite values), ``"full"`` (every call checked at once) or ``"off"``; True and
     False stand for on and off (see ``lib_attn.guard``). ``schedule``: rules that choose the chain by
     sampling progress, block and role, as one line of text (``"0-20%: sdpa; 20-80%: sage; 80-100%: sdpa"``)
-    or a ``Schedule``; ``""`` for none (see ``lib_attn.schedule``). Every argument is checked before
-    anything changes: a ValueError leaves the configuration as it was.
+    or a ``Schedule``; ``""`` for none (see ``lib_attn.schedule``). ``sparse``: sparse attention for
+    long self-attention calls, held to an error budget: one line of text
+    (``"block-sparse, budget=0.15, min_tokens=12288, topk=0.2, dense=0-20%; first 1"``), a dict of
+    its fields, True (every default) or a ``lib_attn.sparse.Sparse``; ``""``, ``"off"`` or False for
+    none (see ``lib_attn.sparse``). Every argument is checked before anything changes: a ValueError
+    leaves the configuration as it was.
     """
-    _set(_merged(_config, preference, fp32, strict, tune, avoid, guard, schedule))
+    _set(_merged(_config, preference, fp32, strict, tune, avoid, guard, schedule, sparse))
     return _config
 
 
-def _merged(base: Config, preference, fp32, strict, tune, avoid, guard, schedule) -> Config:
+def _merged(base: Config, preference, fp32, strict, tune, avoid, guard, schedule, sparse) -> Config:
     """``base`` with the arguments that are not None, each checked (ValueError before anything changes)."""
     pref = base.preference if preference is None else normalise_preference(preference)
     left_out = base.avoid if avoid is None else tuple(i for i in _check_ids(avoid, "avoid") if i != "math")
@@ -146,28 +169,29 @@ def _merged(base: Config, preference, fp32, strict, tune, avoid, guard, schedule
     mode = base.tune if tune is None else _mode(tune, TUNE_MODES, "tune")
     guard_mode = base.guard if guard is None else _mode(guard, GUARD_MODES, "guard")
     rules = base.schedule if schedule is None else _schedule.parse(schedule)
+    sparse_settings = base.sparse if sparse is None else _sparse.parse(sparse)
     return Config(pref, base.fp32 if fp32 is None else fp32, base.strict if strict is None else strict, mode,
-                  left_out, guard_mode, rules)
+                  left_out, guard_mode, rules, sparse_settings)
 
 
 def _set(new: Config) -> None:
     global _config
     if new != _config:  # hosts re-apply their settings every generation: keep decisions if nothing changed
         _config = _scope.GLOBAL.config = new
-        _schedule.use(new.schedule)
+        _schedule.use(new.positional)
         for listener in _listeners:
             listener()
 
 
 @contextlib.contextmanager
-def use(preference=None, fp32=None, strict=None, tune=None, avoid=None, guard=None, schedule=None):
+def use(preference=None, fp32=None, strict=None, tune=None, avoid=None, guard=None, schedule=None, sparse=None):
     """The configuration in force here with these arguments changed (as ``configure`` takes them), for
     the ``with`` block and in this thread or task only: other threads keep theirs, and the one in force
     here before returns on exit. The block has its own schedule position (starting where sampling was
     when it began); recordings open here count its calls."""
     outer = _scope.current()
-    new = _merged(outer.config or _config, preference, fp32, strict, tune, avoid, guard, schedule)
-    with _scope.entered(_scope.Scope(new, _schedule.Where(new.schedule, like=outer.where), outer.recordings)):
+    new = _merged(outer.config or _config, preference, fp32, strict, tune, avoid, guard, schedule, sparse)
+    with _scope.entered(_scope.Scope(new, _schedule.Where(new.positional, like=outer.where), outer.recordings)):
         yield new
 
 

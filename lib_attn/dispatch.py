@@ -31,7 +31,7 @@ from . import tune as _tune
 from . import tuning_file
 from .chains import chain_for, tuning_chain
 from .decision import Decision, decide, decide_tuned, trusted, wrap
-from .kernels import REGISTRY
+from .kernels import BACKEND_IDS, REGISTRY, not_in_chains
 from .kernels.base import failure_text, is_sticky
 from .spec import CallSpec, spec_of, validate
 
@@ -102,8 +102,9 @@ def _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key, measure
     """Validate a call and decide for it; ``key`` is its signature (None when it has none).
     ``measure``: tuning may run kernels on this call's inputs (not for ``explain``)."""
     validate(q, k, v, mask, layout, role, scale)
-    if backend is not None and backend not in REGISTRY:
-        raise ValueError(f"unknown backend id {backend!r}; valid ids: {', '.join(REGISTRY)}")
+    if backend is not None and backend not in BACKEND_IDS:
+        raise ValueError(not_in_chains([backend]) or f"unknown backend id {backend!r}; valid ids: "
+                                                         f"{', '.join(BACKEND_IDS)}")
     if fp32 is not None and fp32 not in _config.FP32_POLICIES:
         raise ValueError(f"fp32 policy {fp32!r} is not one of {', '.join(_config.FP32_POLICIES)}")
     cfg, spec = _scheduled(_config.current(), spec_of(q, k, v, mask, layout, role, exact))

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from . import scope as _scope
-from .kernels import BACKEND_IDS
+from .kernels import BACKEND_IDS, not_in_chains
 
 #: The chain word that means the default chain.
 AUTO = "auto"
@@ -152,6 +152,9 @@ def _chain(n: int, rule: str, text: str) -> tuple | None:
         raise _fail(n, rule, f"no backend after ':'; write backend ids (e.g. sdpa, sage) or {AUTO}")
     if ids == [AUTO]:
         return None
+    sparse = not_in_chains(ids)
+    if sparse:
+        raise _fail(n, rule, sparse)
     unknown = [i for i in ids if i not in BACKEND_IDS]
     if unknown:
         raise _fail(n, rule, f"unknown backend id {', '.join(map(repr, unknown))}; valid ids: "
@@ -336,6 +339,8 @@ def rule_for(schedule: Schedule, token, role: str, q_len: int, kv_len: int) -> R
     joint, indices = token if token is not None else (False, tuple(range(len(schedule.rules))))
     call_kind = kind(role, q_len, kv_len, joint)
     for i in indices:
+        if i >= len(schedule.rules):
+            break  # the position also matches rules after the schedule's own (sparse dense windows)
         rule = schedule.rules[i]
         if rule.takes(role, call_kind):
             return rule

@@ -32,7 +32,7 @@ from ._version import __version__
 from .check import CHECK_FAILED
 from .device import device_info
 from .file_lock import FileLock
-from .kernels import REGISTRY, status
+from .kernels import BACKEND_IDS, REGISTRY, status
 from .kernels.base import failure_text
 from .spec import NO_MASK
 
@@ -77,7 +77,7 @@ def fingerprint(device) -> dict:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if cuda and torch.backends.cudnn.is_available() else None,
         "lib_attn": __version__,
-        "backends": {bid: status(bid).version for bid in list(REGISTRY) if status(bid).available},
+        "backends": {bid: status(bid).version for bid in list(BACKEND_IDS) if status(bid).available},
     }
     return json.loads(json.dumps(doc, sort_keys=True, default=str))
 

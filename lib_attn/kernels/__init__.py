@@ -1,7 +1,9 @@
 """The backends (one module each) and their registry: every backend once, by stable id, and each one's probe, run once.
 
 ``REGISTRY`` maps ids to backends, built-ins first, then any added with ``register``. ``BACKEND_IDS``
-is a live, read-only view of its keys: a backend registered later is in it at once.
+is a live, read-only view of the ids a chain may name (a backend registered later is in it at once);
+``SPARSE_IDS`` the same of the sparse backends (``sparse.SparseBackend``), which no chain names: the
+sparse settings (``lib_attn.sparse``) choose them, and the engine holds them to the error budget.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Sequence
 
 from . import hub
 from .base import Backend, Status
+from .block_sparse import BlockSparse
 from .flash import FlashAttn
 from .flash4 import FlashAttn4
 from .kitchen import CkInt8
@@ -16,30 +19,39 @@ from .math import Math
 from .sage import Sage, SageCuda, SageFp8, SageFp8pp, SageTriton
 from .sage3 import Sage3
 from .sdpa import Sdpa, SdpaCudnn, SdpaEfficient, SdpaFlash, SdpaMath
+from .sparse import is_sparse
 from .xformers import Xformers
 
 REGISTRY: dict[str, Backend] = {
     b.id: b
     for b in (FlashAttn(), FlashAttn4(), SdpaCudnn(), SdpaFlash(), SdpaEfficient(), Xformers(), Sage(), SageTriton(),
-              SageCuda(), SageFp8(), SageFp8pp(), Sage3(), CkInt8(), Sdpa(), SdpaMath(), Math())
+              SageCuda(), SageFp8(), SageFp8pp(), Sage3(), CkInt8(), Sdpa(), SdpaMath(), Math(), BlockSparse())
 }
 BUILTIN_IDS = tuple(REGISTRY)
 
 
 class _Ids(Sequence):
-    """The registry's ids in order, as a read-only sequence that compares equal to a tuple of them."""
+    """The registry's ids of one kind (``sparse`` or not) in order, as a read-only sequence that compares
+    equal to a tuple of them."""
+
+    def __init__(self, sparse: bool):
+        self.sparse = sparse
+
+    def _ids(self) -> tuple:
+        return tuple(bid for bid, b in REGISTRY.items() if is_sparse(b) == self.sparse)
 
     def __getitem__(self, index):
-        return tuple(REGISTRY)[index]
+        return self._ids()[index]
 
     def __len__(self) -> int:
-        return len(REGISTRY)
+        return len(self._ids())
 
     def __iter__(self):
-        return iter(tuple(REGISTRY))
+        return iter(self._ids())
 
     def __contains__(self, item) -> bool:
-        return item in REGISTRY
+        backend = REGISTRY.get(item) if isinstance(item, str) else None
+        return backend is not None and is_sparse(backend) == self.sparse
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Sequence) and not isinstance(other, str) and tuple(self) == tuple(other)
@@ -53,10 +65,21 @@ class _Ids(Sequence):
         return tuple(other) + tuple(self)
 
     def __repr__(self) -> str:
-        return repr(tuple(REGISTRY))
+        return repr(self._ids())
 
 
-BACKEND_IDS = _Ids()
+BACKEND_IDS = _Ids(sparse=False)
+SPARSE_IDS = _Ids(sparse=True)
+
+
+def not_in_chains(ids) -> str:
+    """Why the sparse ids among ``ids`` cannot be in a chain ("" when none is)."""
+    named = [i for i in ids if i in SPARSE_IDS]
+    if not named:
+        return ""
+    return (f"{', '.join(map(repr, named))} {'is a sparse backend' if len(named) == 1 else 'are sparse backends'}, "
+            "which no chain names: turn sparse attention on with the sparse settings "
+            "(lib_attn.configure(sparse=...)), which hold it to an error budget")
 
 _status: dict[str, Status] = {}
 

@@ -1,0 +1,64 @@
+"""The block-sparse design that needs nothing beyond PyTorch 2.1: each query block's kept key blocks are
+gathered into a short key sequence, and PyTorch's own SDPA runs over it, a chunk of query blocks at a
+time (every query block of the chunk as one batch entry).
+
+Memory: the gathered keys and values of one chunk, at most ``CHUNK_ROWS`` rows each, whatever the call's
+length; nothing proportional to the call besides the output. A block of keys that runs past the end of
+the sequence (its last, shorter block) and the filler entries of a ragged routing are masked out.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..base import new_output
+from .routing import Routing
+
+#: Gathered key rows (and as many value rows) held at once per chunk of query blocks.
+CHUNK_ROWS = 1 << 15
+
+
+def run(q, k, v, scale: float, routing: Routing, block: int) -> torch.Tensor:
+    """Attention of q over the key blocks ``routing`` keeps, q, k, v in (b, h, n, d)."""
+    b, h, n, d = q.shape
+    kv = k.shape[2]
+    out = new_output((b, h, n, v.shape[-1]), q.dtype, q.device)
+    nq, width = routing.indices.shape[2:]
+    offsets = torch.arange(block, device=q.device)
+    ragged = kv % block != 0 or routing.counts is not None
+    slots = torch.arange(width, device=q.device)
+    chunk = max(1, CHUNK_ROWS // (width * block))
+    full_blocks = n // block
+    for bi in range(b):
+        for hi in range(h):
+            q2, k2, v2 = q[bi, hi], k[bi, hi], v[bi, hi]
+            idx = routing.indices[bi, hi]
+            counts = routing.counts[bi, hi] if routing.counts is not None else None
+            for start in range(0, nq, chunk):
+                stop = min(nq, start + chunk)
+                tokens = (idx[start:stop, :, None] * block + offsets).flatten(1)  # (c, width * block)
+                mask = None
+                if ragged:
+                    valid = tokens < kv
+                    if counts is not None:
+                        valid &= (slots[None, :] < counts[start:stop, None]).repeat_interleave(block, dim=1)
+                    mask = valid[:, None, :]
+                    tokens = tokens.clamp(max=kv - 1)
+                flat = tokens.flatten()
+                keys = k2.index_select(0, flat).view(stop - start, -1, d)
+                values = v2.index_select(0, flat).view(stop - start, -1, v2.shape[-1])
+                whole = min(stop, full_blocks)
+                if whole > start:  # query blocks of ``block`` rows, as a batch
+                    rows = q2[start * block:whole * block].unflatten(0, (whole - start, block))
+                    part = F.scaled_dot_product_attention(rows, keys[:whole - start], values[:whole - start],
+                                                          attn_mask=None if mask is None else mask[:whole - start],
+                                                          scale=scale)
+                    out[bi, hi, start * block:whole * block] = part.flatten(0, 1)
+                if stop > whole:  # the last query block, shorter than ``block``
+                    rows = q2[whole * block:][None]
+                    j = whole - start
+                    part = F.scaled_dot_product_attention(rows, keys[j:j + 1], values[j:j + 1],
+                                                          attn_mask=None if mask is None else mask[j:j + 1],
+                                                          scale=scale)
+                    out[bi, hi, whole * block:] = part[0]
+    return out

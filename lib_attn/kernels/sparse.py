@@ -1,0 +1,119 @@
+"""What a sparse backend is: a ``Backend`` that computes only part of the scores, steered by one knob.
+
+A sparse backend approximates attention on purpose, so the engine never trusts it by the exact
+kernels' bound: it measures each call kind's error against an exact reference and holds it to the
+user's budget (``lib_attn.sparse``). To be steered and measured, a sparse backend says more than a
+dense one:
+
+* ``knobs``: which routing knobs it takes. ``topk``: the fraction of key blocks each query block
+  computes, in (0, 1] (higher: denser, closer to exact). ``threshold``: the method's own threshold,
+  whose meaning, range and direction the backend states (``threshold_text``, ``threshold_range``,
+  ``threshold_denser``).
+* ``ladder(knob)``: the settings calibration may try for a call kind, from ``knob`` (the sparsest the
+  user allows) toward denser ones, ending at the densest still worth running sparse.
+* ``run_sparse(q, k, v, scale, knob)``: one call at that setting; a ``SparseResult`` with the output,
+  the log-sum-exp when ``returns_lse`` (else None) and the share of key blocks it computed.
+* ``reasons(spec)`` as for every backend: the head dims, dtypes and devices it takes. Whether a call
+  may go sparse at all (self-attention, no mask, enough tokens, outside the dense windows) is the
+  engine's question, not the backend's (``lib_attn.sparse.eligibility``).
+
+``run(q, k, v, mask, scale)``, the dense entry every backend has, runs at ``default_knob``: a chain
+that names a sparse backend like any other gets that setting, checked by the guard as an approximate
+kernel. Sparse backends are registered like any other and are never in a default chain.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..spec import NO_MASK
+from .base import Backend
+
+KNOBS = ("topk", "threshold")
+#: Keep fractions calibration tries, sparsest first: from the user's ``topk`` upward. Above the last
+#: one a sparse kernel computes more than half the scores and gains little over a dense one.
+TOPK_LADDER = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One routing setting: ``name`` in ``KNOBS`` and its value."""
+
+    name: str
+    value: float
+
+    @property
+    def text(self) -> str:
+        return f"{self.name} {self.value:g}"
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass
+class SparseResult:
+    """One sparse call's result. ``out``: as ``run`` returns it (the backend's layout, the input dtype);
+    ``lse``: (b, h, q_len) natural-log log-sum-exp of the scores it computed, fp32 (fp64 for fp64
+    inputs), or None; ``kept``: the share of (query block, key block) pairs computed, in [0, 1], a float
+    or a 0-d tensor (read on the host only when the engine samples the call)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor | None
+    kept: object
+
+
+class SparseBackend(Backend):
+    """Base class of the sparse backends (see the module's docstring).
+
+    ``block``: tokens per routing block (queries and keys); ``returns_lse``: whether ``run_sparse``
+    returns the log-sum-exp (context parallelism's ring steps need it; without it, Ulysses only).
+    """
+
+    approximate = True
+    sparse = True
+    masks = (NO_MASK,)
+    backward = False
+    devices = ("cuda", "cpu", "mps", "xpu")
+    block = 128
+    returns_lse = False
+    knobs: tuple[str, ...] = ("topk",)
+    default_knob = Knob("topk", 0.2)
+    #: What ``threshold`` means for this backend, its valid range (inclusive) and whether a higher
+    #: value is denser (True) or sparser (False). Unused when ``threshold`` is not in ``knobs``.
+    threshold_text = ""
+    threshold_range: tuple[float, float] = (0.0, 1.0)
+    threshold_denser = True
+    #: Threshold values calibration tries, from sparsest to densest (when ``threshold`` is a knob).
+    threshold_ladder: tuple[float, ...] = ()
+
+    def ladder(self, knob: Knob) -> tuple[Knob, ...]:
+        """``knob`` first, then the denser settings of its kind calibration may try, densest last."""
+        if knob.name == "topk":
+            values = [x for x in TOPK_LADDER if x > knob.value]
+        else:
+            steps = self.threshold_ladder if self.threshold_denser else tuple(reversed(self.threshold_ladder))
+            denser = (lambda x: x > knob.value) if self.threshold_denser else (lambda x: x < knob.value)
+            values = [x for x in steps if denser(x)]
+        return (knob,) + tuple(Knob(knob.name, x) for x in values)
+
+    def threshold_problem(self, value: float) -> str:
+        """Why ``value`` is no threshold for this backend ("" when it is one)."""
+        if "threshold" not in self.knobs:
+            return f"{self.id} routes by topk only (a keep fraction), not by a threshold"
+        lo, hi = self.threshold_range
+        if not lo <= value <= hi:
+            return f"threshold {value:g} is outside {self.id}'s range {lo:g}-{hi:g} ({self.threshold_text})"
+        return ""
+
+    def run_sparse(self, q, k, v, scale, knob: Knob) -> SparseResult:
+        raise NotImplementedError
+
+    def run(self, q, k, v, mask, scale):
+        if mask is not None:
+            raise NotImplementedError(f"{self.id} takes no mask")
+        return self.run_sparse(q, k, v, scale, self.default_knob).out
+
+
+def is_sparse(backend) -> bool:
+    return isinstance(backend, SparseBackend)

@@ -1,0 +1,78 @@
+"""The native block-sparse backend: routing from pooled scores (top-k and threshold, the sink and diagonal
+kept), and the gather design computing exactly the attention its routing keeps, against float64."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lib_attn.kernels import REGISTRY
+from lib_attn.kernels.block_sparse import gather
+from lib_attn.kernels.block_sparse.routing import blocks, route
+from lib_attn.kernels.sparse import Knob
+from tests.engine_helpers import make_qkv, reference, rel_err
+
+
+def routed_mask(routing, n: int, kv: int, block: int) -> torch.Tensor:
+    """The (b, h, n, kv) bool mask of the (query block, key block) pairs ``routing`` keeps."""
+    b, h, nq, width = routing.indices.shape
+    keep = torch.zeros(b, h, nq, blocks(kv, block), dtype=torch.bool)
+    counts = routing.counts if routing.counts is not None else torch.full((b, h, nq), width)
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(nq):
+                keep[bi, hi, i, routing.indices[bi, hi, i, :counts[bi, hi, i]]] = True
+    rows = keep.repeat_interleave(block, dim=2)[:, :, :n]
+    return rows.repeat_interleave(block, dim=3)[..., :kv]
+
+
+@pytest.mark.parametrize("n, knob", [(512, Knob("topk", 0.3)), (700, Knob("topk", 0.5)), (700, Knob("threshold", 0.6)),
+                                     (333, Knob("threshold", 0.9)), (1000, Knob("topk", 1.0))])
+def test_gather_computes_the_routed_attention_exactly(n, knob):
+    block = 64
+    q, k, v = make_qkv(2, 3, n, n, 16, torch.float64)
+    scale = 1 / math.sqrt(16)
+    routing = route(q, k, scale, block, knob.name, knob.value)
+    out = gather.run(q, k, v, scale, routing, block)
+    ref = reference(q, k, v, mask=routed_mask(routing, n, n, block))
+    assert rel_err(out, ref) < 1e-12
+    if knob.value == 1.0:
+        assert rel_err(out, reference(q, k, v)) < 1e-12 and float(routing.kept) == 1.0
+
+
+def test_routing_keeps_sink_and_diagonal_and_the_highest_pooled_scores():
+    q, k, _ = make_qkv(1, 2, 640, 640, 8, torch.float64, seed=3)
+    routing = route(q, k, 0.5, 64, "topk", 0.3)
+    assert routing.indices.shape == (1, 2, 10, 3) and routing.counts is None
+    for i in range(10):
+        kept = set(routing.indices[0, 0, i].tolist())
+        assert 0 in kept and i in kept
+    assert abs(float(routing.kept) - 0.3) < 1e-6
+    # with a sink and a diagonal forced, the third block is the best of the rest
+    pooled_q = q[0, 0].view(10, 64, 8).mean(1)
+    pooled_k = k[0, 0].view(10, 64, 8).mean(1)
+    s = pooled_q @ pooled_k.T
+    for i in range(10):
+        rest = [j for j in range(10) if j not in (0, i)]
+        best = max(rest, key=lambda j: float(s[i, j]))
+        assert best in routing.indices[0, 0, i].tolist()
+
+
+def test_threshold_keeps_more_blocks_as_it_rises():
+    q, k, _ = make_qkv(1, 2, 1024, 1024, 16, torch.float32, seed=1)
+    kept = [float(route(q, k, 0.25, 64, "threshold", t).kept) for t in (0.3, 0.6, 0.9, 1.0)]
+    assert kept == sorted(kept) and kept[-1] == 1.0 and kept[0] < kept[-1]
+
+
+def test_backend_runs_bshd_views_and_half_inputs_via_its_contract():
+    backend = REGISTRY["block-sparse"]
+    q, k, v = make_qkv(1, 2, 300, 300, 32, torch.float32)
+    result = backend.run_sparse(q, k, v, None, Knob("topk", 1.0))
+    assert result.lse is None and not backend.returns_lse and float(result.kept) == 1.0
+    assert rel_err(result.out, reference(q, k, v)) < 1e-5
+    qb, kb, vb = (t.to(torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    half = backend.run_sparse(qb, kb, vb, None, Knob("topk", 1.0)).out
+    assert half.dtype == torch.bfloat16 and rel_err(half, reference(qb, kb, vb)) < 4e-2
+    with pytest.raises(NotImplementedError, match="no mask"):
+        backend.run(q, k, v, torch.ones(300, 300, dtype=torch.bool), None)
