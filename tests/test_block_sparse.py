@@ -39,6 +39,11 @@ def test_gather_computes_the_routed_attention_exactly(n, knob):
     assert rel_err(out, ref) < 1e-12
     if knob.value == 1.0:
         assert rel_err(out, reference(q, k, v)) < 1e-12 and float(routing.kept) == 1.0
+    # the routing's own per-row view of the keys it keeps (what calibration masks scores with) is the same
+    rows = torch.tensor([0, 5, n // 2, n - 1])
+    mask = routed_mask(routing, n, n, block)
+    for bi, hi in ((0, 0), (1, 2)):
+        assert torch.equal(routing.keeps(bi, hi, rows, n), mask[bi, hi, rows])
 
 
 def test_routing_keeps_sink_and_diagonal_and_the_highest_pooled_scores():
@@ -69,6 +74,8 @@ def test_backend_runs_bshd_views_and_half_inputs_via_its_contract():
     backend = REGISTRY["block-sparse"]
     q, k, v = make_qkv(1, 2, 300, 300, 32, torch.float32)
     result = backend.run_sparse(q, k, v, None, Knob("topk", 1.0))
+    assert torch.equal(backend.routing(q, k, None, Knob("topk", 0.4)).indices,
+                       route(q, k, 1 / math.sqrt(32), 128, "topk", 0.4).indices)
     assert result.lse is None and not backend.returns_lse and float(result.kept) == 1.0
     assert rel_err(result.out, reference(q, k, v)) < 1e-5
     qb, kb, vb = (t.to(torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))

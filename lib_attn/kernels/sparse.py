@@ -52,6 +52,37 @@ class Knob:
 
 
 @dataclass
+class Routing:
+    """Which key blocks each query block computes. ``indices``: (b, h, q_blocks, width) key block indices,
+    each row's kept blocks first, then (when ``counts`` is given) other blocks it does not keep;
+    ``counts``: (b, h, q_blocks) how many of a row's ``width`` entries are kept, or None when all are; ``key_blocks``: key blocks in all; ``block``: tokens per block."""
+
+    indices: torch.Tensor
+    counts: torch.Tensor | None
+    key_blocks: int
+    block: int
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """The share of (query block, key block) pairs computed, a 0-d tensor."""
+        rows = self.indices.shape[:3].numel()
+        taken = self.counts.sum() if self.counts is not None else torch.tensor(rows * self.indices.shape[-1])
+        return taken.to(torch.float32) / float(rows * self.key_blocks)
+
+    def keeps(self, b: int, h: int, rows: torch.Tensor, kv: int) -> torch.Tensor:
+        """(len(rows), kv) bool: the keys query ``rows`` of pair (b, h) attend to."""
+        q_blocks = (rows // self.block).to(self.indices.device)
+        idx = self.indices[b, h].index_select(0, q_blocks)
+        keep = torch.zeros((len(rows), self.key_blocks), dtype=torch.bool, device=idx.device)
+        if self.counts is None:
+            keep.scatter_(1, idx, True)
+        else:
+            taken = torch.arange(idx.shape[1], device=idx.device) < self.counts[b, h].index_select(0, q_blocks)[:, None]
+            keep.scatter_(1, idx, taken)  # a row's entries are distinct blocks: the kept ones, then others
+        return keep.repeat_interleave(self.block, dim=1)[:, :kv]
+
+
+@dataclass
 class SparseResult:
     """One sparse call's result. ``out``: as ``run`` returns it (the backend's layout, the input dtype);
     ``lse``: (b, h, q_len) natural-log log-sum-exp of the scores it computed, fp32 (fp64 for fp64
@@ -108,6 +139,12 @@ class SparseBackend(Backend):
 
     def run_sparse(self, q, k, v, scale, knob: Knob) -> SparseResult:
         raise NotImplementedError
+
+    def routing(self, q, k, scale, knob: Knob) -> Routing | None:
+        """The routing ``run_sparse`` would use at ``knob`` (q, k in (b, h, n, d)) when its output is exact
+        attention over the routed blocks, else None. With it, calibration measures every setting of the
+        ladder on the sampled rows from one set of exact scores, without running the kernel."""
+        return None
 
     def run(self, q, k, v, mask, scale):
         if mask is not None:

@@ -6,7 +6,7 @@ import torch
 
 from ...spec import FLOATS
 from ..base import Status, default_scale
-from ..sparse import Knob, SparseBackend, SparseResult
+from ..sparse import Knob, Routing, SparseBackend, SparseResult
 from . import gather
 from .routing import route
 
@@ -28,6 +28,10 @@ class BlockSparse(SparseBackend):
 
     def variant(self, spec) -> str:
         return "gather"
+
+    def routing(self, q, k, scale, knob: Knob) -> Routing:
+        with torch.no_grad():
+            return route(q, k, default_scale(scale, q.shape[-1]), self.block, knob.name, knob.value)
 
     def run_sparse(self, q, k, v, scale, knob: Knob) -> SparseResult:
         scale = default_scale(scale, q.shape[-1])

@@ -13,27 +13,10 @@ at 75,600 tokens and 128-token blocks, 591 x 591 fp32 per head (1.4 MiB).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class Routing:
-    """``indices``: (b, h, q_blocks, width) key block indices, each row's kept blocks first;
-    ``counts``: (b, h, q_blocks) how many of a row's ``width`` entries are kept, or None when all are
-    (the rest repeat a kept block and must be masked out); ``key_blocks``: key blocks in all."""
-
-    indices: torch.Tensor
-    counts: torch.Tensor | None
-    key_blocks: int
-
-    @property
-    def kept(self) -> torch.Tensor:
-        """The share of (query block, key block) pairs computed, a 0-d tensor."""
-        rows = self.indices.shape[:3].numel()
-        taken = self.counts.sum() if self.counts is not None else torch.tensor(rows * self.indices.shape[-1])
-        return taken.to(torch.float32) / float(rows * self.key_blocks)
+from ..sparse import Routing
 
 
 def blocks(n: int, block: int) -> int:
@@ -75,7 +58,7 @@ def route(q, k, scale: float, block: int, knob_name: str, value: float) -> Routi
     if knob_name == "topk":
         width = min(nk, max(int(forced.sum(-1).max()), math.ceil(value * nk - 1e-9)))
         ranked = s.masked_fill(forced, float("inf"))
-        return Routing(ranked.topk(width, dim=-1, sorted=False).indices, None, nk)
+        return Routing(ranked.topk(width, dim=-1, sorted=False).indices, None, nk, block)
     # threshold: the fewest blocks, by pooled mass, whose mass reaches ``value``
     sizes = torch.full((nk,), float(block), device=s.device)
     sizes[-1] = k.shape[2] - (nk - 1) * block
@@ -85,4 +68,4 @@ def route(q, k, scale: float, block: int, knob_name: str, value: float) -> Routi
     before = ordered.cumsum(-1).sub_(ordered)  # the mass of the blocks ahead of each: a prefix is taken
     counts = torch.maximum((before < value).sum(-1), forced.sum(-1))
     width = int(counts.max())
-    return Routing(order[..., :width].contiguous(), counts if int(counts.min()) < width else None, nk)
+    return Routing(order[..., :width].contiguous(), counts if int(counts.min()) < width else None, nk, block)
