@@ -62,6 +62,8 @@ VAE_MODULES = ("comfy.ldm.genmo.vae", "comfy.ldm.cosmos.cosmos_tokenizer", "comf
 #: replaces a UNet's middle self-attention).
 UNET_MODULES = ("nodes_sag",)
 WRAPPER_KEY = "flash_attention"
+#: The mark of the engine's own overrides: a node put again after this one replaces its override.
+ENGINE_OVERRIDE = "_lib_attn_override"
 UNET_CLASS = ("comfy.ldm.modules.diffusionmodules.openaimodel", "UNetModel")
 
 #: The configuration of the routed VAE whose encode/decode runs now (None: ComfyUI's own attention).
@@ -143,15 +145,26 @@ def role_of(model_patcher) -> str:
 
 # --- one model --------------------------------------------------------------------------------------
 
-def make_override(role: str, fp32: str | None = None):
+def make_override(role: str, fp32: str | None = None, previous=None):
     """``optimized_attention_override``: ComfyUI calls it as ``override(func, *args, **kwargs)`` with
-    the arguments of the attention function ``func``; the engine serves the call instead."""
+    the arguments of the attention function ``func``; the engine serves the call instead. ``previous``,
+    an override another node put on the model before this one (ComfyUI's Model Sparse Attention node, a
+    patch node), keeps its place: it gets every call first, with the engine's function as the ``func``
+    it computes (or declines) with."""
     upcasting, own_dtype = function(role, fp32), function(role, fp32, upcasts=False)
+    if getattr(previous, ENGINE_OVERRIDE, False):  # this node again: the override before the first one stays
+        previous = previous.previous
 
-    def override(func, *args, **kwargs):
-        return (upcasting if consults_precision(func) else own_dtype)(*args, **kwargs)
+    if previous is None:
+        def override(func, *args, **kwargs):
+            return (upcasting if consults_precision(func) else own_dtype)(*args, **kwargs)
+    else:
+        def override(func, *args, **kwargs):
+            return previous(upcasting if consults_precision(func) else own_dtype, *args, **kwargs)
 
     override.__qualname__ = override.__name__ = f"lib_attn_{role}_override"
+    setattr(override, ENGINE_OVERRIDE, True)
+    override.previous = previous
     return override
 
 
@@ -197,7 +210,8 @@ def route_model(model_patcher, config: dict, fp32: str | None = None):
     model = model_patcher.clone()
     role = role_of(model)
     options = model.model_options.setdefault("transformer_options", {})
-    options["optimized_attention_override"] = make_override(role, fp32)
+    previous = options.get("optimized_attention_override")
+    options["optimized_attention_override"] = make_override(role, fp32, previous)
     for kind in (WrappersMP.OUTER_SAMPLE, WrappersMP.APPLY_MODEL):
         model.remove_wrappers_with_key(kind, WRAPPER_KEY)
     model.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, make_sample_wrapper(config, role, fp32))

@@ -204,6 +204,61 @@ def test_every_call_form_through_the_override_matches_attention_pytorch(comfy_fa
     assert rec.calls == {("dit", "sdpa"): 1}
 
 
+def _declining_override(previous, taken):
+    """An override as ComfyUI's Model Sparse Attention node puts one on a model: it serves the calls it
+    takes with its own kernel (here, self-attention, on ComfyUI's PyTorch attention; counted in ``taken``)
+    and sends the others to the override that was there before it, or to ComfyUI's function."""
+    from comfy.ldm.modules import attention
+
+    def override(func, q, k, v, heads, *args, **kwargs):
+        if q.shape == k.shape:
+            taken.append(tuple(q.shape))
+            return attention.attention_pytorch(q, k, v, heads, *args, **kwargs)
+        if previous is not None:
+            return previous(func, q, k, v, heads, *args, **kwargs)
+        return func(q, k, v, heads, *args, **kwargs)
+    return override
+
+
+def test_an_override_put_on_after_the_node_sends_what_it_declines_to_the_engine(comfy_factory):
+    _, nodes = loaded(comfy_factory)
+    original = unet_patcher()
+    ref = sample(original)
+    (routed,) = node(nodes, "FlashAttentionBackend", model=original, tune="auto", **BACKEND)
+    options = routed.model_options["transformer_options"]
+    taken = []
+    options["optimized_attention_override"] = _declining_override(options["optimized_attention_override"], taken)
+    with lib_attn.recording() as rec:
+        out = sample(routed)
+    assert rel_err(out, ref) <= FP32
+    assert len(taken) == 2 and rec.calls == {("unet", "sdpa"): 2}   # self-attention its own, cross the engine's
+
+
+def test_an_override_put_on_before_the_node_keeps_its_place_and_computes_on_the_engine(comfy_factory):
+    _, nodes = loaded(comfy_factory)
+    from comfy.ldm.modules import attention
+    original = unet_patcher()
+    ref = sample(original)
+    seen = []
+
+    def earlier(func, *args, **kwargs):
+        seen.append(func)
+        return func(*args, **kwargs)
+
+    original.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = earlier
+    (routed,) = node(nodes, "FlashAttentionBackend", model=original, tune="auto", **BACKEND)
+    with lib_attn.recording() as rec:
+        out = sample(routed)
+    assert rel_err(out, ref) <= FP32
+    assert len(seen) == 4 and all(f is not attention.optimized_attention for f in seen)
+    assert rec.calls == {("unet", "sdpa"): 4}                          # every call it passed on ran on the engine
+    (again,) = node(nodes, "FlashAttentionBackend", model=routed, tune="auto", **BACKEND)
+    seen.clear()
+    with lib_attn.recording() as rec:
+        sample(again)
+    assert len(seen) == 4 and rec.calls == {("unet", "sdpa"): 4}      # the node twice: one engine, the earlier kept
+
+
 def test_text_encoders_keep_comfyuis_attention(comfy_factory):
     _, _ = loaded(comfy_factory, env={"ATTN_COMFY_ROUTE": "auto"})
     from comfy.ldm.modules import attention
