@@ -7,27 +7,30 @@ holds the value); a backend chain and a schedule typed by hand are checked befor
 ones. ComfyUI 0.8.0 calls ``VALIDATE_INPUTS`` with the inputs it names that the prompt holds (an
 optional input a graph saved before it existed lacks is left out, so it keeps its default), and
 reports a failed check once for every input it was given, each time with the same text: the text
-names what is wrong (``unknown backend id …`` for the chain, ``schedule rule N (…)`` for the schedule).
+names what is wrong (``unknown backend id …`` for the chain, ``schedule rule N (…)`` for the schedule,
+``sparse budget …`` and the like for the sparse settings).
 """
 from __future__ import annotations
 
 import lib_attn
 from lib_attn import schedule as schedules
+from lib_attn import sparse as sparse_settings
 from lib_attn.config import FP32_POLICIES, GUARD_MODES, TUNE_MODES
 
 from host_attn import readout
 from host_attn.node_options import (AUTO, CHAIN_TOOLTIP, FP32_TOOLTIP, GUARD_TOOLTIP, STRICT_TOOLTIP, TUNE_TOOLTIP,
                                     backend_choices, backend_tooltip, config_for, problem,
-                                    schedule_tooltip)
+                                    schedule_tooltip, sparse_tooltip)
 
 from . import route, run
 
 CATEGORY = "advanced/attention"
 
 
-def _validate(chain, schedule=""):
-    """True, or what is wrong with the chain or the schedule (ComfyUI's answer to VALIDATE_INPUTS)."""
-    return problem(chain, schedule) or True
+def _validate(chain, schedule="", sparse=""):
+    """True, or what is wrong with the chain, the schedule or the sparse settings (ComfyUI's answer to
+    VALIDATE_INPUTS)."""
+    return problem(chain, schedule, sparse) or True
 
 
 def _common_inputs() -> dict:
@@ -40,6 +43,7 @@ def _common_inputs() -> dict:
 
 
 SCHEDULE_TOOLTIP = schedule_tooltip("ATTN_COMFY_SCHEDULE")
+SPARSE_TOOLTIP = sparse_tooltip("ATTN_COMFY_SPARSE")
 
 
 class AttentionBackend:
@@ -52,7 +56,9 @@ class AttentionBackend:
         # Optional, so that a graph saved before it existed still runs (with the guard on).
         guard = {"guard": (list(GUARD_MODES), {"default": GUARD_MODES[0], "tooltip": GUARD_TOOLTIP}),
                     "schedule": ("STRING", {"default": "", "placeholder": schedules.EXAMPLE,
-                                            "tooltip": SCHEDULE_TOOLTIP})}
+                                            "tooltip": SCHEDULE_TOOLTIP}),
+                    "sparse": ("STRING", {"default": "", "placeholder": sparse_settings.EXAMPLE,
+                                          "tooltip": SPARSE_TOOLTIP})}
         return {"required": inputs, "optional": guard}
 
     RETURN_TYPES = ("MODEL",)
@@ -61,11 +67,11 @@ class AttentionBackend:
     DESCRIPTION = "Runs the model's attention on the fastest kernel that takes each call, falling back per call."
 
     @classmethod
-    def VALIDATE_INPUTS(cls, chain, schedule=""):
-        return _validate(chain, schedule)
+    def VALIDATE_INPUTS(cls, chain, schedule="", sparse=""):
+        return _validate(chain, schedule, sparse)
 
-    def apply(self, model, backend, chain, strict, fp32, tune, guard=GUARD_MODES[0], schedule=""):
-        config = config_for(("unet", "dit"), backend, chain, strict, fp32, tune, guard, schedule)
+    def apply(self, model, backend, chain, strict, fp32, tune, guard=GUARD_MODES[0], schedule="", sparse=""):
+        config = config_for(("unet", "dit"), backend, chain, strict, fp32, tune, guard, schedule, sparse)
         return (route.route_model(model, config, None if fp32 == AUTO else fp32),)
 
 

@@ -170,9 +170,9 @@ def make_override(role: str, fp32: str | None = None, previous=None):
 
 def make_sample_wrapper(config: dict, role: str = "unet", fp32: str | None = None):
     """An ``OUTER_SAMPLE`` wrapper: the model samples under ``config``, counted in the run, and the
-    calls that pass no options are served as ``role`` with ``fp32``. While a schedule is in force, the
-    blocks of the model being sampled (the guider's, ``executor.class_obj``) tell the engine where
-    they start; no step is known before or after."""
+    calls that pass no options are served as ``role`` with ``fp32``. While a schedule or sparse dense
+    windows are in force, the blocks of the model being sampled (the guider's, ``executor.class_obj``)
+    tell the engine where they start; no step is known before or after."""
     def wrapper(executor, *args, **kwargs):
         token = _serving.set((role, fp32))
         try:
@@ -184,7 +184,7 @@ def make_sample_wrapper(config: dict, role: str = "unet", fp32: str | None = Non
 
 def _sample(executor, config, *args, **kwargs):
     with run.segment(config):
-        if lib_attn.config().schedule is None:
+        if lib_attn.config().positional is None:
             return executor(*args, **kwargs)
         steps.leave()
         try:

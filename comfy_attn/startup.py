@@ -7,8 +7,9 @@ at startup where such a flag's package is missing; this package lets it start, a
 on the engine with that kernel first, falling back per call with the reason).
 
 ``ATTN_COMFY_SCHEDULE`` is the default schedule (``lib_attn.schedule``'s one-line text): the global
-route's, and that of every Attention backend node whose schedule is empty. A schedule that does not
-parse is said at startup and not used at all.
+route's, and that of every Attention backend node whose schedule is empty. ``ATTN_COMFY_SPARSE`` is
+the default sparse attention (``lib_attn.sparse``'s one-line text, e.g. ``sol, budget=0.15``) in the same
+way. A value that does not parse is said at startup, naming what is wrong, and not used at all.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from . import route
 
 ENV_ROUTE = "ATTN_COMFY_ROUTE"
 ENV_SCHEDULE = "ATTN_COMFY_SCHEDULE"
+ENV_SPARSE = "ATTN_COMFY_SPARSE"
 OFF = ("", "0", "off", "false", "no")
 
 
@@ -59,6 +61,7 @@ def start(routes=None, args=None) -> list[str]:
         except ImportError as exc:  # aiohttp comes with ComfyUI; a bare test process may lack it
             voice.log_once(("comfy-route", str(exc)), f"status route not added: {exc}")
     default_schedule()
+    default_sparse()
     try:
         chain, why = requested(args=args)
     except ValueError as exc:
@@ -78,16 +81,25 @@ def start(routes=None, args=None) -> list[str]:
 def default_schedule(environ=os.environ):
     """Put ``ATTN_COMFY_SCHEDULE`` in force; returns the schedule, or None when none is set or it does
     not parse (then the startup log says which rule and part are wrong, and nothing of it is used)."""
-    text = environ.get(ENV_SCHEDULE, "").strip()
+    return _default(environ, ENV_SCHEDULE, "schedule", "the nodes' schedules still work")
+
+
+def default_sparse(environ=os.environ):
+    """Put ``ATTN_COMFY_SPARSE`` in force; returns the sparse settings, or None when none are set or they
+    do not parse (then the startup log names the value that is wrong, and nothing of it is used)."""
+    return _default(environ, ENV_SPARSE, "sparse", "the nodes' sparse settings still work")
+
+
+def _default(environ, variable: str, field: str, meanwhile: str):
+    text = environ.get(variable, "").strip()
     if not text:
         return None
     try:
-        lib_attn.configure(schedule=text)
+        lib_attn.configure(**{field: text})
     except ValueError as exc:
-        voice.log_once(("comfy-schedule", text), f"{ENV_SCHEDULE}={text!r}: {exc}. No default schedule; "
-                                                f"the nodes' schedules still work.")
+        voice.log_once((f"comfy-{field}", text), f"{variable}={text!r}: {exc}. No default {field}; {meanwhile}.")
         return None
-    rules = lib_attn.config().schedule
-    if rules is not None:
-        voice.log_once(("comfy-schedule", text), f"{ENV_SCHEDULE}: default schedule {rules.text!r}")
-    return rules
+    value = getattr(lib_attn.config(), field)
+    if value is not None:
+        voice.log_once((f"comfy-{field}", text), f"{variable}: default {field} {value.text!r}")
+    return value

@@ -1,11 +1,12 @@
 """What a host's node asks the user for (a backend, a chain typed by hand, strict, fp32, tuning, the
-guard, a schedule) and the engine configuration it makes of the answers; ComfyUI's and InvokeAI's
+guard, a schedule, sparse attention) and the engine configuration it makes of the answers; ComfyUI's and InvokeAI's
 nodes share it, each with its own way of showing the choices and refusing a bad value.
 """
 from __future__ import annotations
 
 import lib_attn
 from lib_attn import schedule as schedules
+from lib_attn import sparse as sparse_settings
 from lib_attn.config import FP32_POLICIES, GUARD_MODES, TUNE_MODES
 from lib_attn.config import parse_ids
 
@@ -30,10 +31,11 @@ def parse_chain(backend: str, chain: str) -> list[str] | None:
 
 
 def config_for(roles, backend: str, chain: str, strict: bool, fp32: str, tune: str = AUTO,
-               guard: str | None = None, schedule: str = "") -> dict:
+               guard: str | None = None, schedule: str = "", sparse: str = "") -> dict:
     """``lib_attn.configure`` arguments for the roles a node routes; ValueError for a bad value.
     ``guard`` None leaves the guard's mode in force; an empty ``schedule`` the schedule in force
-    (the host's default schedule, if any), ``off`` none."""
+    (the host's default schedule, if any), ``off`` none; an empty ``sparse`` the sparse settings in force,
+    ``off`` none."""
     if fp32 not in (AUTO, *FP32_POLICIES):
         raise ValueError(f"fp32 {fp32!r} is not one of {AUTO}, {', '.join(FP32_POLICIES)}")
     if tune not in TUNE_MODES:
@@ -48,15 +50,18 @@ def config_for(roles, backend: str, chain: str, strict: bool, fp32: str, tune: s
         config["guard"] = guard
     if (schedule or "").strip():
         config["schedule"] = schedules.parse(schedule) or ""
+    if (sparse or "").strip():
+        config["sparse"] = sparse_settings.parse(sparse) or ""
     return config
 
 
-def problem(chain, schedule="") -> str | None:
-    """What is wrong with a chain or a schedule typed by hand, or None (a value linked from another
-    node arrives as None: it is checked when the node runs)."""
+def problem(chain, schedule="", sparse="") -> str | None:
+    """What is wrong with a chain, a schedule or sparse settings typed by hand, or None (a value linked
+    from another node arrives as None: it is checked when the node runs)."""
     try:
         parse_chain(AUTO, chain)
         schedules.parse(schedule or None)
+        sparse_settings.parse(sparse or None)
     except ValueError as exc:
         return str(exc)
     return None
@@ -85,3 +90,12 @@ def schedule_tooltip(default_variable: str) -> str:
             "sdpa'. Conditions: A-B% (this sampler's steps done), sigma X-Y, self, cross, joint, first N, last N, "
             f"blocks A-B. Calls no rule takes use the backend and chain above. Empty: the default schedule "
             f"({default_variable}) if one is set; off: none.")
+
+
+def sparse_tooltip(default_variable: str) -> str:
+    return ("Optional: sparse attention for long self-attention calls, held to an error budget: a method ("
+            f"{', '.join(sparse_settings.methods())}) then name=value fields, e.g. '{sparse_settings.EXAMPLE}'. "
+            "budget: the largest relative error of a call against exact attention, in (0, 1]; min_tokens: "
+            "shorter calls stay dense; topk (a keep fraction) or threshold (the method's own); dense: windows "
+            f"that stay dense (schedule conditions). Empty: the default ({default_variable}) if one is set; "
+            "off: none.")

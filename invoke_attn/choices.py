@@ -14,7 +14,7 @@ The user says it with the Attention backend node, or for every session with ``AT
 A node is routed in the role its model inputs say (a UNet: ``unet``; a transformer: ``dit``; only a
 VAE: ``vae``); a node without one (a text encoder, an image filter) is never routed.
 ``ATTN_INVOKE_SCHEDULE`` is the default schedule: that of the environment's route and of every node
-whose schedule is empty.
+whose schedule is empty; ``ATTN_INVOKE_SPARSE`` the default sparse attention in the same way.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from host_attn.node_options import AUTO, config_for, parse_chain
 
 ENV_ROUTE = "ATTN_INVOKE_ROUTE"
 ENV_SCHEDULE = "ATTN_INVOKE_SCHEDULE"
+ENV_SPARSE = "ATTN_INVOKE_SPARSE"
 OFF = ("", "0", "off", "false", "no")
 ON = ("auto", "on", "1", "true", "yes")
 #: The outputs through which a node passes a model on.
@@ -49,9 +50,9 @@ class Choice:
 
 def choice(backend: str = AUTO, chain: str = "", vae_chain: str = "", guard: str = GUARD_MODES[0],
            schedule: str = "", strict: bool = False, fp32: str = AUTO, tune: str = TUNE_MODES[0],
-           said_by: str = "") -> Choice:
+           said_by: str = "", sparse: str = "") -> Choice:
     """The choice an Attention backend node's fields make; ValueError names a bad value and the valid ones."""
-    config = config_for(DENOISERS, backend, chain, strict, fp32, tune, guard, schedule)
+    config = config_for(DENOISERS, backend, chain, strict, fp32, tune, guard, schedule, sparse)
     denoiser = parse_chain(backend, chain)
     try:
         vae = parse_chain(AUTO, vae_chain)
@@ -61,6 +62,7 @@ def choice(backend: str = AUTO, chain: str = "", vae_chain: str = "", guard: str
         config["preference"] = {"unet": denoiser, "dit": denoiser, "vae": vae}
     summary = {"backend": ",".join(denoiser) if denoiser else AUTO, "vae": ",".join(vae) if vae else AUTO,
                "guard": guard, "schedule": (schedule or "").strip() or None, "strict": bool(strict),
+               "sparse": config["sparse"].text if config.get("sparse") else (sparse or "").strip() or None,
                "said_by": said_by}
     return Choice(config, said_by, summary)
 
@@ -80,13 +82,22 @@ def from_environment(environ=os.environ) -> Choice | None:
 
 def default_schedule(environ=os.environ):
     """Put ``ATTN_INVOKE_SCHEDULE`` in force (ValueError, naming the rule, when it does not parse)."""
-    text = environ.get(ENV_SCHEDULE, "").strip()
+    return _default(environ, ENV_SCHEDULE, "schedule")
+
+
+def default_sparse(environ=os.environ):
+    """Put ``ATTN_INVOKE_SPARSE`` in force (ValueError, naming the value, when it does not parse)."""
+    return _default(environ, ENV_SPARSE, "sparse")
+
+
+def _default(environ, variable: str, field: str):
+    text = environ.get(variable, "").strip()
     if text:
         try:
-            lib_attn.configure(schedule=text)
+            lib_attn.configure(**{field: text})
         except ValueError as exc:
-            raise ValueError(f"{ENV_SCHEDULE}={text!r}: {exc}") from None
-    return lib_attn.config().schedule
+            raise ValueError(f"{variable}={text!r}: {exc}") from None
+    return getattr(lib_attn.config(), field)
 
 
 def role_of(invocation) -> str | None:

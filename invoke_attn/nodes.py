@@ -3,8 +3,8 @@ Attention report (what the session's attention did).
 
 InvokeAI names a node's pack after the first part of its class's module, so ``startup`` loads this
 file as a module of the pack's own package; it imports the rest of the extension by absolute name.
-The choices list only valid values; the chains and the schedule typed by hand are checked when the
-graph is enqueued, so that a bad one is refused with InvokeAI's validation error naming the field
+The choices list only valid values; the chains, the schedule and the sparse settings typed by hand are
+checked when the graph is enqueued, so that a bad one is refused with InvokeAI's validation error naming the field
 and saying what is wrong, before anything runs.
 """
 import typing
@@ -18,11 +18,13 @@ from invokeai.invocation_api import (BaseInvocation, BaseInvocationOutput, Image
 
 import lib_attn
 from lib_attn import schedule as schedules
+from lib_attn import sparse as sparse_settings
 from lib_attn.config import FP32_POLICIES, GUARD_MODES, TUNE_MODES
 
 from host_attn import readout
 from host_attn.node_options import (AUTO, CHAIN_TOOLTIP, FP32_TOOLTIP, GUARD_TOOLTIP, STRICT_TOOLTIP, TUNE_TOOLTIP,
-                                    backend_choices, backend_tooltip, problem, schedule_tooltip)
+                                    backend_choices, backend_tooltip, problem, schedule_tooltip,
+                                    sparse_tooltip)
 from invoke_attn import choices, sessions
 
 try:
@@ -76,6 +78,7 @@ class AttentionBackendInvocation(BaseInvocation):
                                 description="Optional: the VAE's chain of backend ids (empty: Auto)")
     guard: Guard = InputField(default=GUARD_MODES[0], description=GUARD_TOOLTIP)
     schedule: str = InputField(default="", description=schedule_tooltip(choices.ENV_SCHEDULE))
+    sparse: str = InputField(default="", description=sparse_tooltip(choices.ENV_SPARSE))
     strict: bool = InputField(default=False, description=STRICT_TOOLTIP)
     fp32: Fp32 = InputField(default=AUTO, title="FP32", description=FP32_TOOLTIP)
     tune: Tune = InputField(default=TUNE_MODES[0], description=TUNE_TOOLTIP)
@@ -94,9 +97,15 @@ class AttentionBackendInvocation(BaseInvocation):
         schedules.parse(value or None)  # ScheduleError (a ValueError) names the rule and the part
         return value
 
+    @field_validator("sparse")
+    @classmethod
+    def _sparse_parses(cls, value: str) -> str:
+        sparse_settings.parse(value or None)  # SparseError (a ValueError) names the value and the valid ones
+        return value
+
     def choice(self) -> choices.Choice:
         return choices.choice(self.backend, self.chain, self.vae_chain, self.guard, self.schedule, self.strict,
-                              self.fp32, self.tune, said_by=f"node {self.id}")
+                              self.fp32, self.tune, said_by=f"node {self.id}", sparse=self.sparse)
 
     def invoke(self, context: InvocationContext) -> AttentionBackendOutput:
         passed = {"unet": self.unet, "transformer": self.transformer, "vae": self.vae}

@@ -45,9 +45,15 @@ def start(pack: str, environ=os.environ):
     except ValueError as exc:
         rules = None
         voice.log(f"InvokeAI: {exc}; no default schedule")
+    try:
+        sparse = choices.default_sparse(environ)
+    except ValueError as exc:
+        sparse = None
+        voice.log(f"InvokeAI: {exc}; no default sparse attention")
     default = sessions.default_choice[0]
     said = (f"every session's attention runs on this extension's engine ({default.said_by})" if default else
             "add the Attention backend node to a workflow to route its attention")
     voice.log(f"InvokeAI: nodes Attention backend and Attention report loaded; {said}"
-              + (f"; default schedule {rules.text!r}" if rules is not None else ""))
+              + (f"; default schedule {rules.text!r}" if rules is not None else "")
+              + (f"; default sparse attention {sparse.text!r}" if sparse is not None else ""))
     return nodes

@@ -966,3 +966,63 @@ def test_mochis_blocks_are_joint(comfy_factory):
 
     assert [joint for _, joint in schedule.block_modules(AsymmDiTJoint())] == [True, True]
     assert [joint for _, joint in schedule.block_modules(WanModel())] == [False, False]
+
+
+# --- sparse attention ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,words", [
+    ("sol, budget=1.5", ["sparse budget '1.5' is outside (0, 1]"]),
+    ("sol, budget=abc", ["sparse budget 'abc' is not a number"]),
+    ("sparsest", ["sparse method 'sparsest' is not one of auto, sol, block-sparse"]),
+    ("block-sparse, min_tokens=0", ["sparse min_tokens '0' must be a whole number >= 1"]),
+])
+def test_bad_sparse_settings_are_refused_before_the_graph_runs_naming_the_value(comfy_factory, text, words):
+    _, nodes = loaded(comfy_factory)
+    import execution
+    cls = nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"]
+    values = dict(model=None, tune="auto", guard="on", sparse=text, **BACKEND)
+    ok, errors = execution.validate(cls, values)
+    assert not ok
+    assert {e["extra_info"]["input_name"] for e in errors} == {"chain", "sparse"}     # the inputs it was given
+    assert all(all(w in e["details"] for w in words) for e in errors), errors
+    before = lib_attn.config()
+    with pytest.raises(ValueError) as raised:                                  # the API may skip the page
+        execution.execute(cls, dict(values, model=unet_patcher()))
+    assert all(w in str(raised.value) for w in words) and lib_attn.config() == before
+
+
+def test_the_node_puts_its_sparse_settings_in_force_while_its_model_samples(comfy_factory, monkeypatch):
+    _, nodes = loaded(comfy_factory)
+    cls = nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"]
+    assert cls.VALIDATE_INPUTS(chain="", schedule="", sparse=None) is True    # a linked value: checked at run
+    assert "sol" in cls.INPUT_TYPES()["optional"]["sparse"][1]["tooltip"]
+    seen = []
+    from comfy_attn import route
+    real = route.run.segment
+
+    def watching(config=None):
+        seen.append(config.get("sparse") if config else None)
+        return real(config)
+
+    monkeypatch.setattr(route.run, "segment", watching)
+    (model,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto",
+                    sparse="block-sparse, budget=0.1, min_tokens=4096", **BACKEND)
+    (off,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto", sparse="off", **BACKEND)
+    with lib_attn.recording() as rec:
+        sample(model, steps=2)
+        sample(off, steps=2)
+    assert seen[0].text == "block-sparse, budget=0.1, min_tokens=4096, topk=0.2, dense=0-20%; first 1"
+    assert seen[1] == ""
+    assert rec.calls == {("unet", "sdpa"): 8}                                  # short calls: dense, as without
+    assert lib_attn.config().sparse is None                                    # the node's settings end with its run
+
+
+def test_default_sparse_from_the_environment_and_a_bad_one_said_at_startup(comfy_factory, capsys):
+    _, _ = loaded(comfy_factory, env={"ATTN_COMFY_SPARSE": "block-sparse, budget=0.2"})
+    assert "ATTN_COMFY_SPARSE: default sparse 'block-sparse, budget=0.2, min_tokens=12288" in capsys.readouterr().out
+    assert lib_attn.config().sparse.budget == 0.2
+    lib_attn.reset()
+    _, _ = loaded(comfy_factory, env={"ATTN_COMFY_SPARSE": "sol, min_tokens=-3"})
+    out = capsys.readouterr().out
+    assert "ATTN_COMFY_SPARSE='sol, min_tokens=-3': sparse min_tokens '-3' must be a whole number >= 1" in out
+    assert "No default sparse" in out and lib_attn.config().sparse is None

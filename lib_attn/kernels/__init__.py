@@ -19,13 +19,14 @@ from .math import Math
 from .sage import Sage, SageCuda, SageFp8, SageFp8pp, SageTriton
 from .sage3 import Sage3
 from .sdpa import Sdpa, SdpaCudnn, SdpaEfficient, SdpaFlash, SdpaMath
+from .sol import Sol
 from .sparse import is_sparse
 from .xformers import Xformers
 
 REGISTRY: dict[str, Backend] = {
     b.id: b
     for b in (FlashAttn(), FlashAttn4(), SdpaCudnn(), SdpaFlash(), SdpaEfficient(), Xformers(), Sage(), SageTriton(),
-              SageCuda(), SageFp8(), SageFp8pp(), Sage3(), CkInt8(), Sdpa(), SdpaMath(), Math(), BlockSparse())
+              SageCuda(), SageFp8(), SageFp8pp(), Sage3(), CkInt8(), Sdpa(), SdpaMath(), Math(), Sol(), BlockSparse())
 }
 BUILTIN_IDS = tuple(REGISTRY)
 

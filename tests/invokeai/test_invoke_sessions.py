@@ -112,7 +112,7 @@ def test_the_node_routes_the_unet_and_the_vae_and_the_image_stays(host):
     attention = metadata["attention"]
     assert attention["text"][0].startswith("UNet: sdpa")
     assert attention["configuration"] == [{"backend": "auto", "vae": "auto", "guard": "on", "schedule": None,
-                                           "strict": False, "said_by": "node attn"}]
+                                           "strict": False, "sparse": None, "said_by": "node attn"}]
     assert {(c["role"], c["backend"]): c["count"] for c in attention["calls"]} == dict(session.recording.calls)
 
 
@@ -138,6 +138,9 @@ def test_a_connected_node_routes_only_the_nodes_that_get_their_model_through_it(
     ("chain", "flash-atn,sdpa", "unknown backend id 'flash-atn'; valid ids: flash-attn"),
     ("vae_chain", "nope", "unknown backend id 'nope'"),
     ("schedule", "0-50%: sdpa; 50-120%: math", "schedule rule 2 ('50-120%: math')"),
+    ("sparse", "sol, budget=2", "sparse budget '2' is outside (0, 1]"),
+    ("sparse", "dense-ish", "sparse method 'dense-ish' is not one of auto, sol, block-sparse"),
+    ("sparse", "block-sparse, min_tokens=0.5", "sparse min_tokens '0.5' must be a whole number >= 1"),
     ("backend", "flash", "flash_attention_backend.backend"),
 ])
 def test_a_bad_value_is_refused_when_the_graph_is_made(field, value, said):
@@ -221,6 +224,30 @@ def test_a_bad_environment_value_is_said_and_routes_nothing(host, capsys):
     assert "ATTN_INVOKE_SCHEDULE='0-200%: sdpa'" in out
     item = host.run_graph(txt2img_graph(seed=11))
     assert sessions._sessions[item.session_id] is None
+
+
+def test_sparse_settings_in_the_node_reach_the_session_and_its_metadata(host, capsys, monkeypatch):
+    startup.start(PACK, environ={choices.ENV_SPARSE: "sol, min_tokens=0"})
+    assert ("ATTN_INVOKE_SPARSE='sol, min_tokens=0': sparse min_tokens '0' must be a whole number >= 1"
+            in capsys.readouterr().out) and lib_attn.config().sparse is None
+    text = "block-sparse, budget=0.1, min_tokens=100000"
+    seen = []
+    real = lib_attn.use
+
+    def use(**config):
+        seen.append(config.get("sparse"))
+        return real(**config)
+
+    monkeypatch.setattr(sessions.lib_attn, "use", use)
+    plain = host.run_graph(txt2img_graph(seed=14))
+    item = host.run_graph(_with_nodes(txt2img_graph(seed=14), _attention(sparse=text)))
+    assert item.status == "completed", item.error_traceback
+    assert seen and all(s.text == text + ", topk=0.2, dense=0-20%; first 1" for s in seen)
+    attention = host.images.get_metadata(host.output(item, "l2i").image.image_name).root["attention"]
+    assert attention["configuration"][0]["sparse"] == text + ", topk=0.2, dense=0-20%; first 1"
+    # every call below min_tokens: dense, the same pixels as without the node's sparse settings
+    assert np.array_equal(_pixels(host, plain), _pixels(host, item))
+    assert lib_attn.config().sparse is None
 
 
 def test_the_report_without_anything_routed_says_so(host):

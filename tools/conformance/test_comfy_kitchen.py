@@ -9,6 +9,12 @@ in a fresh interpreter.
   Python passes, checking what those buffers must be, and computing exact attention from the padded
   inputs), the CUDA stream, ``is_available`` for an sm``SM`` GPU, and the one check that the tensors
   live on a GPU (relaxed in a copy of the file, as SageAttention's is in test_sage_releases.py).
+* Sol-Attn (``sol``): nothing is stood in. On a CPU ``comfy_kitchen.sol_attn`` runs the package's eager
+  reference, the algorithm its compiled kernels implement; the engine's calls (its layouts, scale, knob
+  and the sinks of a conditioning prefix) must give what ``sol_attn`` called directly gives for the same
+  arguments, the share of blocks the engine reports must be that of the package's own routing, and the
+  error of the algorithm against float64 attention is measured on inputs with local structure and on
+  random ones.
 """
 from __future__ import annotations
 
@@ -32,6 +38,11 @@ HERE = "tools.conformance.test_comfy_kitchen"
 @pytest.mark.parametrize("release", RELEASES)
 def test_int8_attention_release(release):
     print(isolate.run(f"{HERE}:int8_case", release, str(fetch("comfy-kitchen", release, kind="wheel"))))
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_sol_attn_release(release):
+    print(isolate.run(f"{HERE}:sol_case", release, str(fetch("comfy-kitchen", release, kind="wheel")), timeout=900))
 
 
 # --- the cases, each in its own interpreter -------------------------------------------------------
@@ -139,3 +150,121 @@ def int8_case(release: str, root: str) -> None:
     else:
         raise AssertionError("comfy-kitchen took a head size of 320: the engine's limit is out of date")
     print(f"comfy-kitchen {release}: {len(INT8_CALLS)} calls through its Python, head size 320 refused by both")
+
+
+# --- Sol-Attn --------------------------------------------------------------------------------------
+
+def _local(t_grid, heads, seed):
+    """(1, T, heads, 128) q, k, v whose attention is local, as a video model's is: q and k hold the same
+    smooth function of each token's place on a (frames, height, width) grid (cosines of each coordinate
+    at wavelengths from 2 to the axis' length) plus noise of the same size; v is noise."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    axes = torch.stack(torch.meshgrid(*[torch.arange(n, dtype=torch.float64) for n in t_grid], indexing="ij"), -1)
+    coords = axes.reshape(-1, len(t_grid))
+    per_axis = 128 // (2 * len(t_grid))
+    waves = [torch.logspace(0, math.log10(max(n, 2)), per_axis, dtype=torch.float64) for n in t_grid]
+    feats = torch.cat([f(coords[:, i:i + 1] * math.pi / waves[i]) for i in range(len(t_grid)) for f in (torch.cos,
+                                                                                                     torch.sin)], 1)
+    feats = torch.nn.functional.pad(feats, (0, 128 - feats.shape[1])) * (1.2 * 128 ** 0.5 / feats.shape[1] ** 0.5)
+    t = coords.shape[0]
+
+    def proj(position):
+        x = torch.randn(1, t, heads, 128, generator=g, dtype=torch.float64)
+        return (x + feats[None, :, None, :] if position else x).float()
+
+    return proj(True), proj(True), proj(False)
+
+
+def _rel_l2(out, ref):
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def _exact(q, k, v, scale=None, keep=None):
+    """float64 attention over (B, T, H, D) tensors, only over the token pairs ``keep`` allows when given."""
+    qh, kh, vh = (x.double().transpose(1, 2) for x in (q, k, v))
+    s = (qh @ kh.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    return (s.softmax(-1) @ vh).transpose(1, 2)
+
+
+def sol_case(release: str, root: str) -> None:
+    import torch
+
+    sys.path.insert(0, root)
+    import comfy_kitchen
+
+    from lib_attn.kernels import REGISTRY, sol
+    from lib_attn.kernels.sparse import Knob
+
+    from . import engine
+
+    assert pathlib.Path(comfy_kitchen.__file__).is_relative_to(root), comfy_kitchen.__file__
+    assert engine.loaded("sol").version == release
+    backend = REGISTRY["sol"]
+    assert not comfy_kitchen.sol_attn_is_available(torch.device("cpu"))  # the eager reference serves a CPU
+
+    # The engine's calls against sol_attn called directly with the same arguments.
+    cases = [("bf16, ComfyUI layout, default tau", "bshd", torch.bfloat16, None, None, 0),
+             ("bf16, (b, h, s, d) views, scale given", "bhsd", torch.bfloat16, 0.07, None, 0),
+             ("fp32 (a CPU's), tau 1.3", "bhsd", torch.float32, None, Knob("threshold", 1.3), 0),
+             ("bf16, top-k 20%, conditioning prefix", "bshd", torch.bfloat16, None, Knob("topk", 0.2), 300),
+             ("fp16, tau 0.5, prefix of one block", "bhsd", torch.float16, 0.1, Knob("threshold", 0.5), 64)]
+    for name, layout, dtype, scale, knob, prefix in cases:
+        q, k, v = engine.inputs(b=2, h=3, n=1000, kv=1000, d=128, dtype=dtype, layout=layout, seed=len(name))
+        before = [x.clone() for x in (q, k, v)]
+        as_bshd = (lambda x: x) if layout == "bshd" else (lambda x: x.transpose(1, 2))
+        direct_args = {"scale": scale, "sink_blocks": [0, math.ceil(prefix / 64)] if prefix else None}
+        if knob is None or knob.name == "threshold":
+            direct_args["tau"] = knob.value if knob else sol.DEFAULT_TAU
+        else:
+            direct_args["topk_ratio"] = knob.value
+        direct = comfy_kitchen.sol_attn(*(as_bshd(x) for x in (q, k, v)), **direct_args)
+        with sol.conditioning_prefix(prefix):
+            if knob is None:  # the dispatcher's own call: the backend named, in its layout, at its default
+                dec = engine.decision("sol", q, k, v, sm=90, layout=layout)
+                assert dec.backend == "sol", (name, dec.backend)
+                out = dec.run(q, k, v, None, scale)
+                out = as_bshd(out)
+            else:
+                result = backend.run_sparse(*(as_bshd(x) for x in (q, k, v)), scale, knob)
+                out = result.out
+                assert result.lse is None and 0 < float(result.kept) <= 1
+        assert out.dtype == dtype and out.shape == direct.shape, (name, out.dtype, out.shape)
+        assert torch.equal(out, direct), f"{name}: the engine's call differs from sol_attn's own"
+        assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v))), f"{name}: the call wrote to q, k or v"
+        print(f"{name}: same output as comfy_kitchen.sol_attn({', '.join(f'{a}={b}' for a, b in direct_args.items())})")
+
+    # The share of blocks the engine reports is the package's routing: with the pooled tail off, sol_attn's
+    # output is exact attention over the blocks it routes, which the engine's routing must reproduce.
+    q, k, v = _local((3, 20, 21), 2, seed=5)
+    t, n = q.shape[1], math.ceil(q.shape[1] / 64)
+    for knob, args in ((Knob("threshold", 1.3), {"tau": 1.3}), (Knob("threshold", 0.25), {"tau": 0.25}),
+                       (Knob("topk", 0.2), {"topk_ratio": 0.2})):
+        for sinks in (None, [0, 3]):
+            blocks = sol.routed_blocks(sol._block_means(q), sol._block_means(k), 128 ** -0.5, knob, sinks)
+            keep = blocks.repeat_interleave(64, -1).repeat_interleave(64, -2)[..., :t, :t]
+            untailed = comfy_kitchen.sol_attn(q, k, v, tail=False, sink_blocks=sinks, **args)
+            diff = _rel_l2(untailed, _exact(q, k, v, keep=keep))
+            assert diff < 1e-5, f"{knob}, sinks {sinks}: the engine's routing is not the package's ({diff:.1e})"
+            share = float(sol.routed_share(q, k, 128 ** -0.5, knob, sinks))
+            print(f"routing {knob} sinks {sinks}: {share:.3f} of {n}x{n} blocks, as the package routes (diff {diff:.1e})")
+
+    # The algorithm's error against float64 attention (the compiled kernels add their INT8 rounding).
+    print("relative L2 error of Sol-Attn (eager reference, fp32) against float64 attention, T=4096, 4 heads:")
+    local = _local((4, 32, 32), 4, seed=11)
+    g = torch.Generator().manual_seed(12)
+    diffuse = tuple(torch.randn(1, 4096, 4, 128, generator=g) for _ in range(3))
+    errors = {}
+    for label, (q, k, v) in (("local", local), ("random", diffuse)):
+        ref = _exact(q, k, v)
+        for knob in (Knob("threshold", 0.5), Knob("threshold", 1.0), Knob("threshold", 1.3), Knob("threshold", 2.0),
+                     Knob("topk", 0.1), Knob("topk", 0.2), Knob("topk", 0.4)):
+            result = backend.run_sparse(q, k, v, None, knob)
+            errors[label, knob] = err = _rel_l2(result.out, ref)
+            print(f"  {label:6} {knob}: {err:.3f}, {float(result.kept):.2f} of key blocks exact")
+    default = Knob("threshold", sol.DEFAULT_TAU)
+    assert errors["local", default] < errors["random", default] / 3, errors
+    assert errors["random", default] > 0.5, "random q and k have no local attention to route to"

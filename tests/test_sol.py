@@ -1,0 +1,198 @@
+"""Sol-Attn (comfy-kitchen's ``sol_attn``) as the engine's sparse backend ``sol``: what it refuses and why,
+the arguments a knob and a conditioning prefix become, its calibration ladder, the share of blocks it
+reports, and how a call reaches the package.
+
+The package's real Python (its eager reference on CPU) runs in ``tools/conformance/test_comfy_kitchen.py``,
+where the engine's calls are compared with ``comfy_kitchen.sol_attn`` called directly. Here a stand-in
+module has the names 0.2.40 has; its ``sol_attn`` records what it was given and checks what the
+release's own rule checks (one shape and dtype, head_dim 128).
+"""
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from lib_attn.device import DeviceInfo
+from lib_attn.kernels import REGISTRY, SPARSE_IDS, sol
+from lib_attn.kernels.sparse import Knob
+from lib_attn.spec import CallSpec
+
+from engine_helpers import reference, rel_err
+
+A100 = DeviceInfo("cuda", 0, "A100", (8, 0))
+TURING = DeviceInfo("cuda", 0, "RTX 2080", (7, 5))
+RDNA3 = DeviceInfo("cuda", 0, "RX 7900", None, platform="rocm", arch="gfx1100")
+MI300 = DeviceInfo("cuda", 0, "MI300X", None, platform="rocm", arch="gfx942")
+CPU = DeviceInfo("cpu", None, "cpu", None)
+SOL = REGISTRY["sol"]
+
+
+def spec(device=A100, d=128, q=16384, kv=None, dtype=torch.bfloat16, b=1, h=8):
+    return CallSpec(device, dtype, b, h, q, q if kv is None else kv, d, layout="bshd", role="dit")
+
+
+def test_it_is_a_sparse_backend_that_no_chain_names_and_auto_tries_first():
+    assert tuple(SPARSE_IDS)[0] == "sol" and SOL.approximate and SOL.block == 64 and not SOL.returns_lse
+    assert SOL.knobs == ("threshold", "topk") and SOL.default_knob == Knob("threshold", 1.3)
+
+
+def test_what_it_takes_on_a_gpu_and_what_it_refuses_there():
+    assert SOL.reasons(spec()) == [] and SOL.reasons(spec(dtype=torch.float16, device=RDNA3)) == []
+    assert SOL.reasons(spec(d=64)) == ["head_dim 64 != 128 (Sol-Attn's kernels are built for 128)"]
+    assert SOL.reasons(spec(kv=77)) == ["q_len 16384 != kv_len 77 (Sol-Attn takes self-attention)"]
+    assert SOL.reasons(spec(TURING)) == ["GPU sm75 < sm80 (Sol-Attn's compiled kernels)"]
+    assert SOL.reasons(spec(dtype=torch.float32)) == ["dtype float32 not supported (fp16/bf16)"]
+    assert SOL.reasons(spec(MI300)) == ["gfx942: Sol-Attn's HIP kernels need WMMA matrix cores (RDNA3 or newer: "
+                                        "gfx11xx, gfx12xx)"]
+
+
+def test_on_a_cpu_its_eager_reference_runs_only_when_named_and_within_its_own_limit():
+    (why,) = SOL.reasons(spec(CPU, dtype=torch.float32))
+    assert why.startswith("cpu: Sol-Attn runs its eager reference here") and "only when named" in why
+    assert SOL.reasons(spec(CPU, dtype=torch.float32, q=4096), asked=True) == []
+    assert SOL.reasons(spec(CPU, dtype=torch.bfloat16, q=4096), asked=True) == []
+    assert SOL.reasons(spec(CPU, q=32768, h=2), asked=True) == [
+        "cpu: Sol-Attn's eager reference would hold 8.0 GiB of scores (its limit: 4 GiB)"]
+
+
+def test_a_knob_becomes_tau_or_topk_ratio_and_a_conditioning_prefix_its_sink_blocks():
+    assert SOL.arguments(4096, Knob("threshold", 1.3)) == {"tau": 1.3, "sink_blocks": None}
+    assert SOL.arguments(4096, Knob("topk", 0.2)) == {"topk_ratio": 0.2, "sink_blocks": None}
+    with sol.conditioning_prefix(512):
+        assert SOL.arguments(4608, Knob("topk", 0.2))["sink_blocks"] == [0, 8]
+        with sol.conditioning_prefix(100):
+            assert SOL.arguments(4096, Knob("topk", 0.2))["sink_blocks"] == [0, 2]  # 100 tokens touch 2 blocks
+        assert SOL.arguments(300, Knob("topk", 0.2))["sink_blocks"] == [0, 5]      # never past the sequence
+    assert SOL.arguments(4096, Knob("topk", 0.2))["sink_blocks"] is None
+    for bad in (-1, 1.5, "77", True):
+        with pytest.raises(ValueError, match=f"conditioning prefix {bad!r} is not a whole number"):
+            with sol.conditioning_prefix(bad):
+                pass
+
+
+def test_calibration_goes_from_the_users_tau_down_to_denser_ones():
+    assert [k.value for k in SOL.ladder(Knob("threshold", 1.3))] == [1.3, 1.0, 0.75, 0.5, 0.25, 0.0]
+    assert [k.value for k in SOL.ladder(Knob("threshold", 4.0))][:3] == [4.0, 3.0, 2.5]
+    assert [k.value for k in SOL.ladder(Knob("topk", 0.2))] == [0.2, 0.3, 0.4, 0.5]
+    assert SOL.threshold_problem(1.0) == ""
+    assert SOL.threshold_problem(4.5).startswith("threshold 4.5 is outside sol's range 0-4 (tau:")
+
+
+def _token_level_routing(q, k, scale, knob, sinks):
+    """The routing as the reference states it: every query token's scores against each key block's mean
+    key (centred), averaged over the query block, against tau sigmas of the centroid's spread or top-k."""
+    b, t, h, d = q.shape
+    n = math.ceil(t / 64)
+    qh = q.double().transpose(1, 2)
+    km = torch.stack([k[:, i * 64:(i + 1) * 64].double().mean(1) for i in range(n)], 1).transpose(1, 2)
+    kc = km - km.mean(2, keepdim=True)
+    per_token = (qh @ kc.transpose(-1, -2)) * scale * sol.LOG2E                   # (b, h, t, n)
+    col = torch.stack([per_token[:, :, i * 64:(i + 1) * 64].mean(2) for i in range(n)], 2)
+    centroid = torch.stack([qh[:, :, i * 64:(i + 1) * 64].mean(2) for i in range(n)], 2)
+    idx = torch.arange(n)
+    sink = (idx >= (sinks or (0, 0))[0]) & (idx < (sinks or (0, 0))[1])
+    if knob.name == "topk":
+        ranked = col.masked_fill(sink, float("-inf"))
+        kk = max(0, min(n - 1, max(1, round(knob.value * (n - int(sink.sum()))))))
+        exact = ranked >= ranked.topk(kk, -1).values[..., -1:]
+    else:
+        var = (centroid.pow(2) * kc.pow(2).mean(2, keepdim=True)).sum(-1, keepdim=True)
+        exact = col > knob.value * torch.sqrt(var * (scale * sol.LOG2E) ** 2 + 1e-6)
+    return exact | ((idx.view(-1, 1) - idx.view(1, -1)).abs() <= 1) | sink
+
+
+@pytest.mark.parametrize("knob", [Knob("threshold", 1.3), Knob("threshold", 0.25), Knob("topk", 0.2),
+                                  Knob("topk", 0.5)])
+@pytest.mark.parametrize("sinks", [None, [0, 3]])
+def test_the_share_of_blocks_it_reports_is_the_routings_share(knob, sinks):
+    g = torch.Generator().manual_seed(7)
+    pos = torch.arange(1280, dtype=torch.float64).view(-1, 1)
+    wave = torch.cat([(pos / w).cos() for w in (3.0, 9.0, 27.0, 81.0)] * 32, 1)  # (t, 128): local structure
+    q, k = ((wave + 0.5 * torch.randn(1280, 128, generator=g, dtype=torch.float64)).view(1, 1280, 1, 128)
+            .expand(2, 1280, 2, 128).float() for _ in range(2))
+    scale = 128 ** -0.5
+    want = _token_level_routing(q, k, scale, knob, sinks)
+    got = sol.routed_blocks(sol._block_means(q), sol._block_means(k), scale, knob, sinks)
+    assert torch.equal(got, want)
+    share = sol.routed_share(q, k, scale, knob, sinks)
+    assert share.shape == () and float(share) == pytest.approx(want.double().mean().item(), abs=1e-6)
+    assert 3 * 20 - 2 <= want[0, 0].sum() < 400                                        # diagonal band at least
+    old = sol.ROUTING_CHUNK
+    try:
+        sol.ROUTING_CHUNK = 1  # one head at a time: the same share
+        assert float(sol.routed_share(q, k, scale, knob, sinks)) == pytest.approx(float(share), abs=1e-6)
+    finally:
+        sol.ROUTING_CHUNK = old
+
+
+def _stand_in(monkeypatch, *, with_sol=True, version="0.2.40"):
+    """comfy-kitchen as 0.2.40 names its modules; ``sol_attn`` checks what its call rule checks, records
+    its arguments and computes exact attention."""
+    calls = []
+
+    def sol_attn(q, k, v, tau=1.0, scale=None, sink_blocks=None, sink_q=None, key_bias=None, topk_ratio=0.0,
+                 tail=True, block_len=None, coarse_gate=None, token_aug=0):
+        for name, other in (("k", k), ("v", v)):
+            if other.shape != q.shape or other.dtype != q.dtype:
+                raise ValueError(f"sol_attn: {name}: must have the same shape and dtype as q")
+        if q.shape[-1] != 128:
+            raise ValueError("sol_attn: q: head_dim must be 128")
+        calls.append({"shape": tuple(q.shape), "contiguous": q.is_contiguous(), "tau": tau, "scale": scale,
+                      "sink_blocks": sink_blocks, "topk_ratio": topk_ratio})
+        out = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2).float() for x in (q, k, v)),
+                                                               scale=scale)
+        return out.transpose(1, 2).to(v.dtype).contiguous()
+
+    package = types.ModuleType("comfy_kitchen")
+    package.__version__ = version
+    package.__path__ = []
+    package.sol_attn_is_available = lambda device=None: False
+    if with_sol:
+        package.sol_attn = sol_attn
+    backends = types.ModuleType("comfy_kitchen.backends")
+    backends.__path__ = []
+    cuda = types.ModuleType("comfy_kitchen.backends.cuda")
+    cuda._EXT_AVAILABLE, cuda._EXT_ERROR = True, None
+    for name, module in (("comfy_kitchen", package), ("comfy_kitchen.backends", backends),
+                         ("comfy_kitchen.backends.cuda", cuda)):
+        monkeypatch.setitem(sys.modules, name, module)
+    return calls
+
+
+def test_the_probe_finds_sol_attn_or_says_what_is_missing(monkeypatch):
+    _stand_in(monkeypatch)
+    assert SOL._probe().available and SOL.fn is not None
+    _stand_in(monkeypatch, with_sol=False, version="0.2.8")
+    assert SOL._probe().reason == "comfy-kitchen 0.2.8 has no sol_attn (0.2.40 has)"
+    monkeypatch.setitem(sys.modules, "comfy_kitchen", None)
+    found = SOL.probe()
+    assert not found.available and found.reason.startswith("ModuleNotFoundError")
+    assert found.reason.endswith("hub: no kernel hub repository with a Sol-Attn build is known to the engine; "
+                                 "comfy-kitchen's wheel carries it (ATTN_INSTALL=comfy-kitchen)")
+
+
+def test_a_sparse_call_reaches_sol_attn_in_its_layout_with_scale_knob_and_sinks(monkeypatch):
+    calls = _stand_in(monkeypatch)
+    SOL._probe()
+    g = torch.Generator().manual_seed(3)
+    # (b, t, 3, h, d) projections viewed per tensor, as a DiT passes them: the kernels load such views
+    qkv = torch.randn(1, 640, 3, 2, 128, generator=g)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    kept = [x.clone() for x in (q, k, v)]
+    with sol.conditioning_prefix(70):
+        result = SOL.run_sparse(q, k, v, 0.09, Knob("topk", 0.3))
+    assert calls == [{"shape": (1, 640, 2, 128), "contiguous": False, "tau": 1.0, "scale": 0.09,
+                      "sink_blocks": [0, 2], "topk_ratio": 0.3}]
+    assert result.lse is None and result.out.shape == q.shape
+    assert rel_err(result.out, reference(q, k, v, None, 0.09, "bshd")) < 1e-5
+    assert 0 < float(result.kept) <= 1
+    assert all(torch.equal(a, b) for a, b in zip(kept, (q, k, v)))
+    # a view whose rows are 130 wide and start 4 bytes in: the 16-byte loads would be misaligned
+    odd = torch.randn(1, 640, 2, 130, generator=g)[..., 1:129]
+    result = SOL.run_sparse(odd, odd, odd, None, Knob("threshold", 1.3))
+    assert calls[-1]["contiguous"] and calls[-1]["tau"] == 1.3 and calls[-1]["scale"] is None
+    assert rel_err(result.out, reference(odd, odd, odd, None, None, "bshd")) < 1e-5
