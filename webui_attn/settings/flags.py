@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import lib_attn
 from lib_attn import schedule as schedules
+from lib_attn import sparse as sparse_settings
 from lib_attn.config import FP32_POLICIES, GUARD_MODES, TUNE_MODES, parse_ids
 
 from host_attn import voice
@@ -82,6 +83,9 @@ def problems(cmd_opts) -> list[str]:
     problem = schedule_problem(getattr(cmd_opts, "attn_schedule", None))
     if problem:
         out.append(f"--attn-schedule: {problem}. The flag is ignored.")
+    problem = sparse_problem(getattr(cmd_opts, "attn_sparse", None))
+    if problem:
+        out.append(f"--attn-sparse: {problem}. The flag is ignored.")
     return out
 
 
@@ -90,6 +94,15 @@ def schedule_problem(text) -> str | None:
     try:
         schedules.parse(text)
     except schedules.ScheduleError as exc:
+        return str(exc)
+    return None
+
+
+def sparse_problem(text) -> str | None:
+    """Why sparse settings cannot be used (the value that is wrong and the valid ones), or None when they can."""
+    try:
+        sparse_settings.parse(text)
+    except sparse_settings.SparseError as exc:
         return str(exc)
     return None
 
@@ -125,6 +138,9 @@ def layer_from(cmd_opts) -> dict | None:
     text = getattr(cmd_opts, "attn_schedule", None)
     if text is not None and schedule_problem(text) is None:
         layer["schedule"] = text
+    text = getattr(cmd_opts, "attn_sparse", None)
+    if text is not None and sparse_problem(text) is None:
+        layer["sparse"] = text
     return layer or None
 
 

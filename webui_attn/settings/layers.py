@@ -5,7 +5,7 @@ Sources, weakest first: the host's own attention flags (Forge Neo's ``--sage``, 
 dropdown, the extension's settings, the per-generation override. Each source sets its layer; the
 merged result goes to ``lib_attn.configure``. A layer is a dict with any of ``preference``, ``fp32``,
 ``strict``, ``tune``, ``avoid``, ``guard``, ``schedule`` (its text; ``"off"`` for none, over the weaker
-layers' schedule); None clears it. A role whose chain a layer leaves out (or sets to
+layers' schedule), ``sparse`` (the sparse settings' text; ``"off"`` likewise); None clears it. A role whose chain a layer leaves out (or sets to
 "auto") keeps the chain of the layers below.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from lib_attn.config import normalise_preference
 
 ORDER = ("host", "flags", "optimizer", "settings", "generation")
 DEFAULTS = {"preference": "auto", "fp32": "cast", "strict": False, "tune": "auto", "avoid": (), "guard": "on",
-            "schedule": ""}
+            "schedule": "", "sparse": ""}
 
 _layers: dict[str, dict | None] = {name: None for name in ORDER}
 

@@ -13,7 +13,7 @@ from host_attn import voice
 
 from . import layers
 from .choices import backend_from_choice
-from .flags import DENOISER_ROLES, schedule_problem
+from .flags import DENOISER_ROLES, schedule_problem, sparse_problem
 
 # --- the settings: keys, defaults, what a stored value means ---------------------------------------
 
@@ -29,9 +29,10 @@ KEY_AVAILABILITY = PREFIX + "availability"
 KEY_TUNE = PREFIX + "tune"
 KEY_GUARD = PREFIX + "guard"
 KEY_SCHEDULE = PREFIX + "schedule"
+KEY_SPARSE = PREFIX + "sparse"
 
 DEFAULTS = {KEY_BACKEND: AUTO, KEY_VAE_BACKEND: AUTO, KEY_FP32: AUTO, KEY_STRICT: False, KEY_READOUT: True,
-            KEY_TUNE: AUTO, KEY_GUARD: AUTO, KEY_SCHEDULE: ""}
+            KEY_TUNE: AUTO, KEY_GUARD: AUTO, KEY_SCHEDULE: "", KEY_SPARSE: ""}
 FP32_CHOICES = (AUTO, *FP32_POLICIES)
 TUNE_CHOICES = (AUTO, "on", "off")
 GUARD_CHOICES = (AUTO, *GUARD_MODES)
@@ -77,9 +78,9 @@ def problems(values: dict) -> list[str]:
     guard = values.get(KEY_GUARD)
     if guard is not None and guard not in GUARD_CHOICES:
         out.append(f"setting {KEY_GUARD}={guard!r} ignored, {AUTO} used; valid: {', '.join(GUARD_CHOICES)}")
-    problem = setting_schedule_problem(values)
-    if problem:
-        out.append(problem)
+    for problem in (setting_schedule_problem(values), setting_sparse_problem(values)):
+        if problem:
+            out.append(problem)
     return out
 
 
@@ -91,6 +92,17 @@ def setting_schedule_problem(values: dict) -> str | None:
     if problem is None:
         return None
     return (f"setting {KEY_SCHEDULE}: {problem}; not applied, and generations that leave the schedule to the "
+            f"setting are refused until it is corrected or emptied")
+
+
+def setting_sparse_problem(values: dict) -> str | None:
+    """What is wrong with the stored sparse settings, or None. Such settings are never applied, and a
+    generation is refused while they are stored, as for a schedule: it would otherwise run exact (or
+    sparse) where the user asked for the other."""
+    problem = sparse_problem(values.get(KEY_SPARSE) or None)
+    if problem is None:
+        return None
+    return (f"setting {KEY_SPARSE}: {problem}; not applied, and generations that leave sparse attention to the "
             f"setting are refused until it is corrected or emptied")
 
 
@@ -118,6 +130,9 @@ def layer_from(values: dict) -> dict | None:
     text = str(values.get(KEY_SCHEDULE) or "").strip()
     if text and setting_schedule_problem(values) is None:
         layer["schedule"] = text
+    text = str(values.get(KEY_SPARSE) or "").strip()
+    if text and setting_sparse_problem(values) is None:
+        layer["sparse"] = text
     return layer or None
 
 

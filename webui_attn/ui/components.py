@@ -11,6 +11,7 @@ import json
 
 from lib_attn.config import GUARD_MODES
 from lib_attn.schedule import EXAMPLE as SCHEDULE_EXAMPLE
+from lib_attn.sparse import EXAMPLE as SPARSE_EXAMPLE
 
 from host_attn.readout import guard_lines
 
@@ -147,7 +148,8 @@ def accordion(is_img2img: bool, last_report=None, open: bool = False, refresh: b
 
     ``override``: the per-generation backend dropdown (the script's first argument); ``guard``: the
     per-generation guard mode (its second); ``schedule``: the per-generation schedule text (its third:
-    empty for the setting's, ``off`` for none); ``readout``:
+    empty for the setting's, ``off`` for none); ``sparse``: the per-generation sparse settings (its fourth,
+    likewise); ``readout``:
     the HTML of the last generation; ``refresh``: the button that reloads it from ``last_report()``, only
     when asked for (a host without a hook to ``follow``), else None. ``last_report``: where the report
     comes from (``readout.last_report`` when None).
@@ -182,6 +184,14 @@ def accordion(is_img2img: bool, last_report=None, open: bool = False, refresh: b
             info="Which backends serve which steps, blocks and roles, e.g. "
                  f"'{SCHEDULE_EXAMPLE}'. Empty: the setting's; off: none for this generation.",
         )
+        sparse = gr.Textbox(
+            label="Sparse attention for this generation",
+            value="",
+            placeholder=SPARSE_EXAMPLE,
+            elem_id=f"{ELEM_PREFIX}_{tab}_sparse",
+            info="Long self-attention calls sparse, within an error budget, e.g. "
+                 f"'{SPARSE_EXAMPLE}'. Empty: the setting's; off: none for this generation.",
+        )
         button = None
         if refresh:
             with gr.Row(elem_classes=["flash-attn-row"]):
@@ -190,7 +200,8 @@ def accordion(is_img2img: bool, last_report=None, open: bool = False, refresh: b
         readout = gr.HTML(value=report_html(last_report()), elem_id=f"{ELEM_PREFIX}_{tab}_readout")
     if button is not None:
         button.click(fn=lambda: report_html(last_report()), inputs=[], outputs=[readout], show_progress="hidden")
-    return {"override": override, "guard": guard, "schedule": schedule, "readout": readout, "refresh": button}
+    return {"override": override, "guard": guard, "schedule": schedule, "sparse": sparse, "readout": readout,
+            "refresh": button}
 
 
 #: Browser side of ``follow``: passes the trigger's text on to the server only when it differs from the

@@ -8,12 +8,13 @@ the weaker layers: command-line flags, the A1111 optimizer, the engine default.
 from __future__ import annotations
 
 from lib_attn.schedule import EXAMPLE as SCHEDULE_EXAMPLE, TERMS
+from lib_attn.sparse import EXAMPLE as SPARSE_EXAMPLE, methods as sparse_methods
 
 from host_attn.status import unavailable_text
 
 from ..settings import choices, stored
 from ..settings.stored import (AUTO, FP32_CHOICES, GUARD_CHOICES, KEY_AVAILABILITY, KEY_BACKEND, KEY_FP32, KEY_GUARD,
-                               KEY_READOUT, KEY_SCHEDULE, KEY_STRICT, KEY_TUNE, KEY_VAE_BACKEND, TUNE_CHOICES)
+                               KEY_READOUT, KEY_SCHEDULE, KEY_SPARSE, KEY_STRICT, KEY_TUNE, KEY_VAE_BACKEND, TUNE_CHOICES)
 
 SECTION = ("optimizations", "Optimizations", "sd")
 
@@ -83,6 +84,13 @@ def options(shared) -> dict:
         .info("One line of rules 'conditions: backends', the first that holds takes a call, e.g. "
               f"'{SCHEDULE_EXAMPLE}'. Conditions: {', '.join(TERMS)}. Empty: the --attn-schedule flag, else none; "
               "off: none. A schedule with a mistake is not applied and generations are refused until it is fixed."),
+        KEY_SPARSE: OptionInfo("", "Sparse attention for long self-attention calls, held to an error budget",
+                               gr.Textbox, {"placeholder": SPARSE_EXAMPLE}, onchange=_on_change)
+        .info(f"A method ({', '.join(sparse_methods())}) then name=value fields, e.g. '{SPARSE_EXAMPLE}'. budget: "
+              "the largest relative error of a call against exact attention, in (0, 1]; min_tokens: shorter calls "
+              "stay dense; topk (a keep fraction of key blocks) or threshold (the method's own); dense: windows "
+              "that stay dense. Empty: the --attn-sparse flag, else none; off: none. Settings with a mistake are "
+              "not applied and generations are refused until they are fixed."),
         KEY_READOUT: OptionInfo(True, "Show which attention kernels ran, their fallbacks, time and VRAM under the image",
                                 gr.Checkbox),
     }
