@@ -49,7 +49,7 @@ def test_fields_are_read_from_text():
 
 
 @pytest.mark.parametrize("value, words", [
-    ("sol", ["'sol'", "auto, block-sparse"]),
+    ("radial", ["'radial'", "auto, sol, block-sparse"]),
     ("block-sparse, budget=0", ["budget '0'", "(0, 1]"]),
     ("block-sparse, budget=1.01", ["budget '1.01'", "(0, 1]"]),
     ("block-sparse, budget=-0.1", ["budget '-0.1'", "(0, 1]"]),
@@ -68,7 +68,7 @@ def test_fields_are_read_from_text():
     ("block-sparse, calibrate=maybe", ["'maybe'", "on, off"]),
     ("block-sparse, speed=2", ["'speed=2'", "budget, min_tokens"]),
     ("block-sparse, budget=0.1, budget=0.2", ["'budget' given twice"]),
-    ("budget=0.1", ["start with a method", "auto, block-sparse"]),
+    ("budget=0.1", ["start with a method", "auto, sol, block-sparse"]),
     ({"method": "auto", "speed": 1}, ["'speed'", "method, budget"]),
     (12, ["int"]),
 ])
@@ -155,7 +155,7 @@ def test_a_registered_sparse_backend_becomes_a_method():
     finally:
         lib_attn.reset()
         lib_attn.unregister_backend("my-sparse")
-    with pytest.raises(sparse.SparseError, match="'my-sparse' is not one of auto, block-sparse"):
+    with pytest.raises(sparse.SparseError, match="'my-sparse' is not one of auto, sol, block-sparse"):
         sparse.parse("my-sparse")
 
 

@@ -3,6 +3,8 @@
 applied."""
 import types
 
+import torch
+
 import pytest
 
 import lib_attn
@@ -65,3 +67,63 @@ def test_a_bad_setting_is_named_not_applied_and_kept_as_the_user_wrote_it():
     assert problem in stored.problems(values)
     assert stored.layer_from(values) is None
     assert stored.setting_sparse_problem(dict(stored.DEFAULTS, flash_attn_sparse=SETTINGS)) is None
+
+
+# --- a generation, through each host's double --------------------------------------------------------
+
+gr = pytest.importorskip("gradio")
+
+from tests.doubles.fixtures import webui_factory  # noqa: E402,F401
+from tests.test_generation import prefixed  # noqa: E402
+from tests.test_webui_schedule import MODES, generate, launch  # noqa: E402
+from webui_attn.ui import readout  # noqa: E402
+from webui_attn.ui.readout import parse_infotext  # noqa: E402
+
+LONG_ONLY = "block-sparse, budget=0.2, min_tokens=100000"   # every call of the small model is shorter
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sparse_for_one_generation_is_recorded_pasted_back_and_below_its_minimum_changes_nothing(webui_factory,
+                                                                                                 mode):
+    runner = launch(webui_factory, mode)
+    _, _, plain = generate(runner, mode)
+    processed, info, sparse = generate(runner, mode, ["use setting", "use setting", "", LONG_ONLY])
+    canonical = LONG_ONLY + ", topk=0.2, dense=0-20%; first 1"
+    assert parse_infotext(processed.info)["Sparse attention"] == canonical
+    assert info["extra_generation_params"]["Sparse attention"] == canonical
+    for part in (0, 1):                                     # the latent, the VAE's output: the same, bit for bit
+        assert torch.equal(plain[0][part], sparse[0][part])
+    assert lib_attn.config().sparse is None                 # over with the generation
+    script = runner.alwayson_scripts[0]
+    field, reader = script.infotext_fields[2]
+    assert field is script.controls[3] and "Sparse attention" in script.paste_field_names
+    assert reader(parse_infotext(processed.info)) == canonical
+    assert reader(parse_infotext("a cat\nSteps: 10, Sparse attention: \"radial, budget=2\"")) is None
+
+
+@pytest.mark.parametrize("mode", ("a1111", "neo"))
+def test_bad_sparse_settings_for_a_generation_refuse_it_naming_the_value(webui_factory, capsys, mode):
+    runner = launch(webui_factory, mode)
+    capsys.readouterr()
+    processed, _, outputs = generate(runner, mode, ["use setting", "use setting", "", "sol, budget=3"])
+    assert outputs == []                                    # stopped before sampling
+    (note,) = readout.last_report().notes
+    assert note.startswith("generation refused: sparse attention for this generation: sparse budget '3' is "
+                           "outside (0, 1]")
+    assert f"Attention note: {note}" in processed.comments
+    assert any("sparse budget '3'" in line for line in prefixed(capsys.readouterr().out))
+    assert layers.get_layer("generation") is None and lib_attn.config().sparse is None
+    generate(runner, mode)                                  # the next request runs
+    assert readout.last_report().backends("unet")
+
+
+def test_a_bad_sparse_setting_refuses_generations_that_leave_it_to_the_setting(webui_factory):
+    runner = launch(webui_factory, "forge")
+    from modules.api import api
+    api.set_config({stored.KEY_SPARSE: "block-sparse, min_tokens=0"})
+    assert layers.get_layer("settings") is None
+    _, _, outputs = generate(runner, "forge")
+    assert outputs == [] and readout.last_report().notes[-1].startswith(
+        f"generation refused: setting {stored.KEY_SPARSE}: sparse min_tokens '0' must be a whole number >= 1")
+    _, _, outputs = generate(runner, "forge", ["use setting", "use setting", "", "off"])  # none for this one
+    assert len(outputs) == 1

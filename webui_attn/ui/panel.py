@@ -20,10 +20,10 @@ from host_attn import voice
 from ..routing import detect, sampling
 from ..settings import layers, stored
 from ..settings.choices import USE_SETTING, backend_from_choice
-from ..settings.flags import DENOISER_ROLES, schedule_problem
+from ..settings.flags import DENOISER_ROLES, schedule_problem, sparse_problem
 from . import readout, settings_page
 from .readout import (INFOTEXT_FALLBACKS_KEY, INFOTEXT_GUARD_KEY, INFOTEXT_KEY, INFOTEXT_KEYS, INFOTEXT_NOTE_KEY,
-                      INFOTEXT_SCHEDULE_KEY)
+                      INFOTEXT_SCHEDULE_KEY, INFOTEXT_SPARSE_KEY)
 
 TITLE = "Flash Attention"
 
@@ -101,9 +101,27 @@ def read_schedule(args) -> tuple[str | None, str | None]:
     return value.strip(), None
 
 
-def generation_layer(override: str | None, guard: str | None = None, schedule: str | None = None) -> dict | None:
+SPARSE_API = ("(over the API: \"args\": [\"<backend or use setting>\", \"<guard or use setting>\", \"<schedule>\", "
+              "\"<sparse>\"])")
+
+
+def read_sparse(args) -> tuple[str | None, str | None]:
+    """(sparse settings text or None, problem or None) from the script's fourth argument: empty or none
+    leaves the setting's in force; ``off`` runs this generation without; any other text must be whole
+    valid settings. A problem names the value and the valid ones, and refuses the generation."""
+    value = args[3] if len(args) > 3 else None
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None, None
+    problem = sparse_problem(value)
+    if problem:
+        return None, f"sparse attention for this generation: {problem} {SPARSE_API}"
+    return value.strip(), None
+
+
+def generation_layer(override: str | None, guard: str | None = None, schedule: str | None = None,
+                     sparse: str | None = None) -> dict | None:
     """The ``generation`` layer that puts ``override`` first for the UNet/DiT (other roles unchanged) and
-    sets the ``guard`` mode and the ``schedule`` for this generation."""
+    sets the ``guard`` mode, the ``schedule`` and the ``sparse`` settings for this generation."""
     layer = {}
     if override is not None:
         layer["preference"] = {role: [override] for role in DENOISER_ROLES}
@@ -111,6 +129,8 @@ def generation_layer(override: str | None, guard: str | None = None, schedule: s
         layer["guard"] = guard
     if schedule is not None:
         layer["schedule"] = schedule
+    if sparse is not None:
+        layer["sparse"] = sparse
     return layer or None
 
 
@@ -140,9 +160,10 @@ def ui(script, is_img2img):
         hook(lambda on: components.follow(on.component, parts["readout"]),
              elem_id=OUTPUT_ELEM.format(tab=tab))
     script.infotext_fields = [(parts["override"], override_from_params),
-                              (parts["schedule"], readout.schedule_from_infotext)]
-    script.paste_field_names = [INFOTEXT_KEY, INFOTEXT_SCHEDULE_KEY]
-    return [parts["override"], parts["guard"], parts["schedule"]]
+                              (parts["schedule"], readout.schedule_from_infotext),
+                              (parts["sparse"], readout.sparse_from_infotext)]
+    script.paste_field_names = [INFOTEXT_KEY, INFOTEXT_SCHEDULE_KEY, INFOTEXT_SPARSE_KEY]
+    return [parts["override"], parts["guard"], parts["schedule"], parts["sparse"]]
 
 
 def _shared():
@@ -195,6 +216,8 @@ def process(p, *args):
     override, problem = read_override(args)
     guard, guard_problem = read_guard(args)
     schedule, refusal = read_schedule(args)
+    sparse, sparse_refusal = read_sparse(args)
+    refusal = refusal or sparse_refusal
     route = detect.routing()
     opts = getattr(shared, "opts", None)
     notes = _notes(override, problem, route, opts)
@@ -203,21 +226,27 @@ def process(p, *args):
         notes = (*notes, guard_problem)
     if refusal is None and schedule is None:
         refusal = stored.setting_schedule_problem(stored.read(opts))
+    if refusal is None and sparse is None:
+        refusal = stored.setting_sparse_problem(stored.read(opts))
     with _lock:
         _close_stale(job)
         stored.apply_settings(opts)
         previous = layers.get_layer("generation")
         if refusal is None:
             try:
-                layers.set_layer("generation", generation_layer(override, guard, schedule))
+                layers.set_layer("generation", generation_layer(override, guard, schedule, sparse))
             except ValueError as exc:  # set_layer has put the previous layer back
                 refusal = str(exc)
-        in_force = lib_attn.config().schedule if refusal is None else None
+        cfg = lib_attn.config() if refusal is None else None
+        sparse_in_force = cfg.sparse if cfg is not None else None
         follower = None
-        if in_force is not None and not route.routed:
-            notes = (*notes, f"schedule {in_force.text!r} not applied: attention runs on {route.ran_on}")
-        elif in_force is not None:
-            follower = sampling.Follower(in_force, shared)
+        if cfg is not None and not route.routed:
+            notes = (*notes, *(f"{what} {value.text!r} not applied: attention runs on {route.ran_on}"
+                               for what, value in (("schedule", cfg.schedule), ("sparse attention", cfg.sparse))
+                               if value is not None))
+        elif cfg is not None and cfg.positional is not None:
+            # the schedule's rules, then sparse attention's dense windows: both need where sampling is
+            follower = sampling.Follower(cfg.positional, shared)
         context = lib_attn.recording()
         rec = context.__enter__()
         probe = None
@@ -234,6 +263,8 @@ def process(p, *args):
             params[key] = _infotext_entry(rec, key)
         if notes:
             params[INFOTEXT_NOTE_KEY] = readout.to_infotext(Report(notes=notes))[INFOTEXT_NOTE_KEY]
+        if sparse_in_force is not None:
+            params[INFOTEXT_SPARSE_KEY] = sparse_in_force.text
 
 
 def refuse(p, shared, message: str) -> None:

@@ -15,6 +15,7 @@ import threading
 
 from lib_attn.report import MIB, Report, Vram
 from lib_attn.schedule import parse
+from lib_attn.sparse import parse as parse_sparse
 
 from host_attn.readout import SCHEDULE_KEY, TUNED_MARK, guard_lines, kernel_text, one_line, role_mark, schedule_text
 
@@ -27,6 +28,9 @@ INFOTEXT_GUARD_KEY = "Attention guard"
 #: The schedule in force (its one-line text); the readout's line of that name counts the calls per rule.
 INFOTEXT_SCHEDULE_KEY = SCHEDULE_KEY
 INFOTEXT_KEYS = (INFOTEXT_KEY, INFOTEXT_FALLBACKS_KEY, INFOTEXT_GUARD_KEY, INFOTEXT_SCHEDULE_KEY, INFOTEXT_NOTE_KEY)
+#: The sparse settings a generation ran under (their one-line text, known when it starts), which
+#: paste-back restores; not among the report's entries above.
+INFOTEXT_SPARSE_KEY = "Sparse attention"
 
 
 def _mib_up(n: int) -> int:
@@ -215,6 +219,21 @@ def schedule_from_infotext(params) -> str | None:
         return parse(value).text
     except ValueError:
         return None
+
+
+def sparse_from_infotext(params) -> str | None:
+    """The sparse settings a pasted infotext recorded (their text, as the sparse fields take it), or None
+    when it recorded none or settings this version cannot read (the paste then leaves the field as it was)."""
+    if isinstance(params, str):
+        params = parse_infotext(params)
+    value = str((params or {}).get(INFOTEXT_SPARSE_KEY) or "").strip()
+    if not value:
+        return None
+    try:
+        settings = parse_sparse(value)
+    except ValueError:
+        return None
+    return settings.text if settings is not None else None
 
 
 _INFOTEXT_PARAM = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
