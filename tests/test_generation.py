@@ -300,7 +300,7 @@ def test_readout_redraws_when_the_generation_ends(webui_factory, mode):
     assert "No generation yet" in fn("")
     txt2img(runner, ["sdpa-math"])
     assert fn("Time taken: 1 sec.") == components.report_html(readout.last_report()) and "sdpa-math" in fn("")
-    assert script.args_to - script.args_from == 3  # the backend override, the guard and the schedule
+    assert script.args_to - script.args_from == 4  # the backend override, the guard, the schedule, sparse
 
 
 # --- 12: one prefix ------------------------------------------------------------------------------------------

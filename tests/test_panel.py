@@ -229,10 +229,10 @@ def test_paste_back_restores_the_override(webui_factory, mode):
         components = script.ui(False)
     override = components[0]
     assert isinstance(override, gr.Dropdown) and override.value == "use setting"
-    (field, reader), (schedule_field, schedule_reader) = script.infotext_fields
-    assert field is override and schedule_field is components[2]
-    assert schedule_reader is readout.schedule_from_infotext
-    assert script.paste_field_names == ["Attention", "Attention schedule"]
+    (field, reader), (schedule_field, schedule_reader), (sparse_field, sparse_reader) = script.infotext_fields
+    assert field is override and schedule_field is components[2] and sparse_field is components[3]
+    assert schedule_reader is readout.schedule_from_infotext and sparse_reader is readout.sparse_from_infotext
+    assert script.paste_field_names == ["Attention", "Attention schedule", "Sparse attention"]
 
     _, _, infotext = _generate(script, "sdpa-math")
     pasted = reader(parse_infotext(infotext))
