@@ -371,7 +371,7 @@ def _as_vae(method):
             return method(self, *args, **kwargs)
         finally:
             _vae_config.reset(token)
-    vae_pass.__name__ = vae_pass.__qualname__ = method.__name__
+    vae_pass.__name__, vae_pass.__qualname__ = method.__name__, method.__qualname__
     return vae_pass
 
 
