@@ -87,8 +87,102 @@ def main(seed: int):
         out["refused"] = ""
     except ValueError as exc:
         out["refused"] = str(exc)
+    out["processors"] = _processors(seed, world)
+    out["refusals"] = _refusals(seed)
+    out["fault"] = _fault(seed)  # last: it leaves the group broken
     launch.report(out)
-    launch.finish()
+    sys.stdout.flush()
+    os._exit(0)  # no barrier over a broken group
+
+
+def _processors(seed: int, world: int) -> dict:
+    """A UNet with diffusers' matmul processors (AttnProcessor, and SlicedAttnProcessor as
+    enable_attention_slicing sets it) split over the ranks, against the same model on one process."""
+    from diffusers.models.attention_processor import AttnProcessor
+
+    rows = {}
+    for name, setup in (("AttnProcessor", lambda m: m.set_attn_processor(AttnProcessor())),
+                        ("SlicedAttnProcessor", lambda m: m.set_attention_slice(1))):
+        torch.manual_seed(seed)
+        model, inputs = _unet(torch.Generator().manual_seed(seed))
+        model = model.double()
+        inputs = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                  for k, v in inputs.items()}
+        setup(model)
+        held = sorted({type(m.processor).__name__ for m in model.modules() if hasattr(m, "processor")})
+        with torch.no_grad():
+            want = model(**inputs)[0]  # one process, the processor's own code
+            for u, r in ((world, 1), (1, world)):
+                with route(model, parallel=parallel.Parallel(ulysses=u, ring=r, timeout=60)), \
+                        lib_attn.recording() as rec:
+                    got = model(**inputs)[0]
+                err = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
+                rows[f"{name} {u}x{r}"] = {"err": err, "held": held, "split": sum(n for n, _ in rec.parallel.values()),
+                                           "after": sorted({type(m.processor).__name__ for m in model.modules()
+                                                            if hasattr(m, "processor")})}
+    return rows
+
+
+class _OwnProcessor:
+    """A processor of a user's own, attending with plain matmuls."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        q, k, v = attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context)
+        weights = torch.softmax(q @ k.transpose(-1, -2) * attn.scale, dim=-1)
+        return attn.to_out[1](attn.to_out[0](weights @ v))
+
+
+def _refusals(seed: int) -> dict:
+    """What route(parallel=) refuses, and that it refuses before the model runs: a processor it
+    cannot split (xformers', a user's own), First Block Cache, Flux's IP-Adapter processor."""
+    from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+    from diffusers.models.attention_processor import XFormersAttnProcessor
+    from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
+
+    out = {}
+    cases = {
+        "xformers": (_unet, lambda m: m.set_attn_processor(XFormersAttnProcessor())),
+        "own": (_unet, lambda m: m.down_blocks[0].attentions[0].transformer_blocks[0].attn1.set_processor(
+            _OwnProcessor())),
+        "first block cache": (_flux, lambda m: apply_first_block_cache(m, FirstBlockCacheConfig(threshold=0.05))),
+        "ip-adapter": (_flux, lambda m: m.transformer_blocks[0].attn.set_processor(
+            FluxIPAdapterAttnProcessor(48, 32, num_tokens=(4,)))),
+    }
+    for name, (build, setup) in cases.items():
+        model, inputs = build(torch.Generator().manual_seed(seed))
+        setup(model)
+        calls = []
+        hook = model.register_forward_pre_hook(lambda *a: calls.append(1))
+        try:
+            with route(model, parallel=parallel.Parallel(timeout=60)):
+                model(**inputs)
+            out[name] = {"error": "", "ran": len(calls)}
+        except ValueError as exc:
+            out[name] = {"error": str(exc), "ran": len(calls)}
+        hook.remove()
+    return out
+
+
+def _fault(seed: int) -> dict:
+    """Rank 1 raises inside the denoiser's second block during a split run: every rank must end with a
+    clear error within the timeout (rank 0 waits on rank 1 in the next exchange)."""
+    import time
+
+    torch.manual_seed(seed)
+    model, inputs = _wan(torch.Generator().manual_seed(seed))
+    if torch.distributed.get_rank() == 1:
+        def fail(*args):
+            raise RuntimeError("injected failure on rank 1")
+        model.blocks[1].register_forward_pre_hook(fail)
+    start = time.monotonic()
+    try:
+        with torch.no_grad(), route(model, parallel=parallel.Parallel(ring=2, timeout=3)):
+            model(**inputs)
+        error = ""
+    except Exception as exc:  # noqa: BLE001 - the test reads what each rank saw
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "seconds": time.monotonic() - start}
 
 
 if __name__ == "__main__":

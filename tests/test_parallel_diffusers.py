@@ -68,3 +68,46 @@ def test_a_model_without_a_known_split_is_refused_by_name():
     for res in results:
         assert "no known sequence split for Linear" in res["refused"]
         assert "FluxTransformer2DModel, WanTransformer3DModel, UNet2DConditionModel" in res["refused"]
+
+
+@pytest.mark.parametrize("processor", ["AttnProcessor", "SlicedAttnProcessor"])
+def test_a_unet_with_matmul_processors_is_split_and_equals_one_process(processor):
+    # diffusers' AttnProcessor (set_default_attn_processor) and SlicedAttnProcessor (attention slicing)
+    # compute attention with matmuls, out of the engine's reach: split as AttnProcessor2_0, never left to
+    # attend to one rank's share. The reference is the same model on one process, on its own processor.
+    results, seed = _results()
+    for res in results:
+        rows = {k: v for k, v in res["processors"].items() if k.startswith(processor + " ")}
+        assert set(rows) == {f"{processor} 2x1", f"{processor} 1x2"}
+        for grid, row in rows.items():
+            assert row["held"] == [processor] and row["after"] == [processor], row  # given back after the scope
+            assert row["err"] <= BOUND, (seed, res["rank"], grid, row["err"])
+            # Every attention call of the UNet went through the split: as many as with the default processor.
+            assert row["split"] == res["models"]["unet"]["one_process_calls"], row
+
+
+@pytest.mark.parametrize("case, words", [
+    ("xformers", ["8 attention module(s) with XFormersAttnProcessor",
+                  "down_blocks.0.attentions.0.transformer_blocks.0.attn1"]),
+    ("own", ["1 attention module(s) with _OwnProcessor", "dispatcher): down_blocks.0.attentions.0.transformer_blocks.0.attn1",
+             "neither through F.scaled_dot_product_attention nor through diffusers' attention dispatcher"]),
+    ("first block cache", ["'fbc_leader_block_hook' (FBCHeadBlockHook) on transformer_blocks.0",
+                           "First Block Cache decides from this rank's share"]),
+    ("ip-adapter", ["transformer_blocks.0.attn: FluxIPAdapterAttnProcessor (IP-Adapter)"]),
+])
+def test_what_the_split_cannot_reach_is_refused_before_the_model_runs(case, words):
+    results, _ = _results()
+    for res in results:
+        refusal = res["refusals"][case]
+        assert refusal["error"].startswith("route(parallel=...) cannot split this model"), refusal
+        for word in words:
+            assert word in refusal["error"], (word, refusal["error"])
+        assert refusal["ran"] == 0  # refused at route(), before the first step: no rank waits on another
+
+
+def test_a_rank_that_fails_inside_a_split_model_ends_every_rank_with_a_clear_error():
+    results, _ = _results()
+    first, second = sorted(results, key=lambda r: r["rank"])
+    assert second["fault"]["error"] == "RuntimeError: injected failure on rank 1"
+    assert first["fault"]["error"].startswith("ParallelError: rank 0 of 2 (ring): ring step"), first["fault"]
+    assert first["fault"]["seconds"] < 3 + 3

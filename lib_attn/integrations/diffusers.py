@@ -299,6 +299,14 @@ def _routed_class(cls, kind: str, role: str):
     return found
 
 
+def _sdpa_processor():
+    """diffusers' ``AttnProcessor2_0``: the code a processor of ``SAME_AS_SDPA`` runs while split (the
+    same attention, through SDPA, which the split reaches)."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    return AttnProcessor2_0
+
+
 def is_routed(processor) -> bool:
     return "_lib_attn_role" in type(processor).__dict__
 
@@ -455,8 +463,10 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
 
     ``parallel`` (a ``lib_attn.parallel.Parallel``, every rank running the same pipeline) splits the
     denoiser's sequence over the ranks and puts the configuration in force for the scope
-    (``diffusers_parallel``); a denoiser whose split is not known raises ValueError before anything
-    changes.
+    (``diffusers_parallel``); a denoiser whose split is not known, an attention module on a rank's share
+    that the split cannot reach, or a hook that cannot run on a share raises ValueError naming them,
+    before anything changes. ``AttnProcessor`` and ``SlicedAttnProcessor`` run ``AttnProcessor2_0``'s
+    code there for the scope (the same attention, which the split reaches).
     """
     from ..spec import ROLES
 
@@ -467,6 +477,16 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
     routing = Routing()
     plan, seen = [], set()
     models = _models(model_or_pipeline, role)
+    as_sdpa = {}
+    if parallel is not None:
+        # Split attention that the split cannot reach would attend to one rank's share of the tokens
+        # as if it were the whole sequence: a wrong image on every rank, and no error.
+        as_sdpa, problems = _split.plan_refusals(models, processor_kind)
+        if problems:
+            raise ValueError("route(parallel=...) cannot split this model:\n  " + "\n  ".join(problems) +
+                             "\nSplit models need processors that call F.scaled_dot_product_attention or diffusers' "
+                             "attention dispatcher (diffusers' defaults, e.g. model.set_attn_processor(AttnProcessor2_0())"
+                             " on a UNet, AttnProcessor and SlicedAttnProcessor too) and none of the hooks named.")
     for model, model_role in models:
         for module in model.modules():
             processor = getattr(module, "processor", None)
@@ -475,7 +495,9 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
                 continue
             seen.add(id(processor))
             kind = processor_kind(processor)
-            if kind is None:
+            if kind is None and id(processor) in as_sdpa:
+                plan.append((processor, SDPA, model_role))
+            elif kind is None:
                 name = type(processor).__name__
                 routing.skipped[name] = routing.skipped.get(name, 0) + 1
             else:
@@ -494,7 +516,8 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
                 routing._registry = registry
             for processor, kind, model_role in plan:
                 own = type(processor)
-                processor.__class__ = _routed_class(own, kind, model_role)
+                base = _sdpa_processor() if id(processor) in as_sdpa else own
+                processor.__class__ = _routed_class(base, kind, model_role)
                 routing._swapped.append((processor, own))
                 routing.processors[model_role] = routing.processors.get(model_role, 0) + 1
             yield routing

@@ -164,6 +164,101 @@ def _unet(stack, model, state: _Split) -> None:
 _PLANS = {"FluxTransformer2DModel": _flux, "WanTransformer3DModel": _wan, "UNet2DConditionModel": _unet}
 
 
+# --- what route(parallel=) refuses before anything runs -----------------------------------------------
+
+def _sharded(model) -> list:
+    """(name, attention module, whether its calls get a kind) for every module holding a processor that
+    runs on this rank's share of the tokens: those whose attention must be split."""
+    kind = type(model).__name__
+    found = []
+    if kind == "FluxTransformer2DModel":
+        return [(name, m, True) for name, m in model.named_modules() if name and hasattr(m, "processor")]
+    if kind == "WanTransformer3DModel":
+        scopes = [(f"blocks.{i}", block, (block.attn1, block.attn2)) for i, block in enumerate(model.blocks)]
+    else:
+        from diffusers.models.attention import BasicTransformerBlock
+
+        scopes = [(name, block, (block.attn1, getattr(block, "attn2", None)))
+                  for name, block in model.named_modules() if isinstance(block, BasicTransformerBlock)]
+    for prefix, block, kinded in scopes:
+        for name, m in block.named_modules():
+            if hasattr(m, "processor"):
+                found.append((f"{prefix}.{name}" if name else prefix, m, any(m is k for k in kinded)))
+    return found
+
+
+#: Processors that compute the attention ``AttnProcessor2_0`` computes, with matmuls instead of SDPA
+#: (diffusers' default without SDPA, and ``enable_attention_slicing``'s): split as that one.
+SAME_AS_SDPA = ("AttnProcessor", "SlicedAttnProcessor")
+
+#: diffusers hooks that cannot run on one rank's share of the tokens, by class, and why.
+REFUSED_HOOKS = {
+    "FBCHeadBlockHook": "First Block Cache decides from this rank's share of the tokens whether to skip the "
+                        "remaining blocks: the ranks would decide apart and wait on each other",
+    "FBCBlockHook": "First Block Cache decides from this rank's share of the tokens whether to skip the "
+                    "remaining blocks: the ranks would decide apart and wait on each other",
+    "SmoothedEnergyGuidanceHook": "smoothed energy guidance blurs the queries over the image's rows and "
+                                  "columns, which one rank's share does not hold",
+    "ContextParallelSplitHook": "diffusers' own context parallelism splits the same sequence a second time",
+    "ContextParallelGatherHook": "diffusers' own context parallelism splits the same sequence a second time",
+}
+
+
+def substitutable(module) -> str:
+    """'' when ``module``'s attention is the one ``AttnProcessor2_0`` computes (so a processor of
+    ``SAME_AS_SDPA`` may be split as that one), else what differs."""
+    processor = module.processor
+    if getattr(module, "norm_q", None) is not None or getattr(module, "norm_k", None) is not None:
+        return "it has query/key norms, which " + type(processor).__name__ + " does not apply"
+    heads, inner = getattr(module, "heads", None), getattr(module, "inner_dim", None)
+    if not heads or not inner or abs(module.scale - (inner // heads) ** -0.5) > 1e-12:
+        return f"its scale {getattr(module, 'scale', None)} is not 1/sqrt(head size)"
+    if type(processor).__name__ == "SlicedAttnProcessor" and getattr(module, "spatial_norm", None) is not None:
+        return "it has a spatial norm, which SlicedAttnProcessor does not apply"
+    return ""
+
+
+def plan_refusals(models: list, kind_of) -> tuple[dict, list]:
+    """({id(processor): True} for the processors of ``SAME_AS_SDPA`` to split as ``AttnProcessor2_0``,
+    [why route(parallel=) cannot split a denoiser, one line each]). ``kind_of(processor)``: how a
+    processor reaches attention (None: neither SDPA nor diffusers' dispatcher)."""
+    as_sdpa, problems, unsplit = {}, [], {}
+    for model, role in models:
+        if role not in ("unet", "dit") or type(model).__name__ not in _PLANS:
+            continue
+        for name, module in model.named_modules():
+            registry = getattr(module, "_diffusers_hook", None)
+            for hook_name, hook in (getattr(registry, "hooks", None) or {}).items():
+                why = REFUSED_HOOKS.get(type(hook).__name__)
+                if why:
+                    problems.append(f"hook {hook_name!r} ({type(hook).__name__}) on {name or 'the model'}: {why}")
+        for name, module, kinded in _sharded(model):
+            processor = module.processor
+            cls = type(processor).__name__
+            if not kinded:
+                unsplit.setdefault((cls, "the split does not know which kind of call it makes"), []).append(name)
+            elif "IPAdapter" in cls and name.split(".")[-1] != "attn2":
+                # Its second call attends this rank's queries to the adapter's image tokens: a call of
+                # another kind than its module's, which the split cannot tell apart.
+                problems.append(f"{name}: {cls} (IP-Adapter) makes a second attention call to the adapter's image "
+                                f"tokens that cannot be split; unload the IP-Adapter to split this model")
+            elif kind_of(processor) is None:
+                why = substitutable(module) if cls in SAME_AS_SDPA else "it reaches attention neither through " \
+                    "F.scaled_dot_product_attention nor through diffusers' attention dispatcher"
+                if why:
+                    unsplit.setdefault((cls, why), []).append(name)
+                else:
+                    as_sdpa[id(processor)] = True
+        for name, module in model.named_modules():  # a shared processor object serves modules outside too
+            if id(getattr(module, "processor", None)) in as_sdpa and substitutable(module):
+                unsplit.setdefault((type(module.processor).__name__, substitutable(module)), []).append(name)
+    for (cls, why), names in unsplit.items():
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        problems.append(f"{len(names)} attention module(s) with {cls} would attend to one rank's share of the "
+                        f"tokens only ({why}): {shown}")
+    return as_sdpa, problems
+
+
 def split(stack: contextlib.ExitStack, models: list, par) -> None:
     """Install the split of every denoiser among ``models`` ((model, role) pairs) until ``stack`` closes;
     ValueError for a denoiser whose split is not known."""
