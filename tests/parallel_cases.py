@@ -95,6 +95,7 @@ def cases(seed: int):
                     "modes": sorted({key[2] for key in table}), "bytes": sum(b for _, b in table.values())})
     extra = {"results": results, "rank": rank, "world": world,
              "zero_lse": _zero_lse_case(par, gen), "broken_merge": _broken_merge_case(par, gen)}
+    extra["grouped"] = _grouped_case(gen)
     extra["mismatch"] = _mismatch_case(par, gen, seed)
     with lib_attn.recording() as rec:
         one_case(parallel.Parallel(timeout=30), "self", 4 * world, 4, torch.float32, gen)
@@ -121,6 +122,47 @@ def _zero_lse_case(par, gen) -> dict:
         local.RUNNERS["sdpa"] = real
         local.reset()
     return {"err": err, "guard": [list(key) for key in rec.guard], "calls": [list(key) for key in rec.calls]}
+
+
+def _grouped_case(gen) -> dict:
+    """Every send and receive of a ring step must be issued inside ``batch_isend_irecv`` (NCCL needs
+    them grouped): torch.distributed's point-to-point functions are wrapped here to count the calls
+    made outside a batch, for every grid with a ring."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    seen = {"batches": 0, "grouped": 0, "ungrouped": 0}
+    inside = []
+    real = {name: getattr(c10d, name) for name in ("isend", "irecv", "send", "recv", "batch_isend_irecv")}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            if name == "batch_isend_irecv":
+                seen["batches"] += 1
+                inside.append(1)
+                try:
+                    return real[name](*args, **kwargs)
+                finally:
+                    inside.pop()
+            seen["grouped" if inside else "ungrouped"] += 1
+            return real[name](*args, **kwargs)
+        return call
+
+    for name in real:  # the module's names (batch_isend_irecv checks its ops against them) and the package's
+        setattr(c10d, name, counted(name))
+        setattr(dist, name, getattr(c10d, name))
+    errors = []
+    try:
+        w = dist.get_world_size()
+        for u in [u for u in range(1, w) if w % u == 0]:  # every grid with a ring: 1 x w, and u x w/u
+            par = parallel.Parallel(ulysses=u, ring=w // u, timeout=30)
+            for kind in ("self", "joint"):
+                errors.append(one_case(par, kind, 6 * w + 1, 4, torch.float64, gen)[0])
+    finally:
+        for name, fn in real.items():
+            setattr(c10d, name, fn)
+            setattr(dist, name, fn)
+    return {**seen, "err": max(errors)}
 
 
 def _mismatch_case(par, gen, seed: int) -> dict:

@@ -127,3 +127,15 @@ def test_ranks_that_disagree_on_a_call_all_raise_the_same_error_at_once(world):
         assert res["mismatch"]["seconds"] < 10
         assert res["mismatch"]["err_after"] <= BOUNDS["torch.float64"]  # the group still works
     assert len({e.split(": ", 1)[1] for e in errors}) == 1  # the same words on every rank, after its name
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_ring_step_issues_no_ungrouped_send_or_receive(world):
+    # NCCL completes a ring step only when its send and receive are grouped (batch_isend_irecv): the
+    # ranks count every point-to-point call made outside a batch, over every grid with a ring.
+    results, seed = _cases(world)
+    for res in results:
+        grouped = res["grouped"]
+        assert grouped["ungrouped"] == 0, (seed, grouped)
+        assert grouped["batches"] > 0 and grouped["grouped"] == 2 * grouped["batches"], (seed, grouped)
+        assert grouped["err"] <= BOUNDS["torch.float64"], (seed, grouped)

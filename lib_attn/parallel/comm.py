@@ -2,8 +2,12 @@
 
 Only what gloo has too: ``all_to_all_single`` with split sizes (gloo has no list ``all_to_all`` in
 torch 2.1, and ``all_to_all_single`` takes uneven splits on both backends), ``all_gather``
-of equal-sized tensors, and point-to-point ``isend``/``irecv`` for the ring (plain pairs: gloo's
-``batch_isend_irecv`` is not dependable). The same calls run on NCCL.
+of equal-sized tensors, and, for a ring step, one send and one receive issued together by
+``batch_isend_irecv``. The same calls run on NCCL, where the grouping is what lets a ring step
+complete: a send and a receive issued apart are two NCCL operations, and with each rank's send queued
+ahead of its receive, a send larger than NCCL's buffers waits for a receive its peer has not posted
+(with a ring of 2 the peer sent to is the peer received from). Grouped (``ncclGroupStart/End``), both
+move at once.
 
 Every operation is started asynchronously and waited for with the configuration's timeout on gloo,
 where ``Work.wait(timeout)`` raises when a peer failed or stalled. On NCCL the group's own timeout and
@@ -89,8 +93,8 @@ def exchange(send: torch.Tensor, recv_numel: int, to_rank: int, from_rank: int, 
     dist = _dist()
     send = send.contiguous()
     recv = torch.empty(recv_numel, dtype=send.dtype, device=send.device)
-    works = [dist.isend(send.reshape(-1), to_rank, group=None),
-             dist.irecv(recv, from_rank, group=None)]
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send.reshape(-1), to_rank),
+                                    dist.P2POp(dist.irecv, recv, from_rank)])
 
     def done():
         for work in works:
