@@ -96,6 +96,7 @@ def cases(seed: int):
     extra = {"results": results, "rank": rank, "world": world,
              "zero_lse": _zero_lse_case(par, gen), "broken_merge": _broken_merge_case(par, gen)}
     extra["grouped"] = _grouped_case(gen)
+    extra["transient"] = _transient_case(gen)
     extra["mismatch"] = _mismatch_case(par, gen, seed)
     with lib_attn.recording() as rec:
         one_case(parallel.Parallel(timeout=30), "self", 4 * world, 4, torch.float32, gen)
@@ -163,6 +164,36 @@ def _grouped_case(gen) -> dict:
             setattr(c10d, name, fn)
             setattr(dist, name, fn)
     return {**seen, "err": max(errors)}
+
+
+def _transient_case(gen) -> dict:
+    """One out-of-memory on rank 1 in its first ring step: that step is recomputed on the next backend,
+    the kernel sits out a bounded number of ring steps (each counted as a fallback), then rank 1 is
+    back on it; rank 0 never leaves it."""
+    par = parallel.Parallel(ring=torch.distributed.get_world_size(), timeout=30)
+    real = local.RUNNERS["sdpa"]
+    failures = []
+
+    def fails_once(q, k, v, scale):
+        if par.rank == 1 and not failures:
+            failures.append(1)
+            raise RuntimeError("CUDA out of memory. Tried to allocate 738.00 MiB (injected)")
+        return real(q, k, v, scale)
+    local.RUNNERS["sdpa"] = fails_once
+    local.reset()
+    n = 8 * par.world  # even blocks: every ring step of every call has one signature
+    phases = []
+    try:
+        # The first call fails once; the next RETRY_AFTER / world calls cover the steps sat out.
+        for calls in (1, local.RETRY_AFTER // par.world, 3):
+            with lib_attn.recording() as rec:
+                errs = [one_case(par, "self", n, 4, torch.float32, gen)[0] for _ in range(calls)]
+            phases.append({"err": max(errs), "calls": {"/".join(key[:2]): c for key, c in rec.calls.items()},
+                           "fallbacks": {"/".join(key[1:]): c for key, c in rec.fallbacks.items()}})
+    finally:
+        local.RUNNERS["sdpa"] = real
+        local.reset()
+    return {"phases": phases, "failures": len(failures), "world": par.world}
 
 
 def _mismatch_case(par, gen, seed: int) -> dict:

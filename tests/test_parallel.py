@@ -139,3 +139,23 @@ def test_a_ring_step_issues_no_ungrouped_send_or_receive(world):
         assert grouped["ungrouped"] == 0, (seed, grouped)
         assert grouped["batches"] > 0 and grouped["grouped"] == 2 * grouped["batches"], (seed, grouped)
         assert grouped["err"] <= BOUNDS["torch.float64"], (seed, grouped)
+
+
+def test_a_rank_back_from_one_out_of_memory_returns_to_its_kernel():
+    # Rank 1's kernel raises one out-of-memory in its first ring step: the step is recomputed on the next
+    # backend, the kernel sits out RETRY_AFTER ring steps of that signature (each counted as a fallback),
+    # then rank 1 runs on it again, as rank 0 did throughout; every result stays within the bound.
+    from lib_attn.parallel import local
+
+    results, seed = _cases(2)
+    first, second = sorted(results, key=lambda r: r["rank"])
+    for res in (first, second):
+        assert all(p["err"] <= BOUNDS["torch.float32"] for p in res["transient"]["phases"]), (seed, res["transient"])
+    assert second["transient"]["failures"] == 1
+    assert all(set(p["calls"]) == {"dit/sdpa"} and not p["fallbacks"] for p in first["transient"]["phases"])
+    during, after = second["transient"]["phases"][:2], second["transient"]["phases"][2]
+    assert sum(p["calls"].get("dit/math", 0) for p in during) == local.RETRY_AFTER - 1
+    fallbacks = [f for p in during for f in p["fallbacks"]]
+    assert fallbacks and all(f.startswith("sdpa/failed at run time: RuntimeError: CUDA out of memory") and
+                             f.endswith(f"tried again after {local.RETRY_AFTER} ring steps") for f in fallbacks)
+    assert set(after["calls"]) == {"dit/sdpa"} and not after["fallbacks"]  # back on its kernel

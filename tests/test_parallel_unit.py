@@ -82,6 +82,19 @@ def test_the_cpu_lse_forms_agree_with_float64(runner, dtype):
     assert local.lse_check(out, lse, q, k, v, scale, dtype) == ""
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_math_lse_in_many_chunks_agrees_with_float64(monkeypatch, dtype):
+    # A chunk budget of 5 query rows (as a long call gets at its real budget): the blocks are joined right.
+    q, k, v = (torch.randn(2, 3, n, 16, dtype=dtype) * 3 for n in (23, 31, 31))
+    monkeypatch.setattr(local, "LSE_CHUNK_BYTES", 5 * 2 * 3 * 31 * torch.finfo(dtype).bits // 8)
+    out, lse = local.math_lse(q, k, v, 0.25)
+    want_out, want_lse = _ref(q, k, v, 0.25)
+    bound = 100 * torch.finfo(dtype).eps
+    assert out.dtype == dtype and lse.shape == (2, 3, 23)
+    assert float((lse.double() - want_lse).abs().max()) <= bound * float(want_lse.abs().max())
+    assert float(torch.linalg.vector_norm(out.double() - want_out) / torch.linalg.vector_norm(want_out)) <= bound
+
+
 def test_the_lse_check_catches_zero_shifted_and_misshapen_lse_and_a_wrong_output():
     q, k, v = (torch.randn(1, 2, 40, 8, dtype=torch.float64) * 3 for _ in range(3))
     out, lse = local.math_lse(q, k, v, 8 ** -0.5)
@@ -105,6 +118,31 @@ def test_a_ring_step_runs_the_engines_choice_or_falls_back_to_one_with_an_lse():
         assert dict(rec.fallbacks) == {("dit", "sdpa-math", local.NO_LSE): 1}
         assert sum(rec.calls.values()) == 1 and ("dit", "sdpa-math") not in rec.calls
         assert local.lse_check(out, lse, q, k, v, 8 ** -0.5, torch.float32) == ""
+    finally:
+        lib_attn.reset()
+        local.reset()
+
+
+def test_a_kernel_that_keeps_failing_sits_out_twice_as_long_each_time(monkeypatch):
+    lib_attn.reset()
+    local.reset()
+    tries = []
+
+    def always_fails(q, k, v, scale):
+        tries.append(1)
+        raise RuntimeError("CUDA out of memory (injected)")
+    monkeypatch.setitem(local.RUNNERS, "sdpa", always_fails)
+    q, k, v = (torch.randn(1, 2, 12, 8) for _ in range(3))
+    try:
+        steps = local.RETRY_AFTER + 2 * local.RETRY_AFTER + 2
+        with lib_attn.recording() as rec:
+            outs = [local.attention_lse(q, k, v, 8 ** -0.5, "dit") for _ in range(steps)]
+        # Tried at the first step, after RETRY_AFTER steps, after twice that; every step served on math.
+        assert len(tries) == 3
+        assert dict(rec.calls) == {("dit", "math"): steps}
+        assert sum(rec.fallbacks.values()) >= steps
+        want, want_lse = _ref(q, k, v, 8 ** -0.5)
+        assert all(float((o.double() - want).abs().max()) < 1e-5 for o, _ in outs)
     finally:
         lib_attn.reset()
         local.reset()

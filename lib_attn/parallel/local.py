@@ -47,8 +47,18 @@ NO_LSE = "returns no log-sum-exp (needed by ring steps)"
 #: Query rows the LSE check compares with its float64 reference (of one batch item, two heads).
 CHECK_ROWS = 32
 
-_plans: dict = {}      # dispatcher signature -> (decision that runs, LSE runner, fallback key or None)
-_bad_lse: dict = {}    # dispatcher signature -> {backend id: why its LSE form failed there}
+#: Ring steps of a signature that a backend whose LSE form raised sits out before it is tried again
+#: (an out-of-memory passes; a rank must not stay on a slower kernel, holding back every rank of its
+#: ring, for the rest of the process). Doubled at each failure after, up to ``RETRY_MOST``: a kernel
+#: that always fails costs one more try every so often, no more.
+RETRY_AFTER = 64
+RETRY_MOST = 4096
+
+_plans: dict = {}      # dispatcher signature -> (decision that runs, LSE runner, fallback key or None,
+#                        the signature's sitting-out backends or None)
+_bad_lse: dict = {}    # dispatcher signature -> {backend id: why its LSE form failed the check there}
+_failed: dict = {}     # dispatcher signature -> {backend id: [why it raised, ring steps left]}
+_bounds: dict = {}     # (dispatcher signature, backend id) -> the steps it sat out last
 _checked: set = set()  # (backend id, spec) whose LSE passed
 
 
@@ -59,20 +69,31 @@ def _forget() -> None:
 on_change(_forget)
 
 
+#: Bytes of scores one chunk of ``math_lse`` holds (its one buffer). The dense path's 16 MiB would cut a
+#: Wan 720p ring block (40 heads x 37,800 keys) to one query row per chunk: 37,800 Python iterations a
+#: step; at 256 MiB it is 44 rows, 860 iterations.
+LSE_CHUNK_BYTES = 256 * 2**20
+
+
 def math_lse(q, k, v, scale):
-    """Attention and its LSE in plain PyTorch, a block of query rows at a time (bounded memory)."""
+    """Attention and its LSE in plain PyTorch, a block of query rows at a time (bounded memory): one
+    score buffer per block, the softmax taken in place, the output written into its place."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, h, n, d = q.shape
     kt = k.to(compute).transpose(-1, -2)
     vc = v.to(compute)
-    rows = max(1, min(n, (16 * 2**20) // max(1, b * h * k.shape[2] * 8)))
-    outs, lses = [], []
+    out = q.new_empty((b, h, n, v.shape[-1]))
+    lse = torch.empty((b, h, n), dtype=compute, device=q.device)
+    row_bytes = b * h * k.shape[2] * torch.finfo(compute).bits // 8
+    rows = max(1, min(n, LSE_CHUNK_BYTES // max(1, row_bytes)))
     for start in range(0, n, rows):
-        scores = torch.matmul(q[:, :, start:start + rows].to(compute), kt).mul_(scale)
-        lse = torch.logsumexp(scores, dim=-1)
-        outs.append(torch.matmul(scores.sub_(lse.unsqueeze(-1)).exp_(), vc))
-        lses.append(lse)
-    return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
+        stop = min(n, start + rows)
+        scores = torch.matmul(q[:, :, start:stop].to(compute), kt).mul_(scale)
+        top = scores.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(compute).min)  # no inf - inf
+        total = scores.sub_(top).exp_().sum(dim=-1, keepdim=True)
+        out[:, :, start:stop] = torch.matmul(scores, vc).div_(total)
+        lse[:, :, start:stop] = (top + total.log()).squeeze(-1)
+    return out, lse
 
 
 def _sdpa_flash(q, k, v, scale):
@@ -139,7 +160,10 @@ def attention_lse(q, k, v, scale, role: str):
     plan = _plans.get(key)
     if plan is None:
         plan = _plan(key, q, k, v, scale, role)
-    dec, run, fallback_key = plan
+    if plan[3] is not None and _sat_out(plan[3]):
+        _plans.pop(key, None)
+        plan = _plan(key, q, k, v, scale, role)
+    dec, run, fallback_key, _ = plan
     if fallback_key is not None:
         stats.count("fallbacks", fallback_key, 1, _scope.current().recordings)
     try:
@@ -152,8 +176,11 @@ def attention_lse(q, k, v, scale, role: str):
     except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
         if dec.backend == "math":
             raise
-        return _rejected(key, dec, f"failed at run time: {type(exc).__name__}: {str(exc).strip()[:200]}",
-                         q, k, v, scale, role)
+        bound = min(RETRY_MOST, 2 * _bounds[key, dec.backend]) if (key, dec.backend) in _bounds else RETRY_AFTER
+        _bounds[key, dec.backend] = bound
+        why = f"failed at run time: {type(exc).__name__}: {str(exc).strip()[:200]}"
+        _failed.setdefault(key, {})[dec.backend] = [f"{why}; tried again after {bound} ring steps", bound]
+        return _rejected(key, dec, why, q, k, v, scale, role, transient=True)
     _dispatch._count_call(dec)
     return out, lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
 
@@ -178,9 +205,10 @@ def _plan(key, q, k, v, scale, role: str):
         dec = _dispatch._decide_call(q, k, v, None, "bhsd", role, None, None, scale, key)
         if dec.final:
             _dispatch._cache[key] = dec
-    bad = _bad_lse.get(key, {})
+    failed = _failed.get(key) or None
+    bad = {**_bad_lse.get(key, {}), **{bid: entry[0] for bid, entry in (failed or {}).items()}}
     why = NO_LSE if not can_return_lse(dec.backend) else bad.get(dec.backend)
-    plan = (dec, RUNNERS.get(dec.backend), None)
+    plan = (dec, RUNNERS.get(dec.backend), None, failed)
     if why:
         cfg = _dispatch._for_rule(_current_config(), dec.spec)
         chain, explicit = chain_for(role, dec.spec.device, None, cfg, dec.spec)
@@ -194,15 +222,29 @@ def _plan(key, q, k, v, scale, role: str):
             _dispatch._reported.add((dec.backend, why))
             log.warning("attention: %s passed over for ring steps of %s calls (%s); running %s instead",
                         dec.backend, role, why, ring_dec.backend)
-        plan = (ring_dec, RUNNERS[ring_dec.backend], fallback_key)
+        plan = (ring_dec, RUNNERS[ring_dec.backend], fallback_key, failed)
     if dec.final:
         _plans[key] = plan
     return plan
 
 
-def _rejected(key, dec, reason: str, q, k, v, scale, role: str):
-    """The LSE form of ``dec.backend`` failed on this signature: count it, plan again, recompute."""
-    _bad_lse.setdefault(key, {})[dec.backend] = reason
+def _sat_out(failed: dict) -> bool:
+    """One ring step of a signature with backends sitting out: True when one of them is due again."""
+    due = False
+    for bid in list(failed):
+        failed[bid][1] -= 1
+        if failed[bid][1] <= 0:
+            del failed[bid]
+            due = True
+    return due
+
+
+def _rejected(key, dec, reason: str, q, k, v, scale, role: str, transient: bool = False):
+    """The LSE form of ``dec.backend`` failed on this signature: count it, plan again, recompute.
+    ``transient``: it raised (it sits out ``_failed``'s steps), else its result failed the check
+    (it loses the signature for ring steps)."""
+    if not transient:
+        _bad_lse.setdefault(key, {})[dec.backend] = reason
     _plans.pop(key, None)
     _checked.discard((dec.backend, dec.spec))
     stats.count("guard", (role, dec.backend, f"ring step: {reason}", "next backend", True), 1,
@@ -246,4 +288,6 @@ def lse_check(out, lse, q, k, v, scale, dtype) -> str:
 def reset() -> None:
     _plans.clear()
     _bad_lse.clear()
+    _failed.clear()
+    _bounds.clear()
     _checked.clear()
