@@ -97,6 +97,7 @@ def cases(seed: int):
              "zero_lse": _zero_lse_case(par, gen), "broken_merge": _broken_merge_case(par, gen)}
     extra["grouped"] = _grouped_case(gen)
     extra["transient"] = _transient_case(gen)
+    extra["text_identical"] = _text_identical_case(gen)
     extra["mismatch"] = _mismatch_case(par, gen, seed)
     with lib_attn.recording() as rec:
         one_case(parallel.Parallel(timeout=30), "self", 4 * world, 4, torch.float32, gen)
@@ -194,6 +195,34 @@ def _transient_case(gen) -> dict:
         local.RUNNERS["sdpa"] = real
         local.reset()
     return {"phases": phases, "failures": len(failures), "world": par.world}
+
+
+def _text_identical_case(gen) -> list:
+    """In every grid with a ring, the text part of a joint call's output must be the same bytes on every
+    rank (Flux carries it on from block to block): each rank's text output is all-gathered here and
+    compared bit for bit, in float32 and bfloat16."""
+    import torch.distributed as dist
+
+    w = dist.get_world_size()
+    rows = []
+    for u in [u for u in range(1, w) if w % u == 0]:
+        par = parallel.Parallel(ulysses=u, ring=w // u, timeout=30)
+        for dtype in (torch.float32, torch.bfloat16):
+            for text in (w - 1, 2 * w + 1):  # fewer text rows than ranks, and more, split unevenly
+                n = 6 * w + 1
+                full = [torch.randn(2, 4, text + n, D, generator=gen, dtype=torch.float64) for _ in range(3)]
+                start, stop = parallel.bounds(n, w, par.rank)
+                q, k, v = (torch.cat([x[:, :, :text], x[:, :, text + start:text + stop]], dim=2).to(dtype)
+                           for x in full)
+                out = parallel.attention(q, k, v, kind="joint", text_len=text, parallel=par)
+                mine = out[:, :, :text].contiguous()
+                every = [torch.empty_like(mine) for _ in range(w)]
+                dist.all_gather(every, mine)
+                want = reference(*full)[:, :, :text]
+                rows.append({"grid": f"{u}x{w // u}", "dtype": str(dtype), "text": text,
+                             "identical": all(torch.equal(e, every[0]) for e in every),
+                             "err": rel(mine, want)})
+    return rows
 
 
 def _mismatch_case(par, gen, seed: int) -> dict:

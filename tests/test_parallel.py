@@ -159,3 +159,16 @@ def test_a_rank_back_from_one_out_of_memory_returns_to_its_kernel():
     assert fallbacks and all(f.startswith("sdpa/failed at run time: RuntimeError: CUDA out of memory") and
                              f.endswith(f"tried again after {local.RETRY_AFTER} ring steps") for f in fallbacks)
     assert set(after["calls"]) == {"dit/sdpa"} and not after["fallbacks"]  # back on its kernel
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_text_of_a_joint_call_is_the_same_bytes_on_every_rank_in_ring_modes(world):
+    results, seed = _cases(world)
+    bounds = {**BOUNDS, "torch.bfloat16": BOUND_EPS * torch.finfo(torch.bfloat16).eps}
+    for res in results:
+        rows = res["text_identical"]
+        assert {r["grid"] for r in rows} == ({"1x2"} if world == 2 else {"1x4", "2x2"})
+        assert {r["dtype"] for r in rows} == {"torch.float32", "torch.bfloat16"}
+        for row in rows:
+            assert row["identical"], (seed, row)
+            assert row["err"] <= bounds[row["dtype"]], (seed, row)

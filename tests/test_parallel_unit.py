@@ -155,6 +155,9 @@ def test_the_communication_formulas():
     assert plan.call_bytes(1, 4, 64, 8, 2, 4, 1, 4) == {"ulysses": 0, "ring": 2 * 3 * 4 * 16 * 8 * 2,
                                                         "total": 2 * 3 * 4 * 16 * 8 * 2}
     assert plan.call_bytes(1, 4, 64, 8, 2, 4, kind="cross")["total"] == 0
+    # A joint ring call adds the all-gather of the text output's rows: 5 rows over 4 ranks, 2 the longest share.
+    assert plan.call_bytes(1, 4, 64, 8, 2, 4, 1, 4, text=5, kind="joint")["ring"] == \
+        2 * 3 * 4 * 16 * 8 * 2 + 3 * 4 * 2 * 8 * 2
     # Heads that do not divide are padded: 3 heads over ulysses 2 send as 4.
     assert plan.call_bytes(1, 3, 8, 8, 4, 2, 2, 1) == plan.call_bytes(1, 4, 8, 8, 4, 2, 2, 1)
 

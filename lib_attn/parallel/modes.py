@@ -10,7 +10,8 @@ of the split part, q, k and v in (b, h, s, d), and leaves with the output of the
 * **Ring** (over a ring of R ranks, each holding one block): every rank attends its queries to its own
   keys and values, then to each other rank's as they come round the ring, and merges the partial
   outputs by their log-sum-exp in fp32 (fp64 for fp64 inputs). The text's keys and values are
-  attended to once, in the first step. The next block is already on its way while a step computes.
+  attended to once, in the first step; the text's queries are split over the ring's ranks and their
+  outputs all-gathered. The next block is already on its way while a step computes.
 * **Both**: Ulysses within each group, then a ring across the groups over the Ulysses outputs.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import dispatch as _dispatch
-from . import comm
+from . import comm, sharding
 from .local import attention_lse
 
 
@@ -111,12 +112,23 @@ def _local(tq, tk, tv, bq, bk, bv, scale, role):
 
 
 def _ring(par, lay: Layout, text: tuple, block: tuple, scale, role, traffic) -> tuple:
-    """The ring over ``lay``'s ring: this rank's queries (text and block) against every block's keys
-    and values, merged by their log-sum-exp."""
+    """The ring over ``lay``'s ring: this rank's queries (its block's, and its share of the text's)
+    against every block's keys and values, merged by their log-sum-exp.
+
+    The text's query rows are split over the ring's ranks like a sequence and their outputs all-gathered:
+    each row is computed once, on one rank, so every rank ends with the same bytes (each merging every
+    row in its own order would leave the ranks' text apart by rounding, and Flux carries the text on
+    from block to block), and no rank computes the whole text again."""
     tq, tk, tv = text
     bq, bk, bv = block
     t = tq.shape[2]
-    q = torch.cat([tq, bq], dim=2) if t else bq
+    t_lens = sharding.sizes(t, lay.r)
+    t_mine = t_lens[lay.r_me]
+    if t:
+        start = sum(t_lens[:lay.r_me])
+        q = torch.cat([tq[:, :, start:start + t_mine], bq], dim=2)
+    else:
+        q = bq
     b, h, _, d = bk.shape
     block_lens = [sum(lay.member_lens(j)) for j in range(lay.r)]
     nxt, prev = lay.r_ranks[(lay.r_me + 1) % lay.r], lay.r_ranks[(lay.r_me - 1) % lay.r]
@@ -140,7 +152,18 @@ def _ring(par, lay: Layout, text: tuple, block: tuple, scale, role, traffic) -> 
         out = q.new_zeros(q.shape)
     else:
         out = acc[0].to(q.dtype)
-    return out[:, :, :t], out[:, :, t:]
+    if not t:
+        return out[:, :, :0], out
+    return _gather_text(par, lay, out[:, :, :t_mine], t_lens, traffic), out[:, :, t_mine:]
+
+
+def _gather_text(par, lay: Layout, mine: torch.Tensor, t_lens: list, traffic) -> torch.Tensor:
+    """Every ring rank's rows of the text output, joined in ring order (the same on every rank)."""
+    most = max(t_lens)
+    if mine.shape[2] < most:  # all_gather takes equal shapes: pad to the longest share, trim after
+        mine = torch.cat([mine, mine.new_zeros(*mine.shape[:2], most - mine.shape[2], mine.shape[3])], dim=2)
+    parts = comm.all_gather(mine, par, lay.r_group, lay.r_ranks, traffic)
+    return torch.cat([p[:, :, :n] for p, n in zip(parts, t_lens)], dim=2)
 
 
 def _merge(acc, part):

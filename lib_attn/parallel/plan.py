@@ -9,7 +9,8 @@ calls), head size d and e bytes per element, on W = U x R ranks, one rank sends:
   output back: 4 (U-1) b (H/U) (N/W) d e; a joint call adds the all-gather of the text output's
   heads, (U-1) b (H/U) T d e.
 * Ring: its block's keys and values, N/R tokens of H/U heads, on each of R-1 steps:
-  2 (R-1) b (H/U) (N/R) d e.
+  2 (R-1) b (H/U) (N/R) d e; a joint call adds the all-gather of the text output's rows, each rank's
+  share of them (ceil(T/R), the longest) to the R-1 others: (R-1) b (H/U) ceil(T/R) d e.
 * A cross call (keys and values on every rank): nothing.
 """
 from __future__ import annotations
@@ -31,6 +32,8 @@ def call_bytes(b: int, heads: int, n: int, d: int, element: int, world: int, uly
     if kind == "joint":
         a2a += (u - 1) * b * hp * text * d * element
     ring_bytes = 2 * (r - 1) * b * hp * (n / r) * d * element
+    if kind == "joint":
+        ring_bytes += (r - 1) * b * hp * math.ceil(text / r) * d * element
     return {"ulysses": round(a2a), "ring": round(ring_bytes), "total": round(a2a + ring_bytes)}
 
 
