@@ -5,6 +5,7 @@ against a float64 reference computed here from the whole inputs (the same on eve
     python tests/parallel_cases.py cases SEED      # every mode x kind x length x heads x dtype
     python tests/parallel_cases.py fault SEED HOW  # rank 1 raises before the call (raise), inside a ring
                                                    # step (step), or sleeps past the timeout (stall)
+    python tests/parallel_cases.py nccl SEED HOW   # on GPUs: large ring blocks (cases), a stall (stall)
 """
 import os
 import sys
@@ -275,8 +276,59 @@ def fault(seed: int, how: str):
     os._exit(1 if error else 0)  # leave at once: a broken group must not hold the process at exit
 
 
+def nccl(seed: int, how: str):
+    """On GPUs over NCCL (tests/gpu/test_gpu_parallel.py): ``cases``: ring and Ulysses calls whose ring
+    blocks (128 MiB of keys and values) are far beyond NCCL's buffers, each rank's rows checked
+    against float64 on sampled query rows; ``stall``: rank 1 sleeps past the 5-second timeout."""
+    from lib_attn import check
+
+    rank, world, backend = launch.init(timeout=120)
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {"rank": rank, "backend": backend, "rows": []}
+    if how == "stall":
+        par = parallel.Parallel(ring=world, timeout=5)
+        q = torch.randn(1, 8, 4096, 128, device=device, dtype=torch.bfloat16, generator=gen)
+        start = time.monotonic()
+        try:
+            if rank == 1:
+                time.sleep(20)
+            parallel.attention(q, q, q, kind="self", parallel=par)
+            torch.cuda.synchronize()
+            out["error"] = ""
+        except Exception as exc:  # noqa: BLE001 - the test reads what each rank saw
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        out["seconds"] = time.monotonic() - start
+        launch.report(out)
+        os._exit(0)
+    n, heads, text = 65536, 8, 512
+    bound = check.bound(torch.bfloat16, "cuda", False)
+    for u, r in ((world, 1), (1, world)):
+        par = parallel.Parallel(ulysses=u, ring=r, timeout=120)
+        for kind in ("self", "joint"):
+            t = text if kind == "joint" else 0
+            full = [torch.randn(1, heads, t + n, 128, device=device, dtype=torch.bfloat16, generator=gen)
+                    for _ in range(3)]
+            start, stop = parallel.bounds(n, world, rank)
+            q, k, v = (torch.cat([x[:, :, :t], x[:, :, t + start:t + stop]], dim=2) for x in full)
+            with lib_attn.recording() as rec:
+                got = parallel.attention(q, k, v, kind=kind, text_len=t, parallel=par)
+            torch.cuda.synchronize()
+            # float64 on 64 sampled rows of this rank's output against every key.
+            rows = torch.linspace(0, q.shape[2] - 1, 64, device=device).round().long()
+            scores = (q[:, :, rows].double() @ full[1].double().transpose(-1, -2)) / 128 ** 0.5
+            want = torch.softmax(scores, dim=-1) @ full[2].double()
+            out["rows"].append({"grid": f"{u}x{r}", "kind": kind, "err": rel(got[:, :, rows], want), "bound": bound,
+                                "calls": {"/".join(key[:2]): c for key, c in rec.calls.items()},
+                                "sent": sum(b for _, b in rec.parallel.values())})
+    launch.report(out)
+    launch.finish()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "cases":
         cases(int(sys.argv[2]))
+    elif sys.argv[1] == "nccl":
+        nccl(int(sys.argv[2]), sys.argv[3])
     else:
         fault(int(sys.argv[2]), sys.argv[3])

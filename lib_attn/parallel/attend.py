@@ -144,7 +144,7 @@ def _lengths(par: Parallel, q, t: int, kind: str, seq_len) -> list[int]:
                              f"over {par.world} ranks gives it {lens[par.rank]}")
         return lens
     b, h, _, d = q.shape
-    rows = comm.all_gather_ints([b, h, d, t, _KIND_CODE[kind], mine], par, par.group, par.ranks)
+    rows = comm.all_gather_ints([b, h, d, t, _KIND_CODE[kind], mine], par, par.comm_group, par.ranks)
     first = rows[0][:5]
     for pos, row in enumerate(rows):
         if row[:5] != first:
@@ -164,13 +164,13 @@ def _layout(par: Parallel, heads: int, lens: list) -> tuple[Layout, str, str, in
     if u > 1 and heads % u:
         if par.uneven_heads == "ring":
             note = f"heads {heads} not divisible by ulysses {u}: ran as a ring over {par.world} ranks"
-            return Layout(None, me, 0, par.group, par.ranks, par.rank, lens), "ring", note, 0
+            return Layout(None, me, 0, par.comm_group, par.ranks, par.rank, lens), "ring", note, 0
         pad = -heads % u
         note = f"heads {heads} not divisible by ulysses {u}: padded to {heads + pad}"
     if par.ring == 1:
-        return Layout(par.group, par.ranks, par.rank, None, me, 0, lens), par.mode, note, pad
+        return Layout(par.comm_group, par.ranks, par.rank, None, me, 0, lens), par.mode, note, pad
     if u == 1:
-        return Layout(None, me, 0, par.group, par.ranks, par.rank, lens), par.mode, note, pad
+        return Layout(None, me, 0, par.comm_group, par.ranks, par.rank, lens), par.mode, note, pad
     return Layout(par.ulysses_group, par.ulysses_ranks, par.rank % u, par.ring_group, par.ring_ranks,
                   par.rank // u, lens), par.mode, note, pad
 

@@ -10,12 +10,17 @@ ahead of its receive, a send larger than NCCL's buffers waits for a receive its 
 move at once.
 
 Every operation is started asynchronously and waited for with the configuration's timeout on gloo,
-where ``Work.wait(timeout)`` raises when a peer failed or stalled. On NCCL the group's own timeout and
-watchdog apply (a CPU wait with a timeout would stall the stream that should overlap the kernel).
-A failure becomes a ``ParallelError`` that names this rank, the operation and the peers, on every
-rank that waits, so a rank that raised or stalled never leaves the others hanging without end.
+where ``Work.wait(timeout)`` raises when a peer failed or stalled. On NCCL every operation runs in the
+configuration's own group, made with its timeout (``mesh``), and PyTorch's watchdog ends it: with
+``TORCH_NCCL_BLOCKING_WAIT=1`` the CPU waits for each operation and ``wait`` raises at the timeout;
+otherwise (the default: a CPU wait would hold back the kernels queued behind the exchange) the
+watchdog's asynchronous error handling ends the process. A failure that reaches Python becomes a
+``ParallelError`` that names this rank, the operation and the peers, on every rank that waits, so a
+rank that raised or stalled never leaves the others hanging without end.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -31,9 +36,17 @@ class Traffic:
         self.sent = 0
 
 
+#: PyTorch's switches that make an NCCL wait block the CPU and raise at the group's timeout.
+BLOCKING_WAIT = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
+
+
+def blocking_wait() -> bool:
+    return any(os.environ.get(name, "0").strip() not in ("", "0") for name in BLOCKING_WAIT)
+
+
 def _wait(work, par: Parallel, what: str, peers) -> None:
     try:
-        if par.backend == "gloo":
+        if par.backend != "nccl" or blocking_wait():
             work.wait(timeout=par.wait_for)
         else:
             work.wait()
@@ -89,12 +102,13 @@ def all_to_all(pieces: list[torch.Tensor], sizes_in: list[int], par: Parallel, g
 def exchange(send: torch.Tensor, recv_numel: int, to_rank: int, from_rank: int, par: Parallel):
     """Start sending ``send`` to global rank ``to_rank`` and receiving ``recv_numel`` elements from
     ``from_rank`` (a ring step); returns a function that waits for both and gives the received buffer.
-    Point-to-point goes through the default group, which holds every rank of any subgroup."""
+    Point-to-point goes through the configuration's group, which holds every rank of its subgroups
+    (peers are named by their global rank)."""
     dist = _dist()
     send = send.contiguous()
     recv = torch.empty(recv_numel, dtype=send.dtype, device=send.device)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send.reshape(-1), to_rank),
-                                    dist.P2POp(dist.irecv, recv, from_rank)])
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send.reshape(-1), to_rank, par.comm_group),
+                                    dist.P2POp(dist.irecv, recv, from_rank, par.comm_group)])
 
     def done():
         for work in works:

@@ -7,8 +7,9 @@ torchrun's numbering, they stay within one machine (the all-to-all needs the fas
 ring, whose traffic is point-to-point and can hide behind the kernel, crosses machines.
 
 Making one is collective: every rank of the group must make it, with the same values, in the same
-order. With both degrees above 1 it creates the subgroups with ``torch.distributed.new_group``, which
-every rank of the default group must call: then every process of the job makes it.
+order. With both degrees above 1, and on NCCL always (a group of its ranks with its timeout), it
+creates groups with ``torch.distributed.new_group``, which every rank of the default group must call:
+then every process of the job makes it.
 """
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ def _dist():
 class Parallel:
     """Context parallelism over ``group``: ``ulysses`` x ``ring`` = the group's size (one of them may be
     left out; both left out: Ulysses over every rank). ``timeout``: seconds any collective of a call may
-    take before every rank raises ``ParallelError`` (on gloo; NCCL applies the group's own timeout,
-    set with ``init_process_group(timeout=...)``). ``uneven_heads``: ``pad`` or ``ring``."""
+    take (on gloo every rank then raises ``ParallelError``; on NCCL the configuration's own group has
+    this timeout, and what follows is NCCL's, see docs/parallel.md). ``uneven_heads``: ``pad`` or
+    ``ring``."""
 
     ulysses: int | None = None
     ring: int | None = None
@@ -53,6 +55,7 @@ class Parallel:
     world: int = field(init=False)
     ranks: tuple = field(init=False, repr=False)
     backend: str = field(init=False, repr=False)
+    comm_group: object = field(init=False, repr=False)
     ulysses_group: object = field(init=False, repr=False)
     ring_group: object = field(init=False, repr=False)
     ulysses_ranks: tuple = field(init=False, repr=False)
@@ -71,7 +74,13 @@ class Parallel:
         if not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
             raise ValueError(f"timeout {self.timeout!r} must be a positive number of seconds")
         u = self.ulysses
-        self.ulysses_group, self.ring_group = self.group, self.group
+        self.comm_group = self.group
+        if self.backend == "nccl":
+            # NCCL bounds each operation by its group's own timeout (its watchdog; a CPU wait with a
+            # timeout would hold back the stream): a group of these ranks made with this timeout
+            # makes it hold for every collective and ring step of a call (one more NCCL communicator).
+            self.comm_group = dist.new_group(list(self.ranks), timeout=self.wait_for)
+        self.ulysses_group, self.ring_group = self.comm_group, self.comm_group
         self.ulysses_ranks, self.ring_ranks = self.ranks, self.ranks
         if u > 1 and self.ring > 1:
             # Every rank creates every subgroup, in the same order: new_group is collective.

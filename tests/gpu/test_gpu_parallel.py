@@ -1,0 +1,59 @@
+"""Context parallelism over NCCL between two GPUs of one machine (skipped with fewer than two).
+
+A ring step's send and receive must be grouped for NCCL to complete them when a block is larger than
+its buffers: here a ring block is 128 MiB of keys and values (bf16, 8 heads of 128, 32,768 tokens),
+run in ring and Ulysses modes, self and joint, each rank's rows checked against float64. A rank that
+stalls past the configuration's 5-second timeout must end every rank: with TORCH_NCCL_BLOCKING_WAIT=1
+as a ParallelError raised on the waiting rank; without it, by PyTorch's watchdog, which ends the
+processes (no Python error, but no rank left waiting).
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from lib_attn.parallel import launch
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CASES = os.path.join(HERE, "parallel_cases.py")
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available(),
+                                reason="needs two CUDA devices and NCCL")
+
+
+def _ranks(how: str, env: dict | None = None, timeout: float = 300):
+    seed = random.SystemRandom().randrange(2**31)
+    return launch.run_ranks(2, [CASES, "nccl", str(seed), how], timeout=timeout, env=env), seed
+
+
+def test_ring_and_ulysses_over_nccl_with_blocks_beyond_its_buffers():
+    ranks, seed = _ranks("cases")
+    for r in ranks:
+        assert r["returncode"] == 0 and r["result"], f"rank {r['rank']} (seed {seed}):\n{r['output']}"
+        res = r["result"]
+        assert res["backend"] == "nccl"
+        assert {(row["grid"], row["kind"]) for row in res["rows"]} == {("2x1", "self"), ("2x1", "joint"),
+                                                                        ("1x2", "self"), ("1x2", "joint")}
+        for row in res["rows"]:
+            print(r["rank"], row)
+            assert row["err"] <= row["bound"] and row["sent"] > 0, (seed, row)
+
+
+def test_a_stalled_rank_ends_every_rank_as_a_parallel_error_with_blocking_wait():
+    ranks, _ = _ranks("stall", env={"TORCH_NCCL_BLOCKING_WAIT": "1"}, timeout=120)
+    first = ranks[0]
+    assert first["result"], first["output"]
+    assert "ParallelError: rank 0 of 2 (ring)" in first["result"]["error"], first["result"]
+    assert first["result"]["seconds"] < 5 + 15, first["result"]
+    assert all(r["returncode"] is not None for r in ranks)  # none left waiting past the launcher's limit
+
+
+def test_a_stalled_rank_ends_every_rank_through_the_watchdog_by_default():
+    env = {"TORCH_NCCL_BLOCKING_WAIT": "0"}
+    ranks, _ = _ranks("stall", env=env, timeout=120)
+    # The watchdog ends the stalled operation's processes; nothing hangs until the launcher's limit.
+    assert all(r["returncode"] is not None for r in ranks), [r["output"][-800:] for r in ranks]
+    print([(r["returncode"], (r["result"] or {}).get("error", "")[:200]) for r in ranks])
