@@ -84,15 +84,14 @@ def all_gather(t: torch.Tensor, par: Parallel, group, ranks, traffic: Traffic) -
     return out
 
 
-def all_to_all(pieces: list[torch.Tensor], sizes_in: list[int], par: Parallel, group, ranks,
+def all_to_all(send: torch.Tensor, sizes_out: list[int], sizes_in: list[int], par: Parallel, group, ranks,
                traffic: Traffic, me: int) -> list[torch.Tensor]:
-    """Send ``pieces[j]`` to the j-th rank of ``group`` and return what each rank sent here, as flat
-    tensors of ``sizes_in[j]`` elements. One ``all_to_all_single`` over flat buffers: pieces may differ
-    in size (uneven sequence shards)."""
+    """Send the j-th ``sizes_out[j]`` elements of the contiguous ``send`` to the j-th rank of ``group``
+    and return what each rank sent here, as flat tensors of ``sizes_in[j]`` elements. One
+    ``all_to_all_single`` over flat buffers: pieces may differ in size (uneven sequence shards)."""
     dist = _dist()
-    send = torch.cat([p.reshape(-1) for p in pieces])
+    send = send.reshape(-1)
     recv = torch.empty(sum(sizes_in), dtype=send.dtype, device=send.device)
-    sizes_out = [p.numel() for p in pieces]
     work = dist.all_to_all_single(recv, send, sizes_in, sizes_out, group=group, async_op=True)
     _wait(work, par, "all_to_all", ranks)
     traffic.sent += (send.numel() - sizes_out[me]) * send.element_size()

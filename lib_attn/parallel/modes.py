@@ -81,9 +81,15 @@ def _to_heads(par, lay: Layout, part: tuple, hp: int, traffic) -> tuple:
     this rank gets its head group of every member's shard, joined along the sequence."""
     q, k, v = part
     b, _, s, d = q.shape
-    pieces = [torch.stack([t[:, j * hp:(j + 1) * hp] for t in (q, k, v)]) for j in range(lay.u)]
+    # One send buffer, (member, q/k/v, b, hp, s, d), filled by one copy of each of q, k and v: the
+    # message for member j is its contiguous slice j.
+    send = q.new_empty((lay.u, 3, b, hp, s, d))
+    for i, t in enumerate((q, k, v)):
+        send[:, i].copy_(t.reshape(b, lay.u, hp, s, d).transpose(0, 1))
     lens = lay.member_lens(lay.r_me)
-    got = comm.all_to_all(pieces, [3 * b * hp * n * d for n in lens], par, lay.u_group, lay.u_ranks, traffic, lay.u_me)
+    got = comm.all_to_all(send, [3 * b * hp * s * d] * lay.u, [3 * b * hp * n * d for n in lens], par,
+                          lay.u_group, lay.u_ranks, traffic, lay.u_me)
+    del send  # before the join: the received pieces and the joined sequence are the peak
     joined = torch.cat([g.view(3, b, hp, n, d) for g, n in zip(got, lens)], dim=3)
     return joined[0], joined[1], joined[2]
 
@@ -93,9 +99,11 @@ def _to_sequence(par, lay: Layout, out: torch.Tensor, block: int, traffic) -> to
     member's heads of its tokens, joined along the heads."""
     lens = lay.member_lens(block)
     b, hp, _, d = out.shape
-    pieces = list(out.split(lens, dim=2))
+    send = torch.cat([p.reshape(-1) for p in out.split(lens, dim=2)])
     n = lens[lay.u_me]
-    got = comm.all_to_all(pieces, [b * hp * n * d] * lay.u, par, lay.u_group, lay.u_ranks, traffic, lay.u_me)
+    got = comm.all_to_all(send, [b * hp * m * d for m in lens], [b * hp * n * d] * lay.u, par, lay.u_group,
+                          lay.u_ranks, traffic, lay.u_me)
+    del send
     return torch.cat([g.view(b, hp, n, d) for g in got], dim=1)
 
 
@@ -167,12 +175,12 @@ def _gather_text(par, lay: Layout, mine: torch.Tensor, t_lens: list, traffic) ->
 
 
 def _merge(acc, part):
-    """Two partial attentions over disjoint keys as one: weights exp(lse_i - lse) in fp32 or fp64."""
+    """Two partial attentions over disjoint keys as one: weights exp(lse_i - lse) in fp32 or fp64. The
+    accumulator (this function's own fp32/fp64 copy) is updated in place: no output-sized temporary."""
     out, lse = part
-    out = out.to(lse.dtype)
     if acc is None:
-        return out, lse
+        return out.to(lse.dtype, copy=True), lse
     acc_out, acc_lse = acc
     new = torch.logaddexp(acc_lse, lse)
-    merged = acc_out * torch.exp(acc_lse - new).unsqueeze(-1) + out * torch.exp(lse - new).unsqueeze(-1)
-    return merged, new
+    acc_out.mul_(torch.exp(acc_lse - new).unsqueeze(-1)).addcmul_(out, torch.exp(lse - new).unsqueeze(-1))
+    return acc_out, new
