@@ -161,7 +161,26 @@ def _refusals(seed: int) -> dict:
         except ValueError as exc:
             out[name] = {"error": str(exc), "ran": len(calls)}
         hook.remove()
+    out["ip masks"] = _ip_masks(seed)
     return out
+
+
+def _ip_masks(seed: int) -> str:
+    """A UNet's IP-Adapter processors on its cross-attention are split (both calls are cross calls), but
+    IP-Adapter masks would be scaled to a rank's share as if it were the whole image: refused."""
+    from diffusers.models.attention_processor import IPAdapterAttnProcessor2_0
+
+    model, _ = _unet(torch.Generator().manual_seed(seed))
+    attn2 = model.down_blocks[0].attentions[0].transformer_blocks[0].attn2
+    attn2.set_processor(IPAdapterAttnProcessor2_0(attn2.inner_dim, 32, num_tokens=(4,)))
+    hidden = torch.randn(1, 16, attn2.inner_dim)
+    context = (torch.randn(1, 5, 32), [torch.randn(1, 1, 4, 32)])
+    try:
+        with torch.no_grad(), route(model, parallel=parallel.Parallel(timeout=60)):
+            attn2(hidden, encoder_hidden_states=context, ip_adapter_masks=[torch.ones(1, 1, 4, 4)])
+        return ""
+    except ValueError as exc:
+        return str(exc)
 
 
 def _fault(seed: int) -> dict:

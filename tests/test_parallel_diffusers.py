@@ -111,3 +111,9 @@ def test_a_rank_that_fails_inside_a_split_model_ends_every_rank_with_a_clear_err
     assert second["fault"]["error"] == "RuntimeError: injected failure on rank 1"
     assert first["fault"]["error"].startswith("ParallelError: rank 0 of 2 (ring): ring step"), first["fault"]
     assert first["fault"]["seconds"] < 3 + 3
+
+
+def test_ip_adapter_masks_on_a_split_unet_are_refused_on_every_rank():
+    results, _ = _results()
+    for res in results:
+        assert res["refusals"]["ip masks"].startswith("route(parallel=...): IP-Adapter masks"), res["refusals"]

@@ -159,6 +159,16 @@ def _unet(stack, model, state: _Split) -> None:
         _kind_hooks(stack, block.attn1, lambda lengths=lengths, k=self_kind: (k, 0, lengths[-1] if k == "self" else None))
         if getattr(block, "attn2", None) is not None:
             _kind_hooks(stack, block.attn2, lambda: ("cross", 0, None))
+            stack.callback(block.attn2.register_forward_pre_hook(_refuse_ip_masks, with_kwargs=True).remove)
+
+
+def _refuse_ip_masks(module, args, kwargs):
+    # An IP-Adapter's masks are scaled to the call's query tokens as if they were the whole image: on a
+    # rank's share they would land on other tokens. Every rank gets the same arguments: all refuse alike.
+    if kwargs.get("ip_adapter_masks") is not None and "IPAdapter" in type(module.processor).__name__:
+        raise ValueError("route(parallel=...): IP-Adapter masks (cross_attention_kwargs ip_adapter_masks) cannot be "
+                         "split: they are scaled to one rank's share of the tokens as if it were the whole image; "
+                         "run without masks or without parallel=")
 
 
 _PLANS = {"FluxTransformer2DModel": _flux, "WanTransformer3DModel": _wan, "UNet2DConditionModel": _unet}
