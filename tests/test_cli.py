@@ -51,3 +51,12 @@ def test_bench_and_tune_offer_the_same_workload_and_device_options():
     assert bench["model"].choices == tune["model"].choices
     assert "all" in bench["model"].choices and "sd15" in bench["model"].choices
     assert "calls to time" in bench["model"].help and "calls to tune" in tune["model"].help
+
+
+@pytest.mark.parametrize("command", ["doctor", "bench", "tune", "parallel"])
+def test_every_command_prints_its_help(command, capsys):
+    # argparse formats each help text with %: a literal one (the default schedule's "0-20%") must be doubled.
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args([command, "--help"])
+    assert done.value.code == 0
+    assert f"python -m lib_attn {command}" in capsys.readouterr().out

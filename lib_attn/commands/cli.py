@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--overhead-rounds", type=int, default=200, help=argparse.SUPPRESS)
     b.add_argument("--schedule", default=None, metavar="TEXT",
                    help=f"schedule in force for the overhead measured with a schedule (default: "
-                        f"'{bench.SCHEDULE}'; off: not measured)")
+                        f"'{bench.SCHEDULE}'; off: not measured)".replace("%", "%%"))  # argparse formats help with %
     b.add_argument("--no-memory", action="store_true", help="skip the peak memory measurement")
     b.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
     b.add_argument("--video-scale", type=int, default=None, metavar="N",
