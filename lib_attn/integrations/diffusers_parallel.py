@@ -240,8 +240,14 @@ def plan_refusals(models: list, kind_of) -> tuple[dict, list]:
             registry = getattr(module, "_diffusers_hook", None)
             for hook_name, hook in (getattr(registry, "hooks", None) or {}).items():
                 why = REFUSED_HOOKS.get(type(hook).__name__)
+                if type(hook).__name__ == "AttentionProcessorSkipHook" and getattr(hook, "skip_attention_scores", False):
+                    why = ("it skips attention scores by catching F.scaled_dot_product_attention as it is called, "
+                           "which a split call does not make")
                 if why:
                     problems.append(f"hook {hook_name!r} ({type(hook).__name__}) on {name or 'the model'}: {why}")
+            if getattr(module, "pos_embed", None) is not None and type(module).__name__ == "BasicTransformerBlock":
+                # It numbers the tokens it is given from 0, not from where the rank's share starts.
+                problems.append(f"{name}: a positional embedding inside the transformer block cannot be split")
         for name, module, kinded in _sharded(model):
             processor = module.processor
             cls = type(processor).__name__
