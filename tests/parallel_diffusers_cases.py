@@ -136,7 +136,7 @@ class _OwnProcessor:
 def _refusals(seed: int) -> dict:
     """What route(parallel=) refuses, and that it refuses before the model runs: a processor it
     cannot split (xformers', a user's own), First Block Cache, Flux's IP-Adapter processor."""
-    from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+    from diffusers.hooks import FirstBlockCacheConfig, LayerSkipConfig, apply_first_block_cache, apply_layer_skip
     from diffusers.models.attention_processor import XFormersAttnProcessor
     from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
 
@@ -146,6 +146,9 @@ def _refusals(seed: int) -> dict:
         "own": (_unet, lambda m: m.down_blocks[0].attentions[0].transformer_blocks[0].attn1.set_processor(
             _OwnProcessor())),
         "first block cache": (_flux, lambda m: apply_first_block_cache(m, FirstBlockCacheConfig(threshold=0.05))),
+        "layer skip": (_unet, lambda m: apply_layer_skip(m, LayerSkipConfig(
+            indices=[0], fqn="down_blocks.0.attentions.0.transformer_blocks", skip_attention=False,
+            skip_attention_scores=True, skip_ff=False))),
         "ip-adapter": (_flux, lambda m: m.transformer_blocks[0].attn.set_processor(
             FluxIPAdapterAttnProcessor(48, 32, num_tokens=(4,)))),
     }

@@ -93,6 +93,8 @@ def test_a_unet_with_matmul_processors_is_split_and_equals_one_process(processor
              "neither through F.scaled_dot_product_attention nor through diffusers' attention dispatcher"]),
     ("first block cache", ["'fbc_leader_block_hook' (FBCHeadBlockHook) on transformer_blocks.0",
                            "First Block Cache decides from this rank's share"]),
+    ("layer skip", ["(AttentionProcessorSkipHook) on down_blocks.0.attentions.0.transformer_blocks.0.attn1: it skips "
+                    "attention scores"]),
     ("ip-adapter", ["transformer_blocks.0.attn: FluxIPAdapterAttnProcessor (IP-Adapter)"]),
 ])
 def test_what_the_split_cannot_reach_is_refused_before_the_model_runs(case, words):
