@@ -50,6 +50,9 @@ class Decision:
     checked: bool = field(default=True, repr=False)
     countdown: int = field(default=_guard.NEVER, repr=False)
     late: object = field(default=None, repr=False)  # the guard's device-side count (CUDA, mode on)
+    #: While sparse attention is on: the ``lib_attn.sparse.plan.Plan`` that serves every call of the
+    #: signature (the guard's path hands each call to it), else None.
+    plan: object = field(default=None, repr=False)
     #: The counters of ``count_key`` and ``fallback_key`` (and of the fallback's whole path: every
     #: backend passed over and the one that ran): the hot path counts with one increment each.
     call_cell: object = field(default=None, init=False, repr=False, compare=False)
@@ -85,7 +88,7 @@ class Decision:
         return "\n".join(lines)
 
 
-def _verdict(spec: CallSpec, bid: str, st: Status, fp32: str, asked: bool, failed: dict | None,
+def verdict(spec: CallSpec, bid: str, st: Status, fp32: str, asked: bool, failed: dict | None,
              excluded: dict | None = None):
     """(reasons, cast, run_spec) of one backend for ``spec``; no reasons means it takes the call."""
     if not st.available:
@@ -124,7 +127,7 @@ def decide(spec: CallSpec, chain, statuses: dict | None = None, fp32: str = "cas
     preferred = _preferred(chain, statuses, explicit)
     for bid in chain:
         st: Status = statuses[bid] if statuses is not None else status(bid)
-        reasons, cast, run_spec = _verdict(spec, bid, st, fp32, explicit and bid == chain[0], failed, excluded)
+        reasons, cast, run_spec = verdict(spec, bid, st, fp32, explicit and bid == chain[0], failed, excluded)
         if reasons:
             rejected.append((bid, reasons))
             continue
@@ -141,7 +144,7 @@ def decide_tuned(spec: CallSpec, chain, pool, fp32: str, explicit: bool, failed:
     ``decide``."""
     rejected, takers = [], {}
     for bid in pool:
-        reasons, cast, run_spec = _verdict(spec, bid, status(bid), fp32, explicit and bid == chain[0], failed,
+        reasons, cast, run_spec = verdict(spec, bid, status(bid), fp32, explicit and bid == chain[0], failed,
                                            excluded)
         if reasons:
             rejected.append((bid, reasons))

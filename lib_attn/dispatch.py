@@ -33,6 +33,7 @@ from .chains import chain_for, tuning_chain
 from .decision import Decision, decide, decide_tuned, trusted, wrap
 from .kernels import BACKEND_IDS, REGISTRY, not_in_chains
 from .kernels.base import failure_text, is_sticky
+from .sparse import plan as _sparse_plan
 from .spec import CallSpec, spec_of, validate
 
 log = logging.getLogger("lib_attn")
@@ -108,6 +109,8 @@ def _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key, measure
     if fp32 is not None and fp32 not in _config.FP32_POLICIES:
         raise ValueError(f"fp32 policy {fp32!r} is not one of {', '.join(_config.FP32_POLICIES)}")
     cfg, spec = _scheduled(_config.current(), spec_of(q, k, v, mask, layout, role, exact))
+    if cfg.sparse is not None and measure and key is not None and key[0] != _DENSE:
+        return _sparse_decision(q, k, v, mask, scale, key, cfg, spec)
     chain, explicit = chain_for(role, spec.device, backend, cfg, spec)
     fp32 = fp32 or cfg.fp32
     excluded = _guarded_out(spec, fp32, cfg)
@@ -124,6 +127,44 @@ def _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, key, measure
         if dec is not None:
             return dec
     return decide(spec, chain, fp32=fp32, explicit=explicit, failed=_failed.get(key), excluded=excluded)
+
+
+#: The first item of the key under which a sparse plan's dense calls keep their own decision.
+_DENSE = "dense"
+
+
+def _sparse_decision(q, k, v, mask, scale, key, cfg, spec: CallSpec) -> Decision:
+    """The decision of a signature while sparse attention is on: its ``plan`` serves every call (sparse,
+    or dense with its reason, see ``lib_attn.sparse.plan``); the dense calls run the decision the
+    configuration makes for them without sparse, under ``(_DENSE,) + key``."""
+    layout, role, backend, fp32 = key[-4:]
+    dense_key = (_DENSE,) + key
+    inner = _dense_decision(dense_key, q, k, v, mask, scale)
+    reason, sparse_id, cast = _sparse_plan.dense_reason(cfg, spec, _scope.current().where.token, fp32 or cfg.fp32)
+    if backend is not None and not reason:
+        reason = f"backend {backend} named for the call"
+    bare = replace(spec, tensors=None)
+
+    def dense(q, k, v, mask, scale):
+        found = _dense_decision(dense_key, q, k, v, mask, scale)
+        if found.fallback_cell is not None:
+            _on_fallback(found)
+        return _call(dense_key, found, q, k, v, mask, scale)
+
+    plan = _sparse_plan.Plan(cfg, bare, reason, None if reason else sparse_id, cast, dense)
+    rejected = [(cfg.sparse.method, [reason])] if reason else []
+    return Decision(sparse_id if not reason else inner.backend, rejected, spec=bare, source=inner.source,
+                    countdown=0, plan=plan)
+
+
+def _dense_decision(dense_key, q, k, v, mask, scale) -> Decision:
+    found = _cache.get(dense_key)
+    if found is None:
+        layout, role, backend, fp32 = dense_key[-4:]
+        found = _decide_call(q, k, v, mask, layout, role, backend, fp32, scale, dense_key, exact=dense_key[-5])
+        if found.final:
+            _cache[dense_key] = found
+    return found
 
 
 def _guarded_out(spec: CallSpec, fp32: str, cfg) -> dict | None:
@@ -230,8 +271,13 @@ def _run(key, dec: Decision, q, k, v, mask, scale):
 def _guarded(key, dec: Decision, q, k, v, mask, scale):
     """A call the guard looks at (see ``guard``): checked against the reference when it is the
     decision's first (or the mode is ``full``), else screened for non-finite values."""
-    mode = _config.current().guard
     device = dec.spec.device.type
+    if dec.plan is not None:  # sparse attention is on: the plan serves the call (it checks what it runs)
+        dec.countdown = 0
+        if _tune.blocked(device):  # tracing, capture, backward: nothing may be read or measured
+            return dec.plan.dense(q, k, v, mask, scale)
+        return dec.plan(q, k, v, mask, scale)
+    mode = _config.current().guard
     backend = REGISTRY[dec.backend]
     if _tune.blocked(device):  # tracing, capture, backward: nothing may be read; the next call is looked at
         dec.countdown = 0
@@ -386,3 +432,4 @@ def reset() -> None:
     trusted.clear()
     _reported.clear()
     stats.forget_tuned()
+    _sparse_plan.forget()

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 
 from .schedule import OTHERWISE, parse
+from .sparse.readout import SparseReport
 
 MIB = 1024 * 1024
 
@@ -137,7 +138,8 @@ class Report:
     guard caught; ``rules``: {(schedule text, rule label, role,
     backend id): n}, the calls a schedule served, per rule (``rule_items`` in the schedule's order);
     ``parallel``: {(role, kind, mode, ranks, ulysses, ring, note): (calls, bytes this rank sent)}, the
-    calls split over several ranks (``lib_attn.parallel``).
+    calls split over several ranks (``lib_attn.parallel``); ``sparse``: what sparse attention did
+    (``lib_attn.sparse.readout.SparseReport``), or None when it served no call.
     """
 
     calls: dict = field(default_factory=dict)
@@ -153,6 +155,7 @@ class Report:
     guard: dict = field(default_factory=dict)
     rules: dict = field(default_factory=dict)
     parallel: dict = field(default_factory=dict)
+    sparse: SparseReport | None = None
 
     @classmethod
     def from_recording(cls, rec, seconds: float | None = None, vram: Vram | None = None) -> "Report":
@@ -162,7 +165,7 @@ class Report:
         return cls(dict(rec.calls), dict(rec.fallbacks), dict(rec.kernels), seconds, vram,
                    tuned=frozenset(getattr(rec, "tuned", ())), paths=dict(getattr(rec, "paths", {})),
                    guard=dict(getattr(rec, "guard", {})), rules=dict(getattr(rec, "rules", {})),
-                   parallel=dict(getattr(rec, "parallel", {})))
+                   parallel=dict(getattr(rec, "parallel", {})), sparse=getattr(rec, "sparse", None))
 
     def roles(self) -> list[str]:
         present = {role for role, _ in self.calls}
@@ -237,7 +240,7 @@ class Report:
 
     def to_dict(self) -> dict:
         """The report as JSON-ready data (``from_dict`` reads it back); ``parallel`` only when calls ran
-        split over ranks."""
+        split over ranks, ``sparse`` only when sparse attention served calls."""
         data = {
             "calls": [{"role": role, "backend": b, "kernel": self.describe(b), "count": n,
                        "tuned": self.is_tuned(role, b)}
@@ -259,6 +262,8 @@ class Report:
             data["parallel"] = [{"role": role, "kind": kind, "mode": mode, "ranks": ranks, "ulysses": u, "ring": r,
                                  "note": note, "count": n, "bytes_sent": sent, "bytes_per_call": sent // n if n else 0}
                                 for (role, kind, mode, ranks, u, r, note), (n, sent) in self.parallel_items()]
+        if self.sparse is not None:
+            data["sparse"] = self.sparse.to_dict()
         return data
 
     @classmethod
@@ -276,7 +281,7 @@ class Report:
                     (int(p["count"]), int(p["bytes_sent"])) for p in data.get("parallel", ())}
         return cls(calls, fallbacks, kernels, data.get("seconds"), Vram.from_dict(v) if v else None,
                    tuple(data.get("notes") or ()), data.get("ran_on"), data.get("hint"), tuned, guard=guard,
-                   rules=rules, parallel=parallel)
+                   rules=rules, parallel=parallel, sparse=SparseReport.from_dict(data.get("sparse")))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), ensure_ascii=False)

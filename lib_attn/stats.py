@@ -20,6 +20,7 @@ import time
 from collections import Counter
 
 from . import scope as _scope
+from .sparse.readout import SparseReport
 
 #: What each backend id ran as, e.g. {"flash-attn": {"flash-attn 2.8.3 (FA3)"}}, filled per decision.
 _kernels: dict[str, set] = {}
@@ -47,6 +48,16 @@ _guard: dict = {}      # (role, backend caught, what, backend that ran instead, 
 #: (role, kind, mode, ranks, ulysses degree, ring degree, note: why the call ran otherwise, or "").
 _parallel: dict = {}
 _parallel_bytes: dict = {}
+#: Sparse attention (``lib_attn.sparse``): sparse calls per (role, backend, kind, setting); dense calls
+#: per (role, reason) while it is on; measurements per (role, backend, kind, setting, error); the sum of
+#: the share of blocks kept over those measurements per (role, backend, kind, setting); attention
+#: seconds per ("sparse" or "dense",).
+_sparse: dict = {}
+_sparse_dense: dict = {}
+_sparse_error: dict = {}
+_sparse_kept: dict = {}
+_sparse_seconds: dict = {}
+_sparse_settings: dict = {}  # (settings text, budget) -> calls served while they were in force
 _lock = threading.Lock()
 
 
@@ -75,7 +86,9 @@ def path_cell(key) -> Cell:
 
 #: The process-wide tables by the name a recording keeps its own counts under.
 _TABLES = {"calls": _calls, "fallbacks": _fallbacks, "paths": _paths, "guard": _guard, "parallel": _parallel,
-           "parallel_bytes": _parallel_bytes}
+           "parallel_bytes": _parallel_bytes, "sparse": _sparse, "sparse_dense": _sparse_dense,
+           "sparse_error": _sparse_error, "sparse_kept": _sparse_kept, "sparse_seconds": _sparse_seconds,
+           "sparse_settings": _sparse_settings}
 
 
 def count(kind: str, key, n: int = 1, recordings: tuple = ()) -> None:
@@ -83,7 +96,8 @@ def count(kind: str, key, n: int = 1, recordings: tuple = ()) -> None:
     in ``recordings`` (those open in the scope in force). Keys: calls (role, backend id, rule or None);
     fallbacks (role, backend passed over, reason); paths (fallback key, others passed over, backend that
     ran); guard (role, backend, what, ran_on, recomputed); parallel and parallel_bytes (role, kind, mode,
-    ranks, ulysses, ring, note)."""
+    ranks, ulysses, ring, note); sparse, sparse_dense, sparse_error, sparse_kept, sparse_seconds,
+    sparse_settings (see their tables)."""
     _cell(_TABLES[kind], key).n += n
     for rec in recordings:
         rec.here[kind][key] += n
@@ -155,6 +169,11 @@ class Recording:
         ranks (``lib_attn.parallel``); empty when none was."""
         sent = self._now("parallel_bytes")
         return {key: (n, sent.get(key, 0)) for key, n in self._now("parallel").items()}
+
+    @property
+    def sparse(self) -> SparseReport | None:
+        """What sparse attention did (``lib_attn.sparse``); None when it served no call."""
+        return SparseReport.from_tables({kind: self._now(kind) for kind in _TABLES if kind.startswith("sparse")})
 
     @property
     def seconds(self) -> float:

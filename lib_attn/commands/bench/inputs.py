@@ -45,3 +45,38 @@ def output_error(out: torch.Tensor, rows: torch.Tensor, ref: torch.Tensor) -> Tu
     diff = out[:, :, rows.to(out.device), :].double() - ref
     rel = (diff.norm() / ref.norm()).item()
     return rel, diff.abs().max().item()
+
+
+def local_inputs(b: int, heads: int, grid: Tuple[int, ...], head_dim: int, dtype: torch.dtype,
+                 device: torch.device, seed: int = 0, strength: float = 0.7):
+    """q, k, v whose attention is local, as a video model's is: each token's q and k hold the same
+    smooth function of its position on ``grid`` ((frames, height, width), or (tokens,) for a sequence),
+    plus independent noise of the same size, so scores are highest between neighbours and fall off
+    with distance along every axis. The position part is a sum of cosines and sines of each coordinate
+    at wavelengths from 2 to about the axis' length; ``strength`` scales it (0: plain random inputs).
+    Returned as (b, heads, tokens, head_dim) non-contiguous views, as ``make_inputs``'s."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    n = 1
+    for size in grid:
+        n *= size
+    coords = torch.stack(torch.meshgrid(*[torch.arange(size, dtype=torch.float64) for size in grid], indexing="ij"),
+                         dim=-1).reshape(n, len(grid))
+    per_axis = max(1, head_dim // (2 * len(grid)))
+    features = []
+    for axis, size in enumerate(grid):
+        waves = torch.logspace(0, max(0.0, torch.tensor(float(size)).log10().item()), per_axis, dtype=torch.float64)
+        angle = coords[:, axis:axis + 1] * (2 * torch.pi / (2 * waves))
+        features += [angle.cos(), angle.sin()]
+    position = torch.cat(features, dim=1)[:, :head_dim]
+    position = torch.nn.functional.pad(position, (0, head_dim - position.shape[1]))
+    # each feature pair contributes cos(Δ·ω) to q·k; scaled so that neighbours' scores stand out by a
+    # few units after the 1/sqrt(d) scale
+    position = position * (strength * head_dim ** 0.5 / position.shape[1] ** 0.5 * 3.0)
+
+    def proj(with_position: bool) -> torch.Tensor:
+        x = torch.randn(b, n, heads, head_dim, generator=gen, dtype=torch.float64)
+        if with_position:
+            x = x + position[None, :, None, :]
+        return x.to(device=device, dtype=dtype).transpose(1, 2)
+
+    return proj(True), proj(True), proj(False)

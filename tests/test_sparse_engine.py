@@ -1,0 +1,275 @@
+"""Sparse attention in the engine: which calls go sparse, the error budget measured per call kind against
+exact attention (float64 here), calibration, over-budget kinds and faults running dense with their reasons,
+dense windows, and the readout."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lib_attn
+from lib_attn import check
+from lib_attn import schedule as sched
+from lib_attn.commands.bench.inputs import local_inputs
+from lib_attn.kernels import REGISTRY
+from lib_attn.report import Report
+from lib_attn.sparse import plan as sparse_plan
+from tests.engine_helpers import reference, rel_err
+
+CPU = torch.device("cpu")
+GRID = (4, 16, 32)  # 2,048 tokens: frames x height x width
+N = 4 * 16 * 32
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    lib_attn.reset()
+    yield
+    lib_attn.reset()
+    sched.leave()
+
+
+def local(seed=0, dtype=torch.float32, heads=2):
+    return local_inputs(1, heads, GRID, 32, dtype, CPU, seed=seed)
+
+
+def diffuse(seed=0, n=N, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, 2, n, 32, generator=gen).to(dtype) for _ in range(3))
+
+
+def sampled_error64(out, q, k, v) -> float:
+    """The error the readout should report: out on the guard's sampled rows against float64."""
+    s = check.samples(q, "bhsd")
+    ref = reference(q, k, v)
+    pick = (s.batch[:, None], s.head[:, None], s.rows[None, :])
+    return rel_err(out[pick], ref[pick])
+
+
+def on(**fields):
+    settings = {"method": "block-sparse", "min_tokens": 1024, "dense": "none", **fields}
+    lib_attn.configure(sparse=settings)
+
+
+def test_local_attention_goes_sparse_and_the_reported_error_is_float64s():
+    on(budget=0.15)
+    q, k, v = local()
+    with lib_attn.recording() as rec:
+        out = lib_attn.attention(q, k, v, role="dit")
+    sparse = rec.sparse
+    assert rec.calls == {("dit", "block-sparse"): 1} and sparse.calls == 1 and sparse.dense_calls == 0
+    (role, backend, kind, setting), = sparse.kinds
+    assert (role, backend, kind) == ("dit", "block-sparse", "any")
+    measured = sparse.error_max()
+    assert measured <= 0.15 and measured == pytest.approx(sampled_error64(out, q, k, v), rel=1e-3, abs=1e-5)
+    assert measured == pytest.approx(rel_err(out, reference(q, k, v)), rel=0.5)  # the sample stands for the call
+    # calibration chose the sparsest setting within the budget: the next sparser one is over it
+    ladder = REGISTRY["block-sparse"].ladder(lib_attn.Knob("topk", 0.05))
+    chosen = next(i for i, knob in enumerate(ladder) if knob.text == setting)
+    assert 0.0 < sparse.kept_share() <= ladder[chosen].value + 2 / 16 + 1e-6
+    if chosen > 0:
+        sparser = REGISTRY["block-sparse"].run_sparse(q, k, v, None, ladder[chosen - 1]).out
+        assert sampled_error64(sparser, q, k, v) > 0.15
+
+
+def test_calibration_starts_at_the_users_topk():
+    on(budget=0.15, topk=0.05)
+    q, k, v = local()
+    with lib_attn.recording() as rec:
+        lib_attn.attention(q, k, v, role="dit")
+    (_, _, _, setting), = rec.sparse.kinds
+    on(budget=1.0, topk=0.05)
+    with lib_attn.recording() as loose:
+        lib_attn.attention(q, k, v, role="dit")
+    assert [key[3] for key in loose.sparse.kinds] == ["topk 0.05"]  # anything is within a budget of 1
+    assert float(setting.split()[1]) >= 0.05
+
+
+def test_diffuse_attention_goes_dense_over_budget_with_the_dense_output():
+    on(budget=0.15)
+    q, k, v = diffuse()
+    with lib_attn.recording() as rec:
+        out = lib_attn.attention(q, k, v, role="dit")
+        again = lib_attn.attention(q, k, v, role="dit")
+    sparse = rec.sparse
+    assert rec.calls == {("dit", "sdpa"): 2} and sparse.calls == 0
+    (role, reason), = sparse.dense
+    assert role == "dit" and sparse.dense[(role, reason)] == 2
+    assert reason.startswith("over budget: ") and reason.endswith(" > 0.15")
+    assert float(reason.split()[2]) > 0.15
+    dense = F.scaled_dot_product_attention(q, k, v)
+    assert torch.equal(out, dense) and torch.equal(again, dense)
+
+
+def test_with_calibration_off_the_given_setting_is_held_to_the_budget():
+    on(budget=0.15, topk=0.05, calibrate=False)
+    q, k, v = local()
+    with lib_attn.recording() as rec:
+        out = lib_attn.attention(q, k, v, role="dit")
+    assert rec.sparse.calls == 0 and list(rec.sparse.dense)[0][1].startswith("over budget")
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
+
+
+@pytest.mark.parametrize("call, reason", [
+    (lambda q, k, v: (q, k[:, :, :77], v[:, :, :77], {}), "cross-attention"),
+    (lambda q, k, v: (q[:, :, :1000], k[:, :, :1000], v[:, :, :1000], {}), "below min_tokens: 1000 < 1024"),
+    (lambda q, k, v: (q, k, v, {"mask": torch.ones(N, N, dtype=torch.bool)}), "dense mask"),
+    (lambda q, k, v: (q, k, v, {"role": "vae"}), "vae calls stay dense"),
+])
+def test_ineligible_calls_stay_dense_with_their_reason(call, reason):
+    on()
+    q, k, v, extra = call(*local())
+    extra.setdefault("role", "dit")
+    with lib_attn.recording() as rec:
+        out = lib_attn.attention(q, k, v, **extra)
+        lib_attn.attention(q, k, v, **extra)
+    assert rec.sparse.dense == {(extra["role"], reason): 2} and rec.sparse.calls == 0
+    with lib_attn.use(sparse="off"):
+        assert torch.equal(out, lib_attn.attention(q, k, v, **extra))
+
+
+def test_dense_windows_run_the_dense_configuration():
+    lib_attn.configure(sparse="block-sparse, min_tokens=1024", preference=["math"])
+    q, k, v = local()
+    with lib_attn.recording() as rec:
+        sched.at_step(0, 10)
+        sched.at_block(3, 8)
+        lib_attn.attention(q, k, v, role="dit")     # 0-20%
+        sched.at_step(5, 10)
+        sched.at_block(0, 8)
+        lib_attn.attention(q, k, v, role="dit")     # first 1
+        sched.at_block(4, 8)
+        lib_attn.attention(q, k, v, role="dit")     # sparse
+    assert rec.sparse.dense == {("dit", "dense window: 0-20%"): 1, ("dit", "dense window: first 1"): 1}
+    assert rec.calls == {("dit", "math"): 2, ("dit", "block-sparse"): 1}  # the windows ran the configured chain
+    assert [key[2] for key in rec.sparse.kinds] == ["block 4, 40-60%"]
+
+
+def test_each_block_and_band_is_a_kind_of_its_own():
+    on(budget=0.15)
+    local_qkv, random_qkv = local(), diffuse()
+    with lib_attn.recording() as rec:
+        sched.at_step(5, 10)
+        sched.at_block(1, 4)
+        lib_attn.attention(*local_qkv, role="dit")
+        sched.at_block(2, 4)
+        lib_attn.attention(*random_qkv, role="dit")   # same shape, another block: calibrated on its own
+        sched.at_step(9, 10)
+        sched.at_block(1, 4)
+        lib_attn.attention(*local_qkv, role="dit")
+    assert set(key[2] for key in rec.sparse.kinds) == {"block 1, 40-60%", "block 1, 80-100%"}
+    assert [reason.split(":")[0] for (_, reason) in rec.sparse.dense] == ["over budget"]
+
+
+def test_a_kind_whose_inputs_turn_diffuse_is_caught_at_its_next_check_and_recomputed_dense():
+    on(budget=0.15)
+    q, k, v = local()
+    rq, rk, rv = diffuse()
+    outs = []
+    with lib_attn.recording() as rec:
+        for i in range(sparse_plan.RECHECK_EVERY + 1):
+            args = (q, k, v) if i == 0 else (rq, rk, rv)
+            outs.append(lib_attn.attention(*args, role="dit"))
+    dense = F.scaled_dot_product_attention(rq, rk, rv)
+    assert torch.equal(outs[-1], dense)  # the measured call over the budget was recomputed dense
+    over = [n for (_, reason), n in rec.sparse.dense.items() if reason.startswith("over budget")]
+    assert over == [1] and rec.sparse.measured == 2 and rec.sparse.error_max() > 0.15
+
+
+class Faulty(lib_attn.SparseBackend):
+    id = "faulty-sparse"
+    label = "test: a sparse kernel with a fault"
+    dtypes = (torch.float32,)
+    fault = "nan"
+
+    def run_sparse(self, q, k, v, scale, knob):
+        if self.fault == "write":
+            k.mul_(1.0001)
+        out = F.scaled_dot_product_attention(q, k, v)
+        if self.fault == "nan":
+            out[0, 0, 5] = float("nan")
+        return lib_attn.SparseResult(out, None, knob.value)
+
+
+@pytest.mark.parametrize("fault, what", [("nan", "non-finite values"), ("write", "wrote into its inputs")])
+def test_faults_are_caught_counted_and_recomputed_dense(fault, what):
+    backend = Faulty()
+    backend.fault = fault
+    lib_attn.register_backend(backend)
+    try:
+        lib_attn.configure(sparse="faulty-sparse, min_tokens=1024, dense=none, calibrate=off")
+        q, k, v = local()
+        k_before = k.clone()
+        with lib_attn.recording() as rec:
+            out = lib_attn.attention(q, k, v, role="dit")
+            lib_attn.attention(q, k, v, role="dit")
+        assert torch.equal(k, k_before)  # the probe ran on copies: the caller's tensors were never touched
+        assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
+        assert rec.sparse.calls == 0
+        assert rec.sparse.dense == {("dit", f"faulty-sparse {what}"): 2}
+        assert [(key[1], key[2], key[3]) for key in rec.guard] == [("faulty-sparse", what, "dense")]
+    finally:
+        lib_attn.reset()
+        lib_attn.unregister_backend("faulty-sparse")
+
+
+def test_a_backend_without_routing_is_calibrated_by_running_it():
+    class Opaque(lib_attn.SparseBackend):
+        id = "opaque-sparse"
+        label = "test: block-sparse without a stated routing"
+        dtypes = (torch.float32,)
+        runs: list = []
+
+        def run_sparse(self, q, k, v, scale, knob):
+            self.runs.append(knob.text)
+            return REGISTRY["block-sparse"].run_sparse(q, k, v, scale, knob)
+
+    lib_attn.register_backend(Opaque())
+    try:
+        lib_attn.configure(sparse="opaque-sparse, min_tokens=1024, dense=none, topk=0.05, budget=0.15")
+        q, k, v = local()
+        with lib_attn.recording() as rec:
+            out = lib_attn.attention(q, k, v, role="dit")
+        (_, _, _, setting), = rec.sparse.kinds
+        # the probe's run, then the ladder from 0.05 up to the first setting within the budget
+        assert Opaque.runs[0] == "topk 0.05" and Opaque.runs[-1] == setting
+        assert rec.sparse.error_max() == pytest.approx(sampled_error64(out, q, k, v), rel=1e-3)
+        assert rec.sparse.error_max() <= 0.15
+    finally:
+        lib_attn.reset()
+        lib_attn.unregister_backend("opaque-sparse")
+
+
+def test_the_report_carries_the_readout_and_reads_it_back():
+    on(budget=0.15)
+    with lib_attn.recording() as rec:
+        lib_attn.attention(*local(), role="dit")
+        lib_attn.attention(*diffuse(1, n=N // 2), role="dit")
+        lib_attn.attention(*local(), role="dit")
+    report = Report.from_recording(rec)
+    data = report.to_dict()["sparse"]
+    assert data["settings"] == lib_attn.config().sparse.text and data["budget"] == 0.15
+    assert data["calls"] == 2 and data["measured"] == 1
+    assert data["error_max"] == data["error_typical"] <= 0.15
+    assert [d["reason"].split(":")[0] for d in data["dense"]] == ["over budget"]
+    assert data["seconds"]["sparse"] > 0 and data["seconds"]["dense"] > 0
+    back = Report.from_dict(report.to_dict())
+    assert back.to_dict() == report.to_dict()
+    assert (back.sparse.kinds, back.sparse.dense, back.sparse.errors) == \
+        (report.sparse.kinds, report.sparse.dense, report.sparse.errors)
+    assert lib_attn.sparse.parse(back.sparse.settings) == lib_attn.config().sparse  # paste-back restores it
+    with lib_attn.use(sparse="off"), lib_attn.recording() as off:
+        lib_attn.attention(*local(), role="dit")
+    assert off.sparse is None and "sparse" not in Report.from_recording(off).to_dict()
+
+
+def test_half_inputs_are_measured_against_exact_attention():
+    on(budget=0.2)
+    q, k, v = local(dtype=torch.bfloat16)
+    with lib_attn.recording() as rec:
+        out = lib_attn.attention(q, k, v, role="dit")
+    assert out.dtype == torch.bfloat16 and rec.sparse.calls == 1
+    assert rec.sparse.error_max() == pytest.approx(sampled_error64(out, q, k, v), rel=1e-2)
+    assert not math.isnan(rec.sparse.kept_share())
