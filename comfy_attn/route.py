@@ -14,7 +14,7 @@
   wrapper reaches them, so a class descriptor (``Patches.patch_stored``) gives them the engine's
   function while a routed VAE's encode or decode runs; the VAE object ComfyUI caches keeps its own.
 * Module names: every loaded ComfyUI module's ``optimized_attention`` / ``optimized_attention_masked``
-  that is ComfyUI's chosen function (the SAG node's module too, which ComfyUI loads as ``nodes_sag``)
+  that is ComfyUI's chosen function (the SAG node's module of ``comfy_extras`` too)
   is rebound, once a node or the global route is used, to a function wrapped in ComfyUI's own
   ``wrap_attn`` (overrides still apply) that serves a call on the engine while a routed model samples
   (its role), while a routed VAE runs (``vae``) or under the global route (the module's role), and
@@ -31,6 +31,7 @@ import contextvars
 import importlib
 import inspect
 import os
+import re
 import sys
 
 import lib_attn
@@ -58,12 +59,18 @@ ENCODER_MODULES = ("comfy.text_encoders", "comfy.audio_encoders", "comfy.clip_mo
 #: ComfyUI's modules whose attention serves a VAE (role ``vae`` under the global route).
 VAE_MODULES = ("comfy.ldm.genmo.vae", "comfy.ldm.cosmos.cosmos_tokenizer", "comfy.ldm.wan.vae",
                "comfy.ldm.mmaudio.vae", "comfy.ldm.modules.diffusionmodules.model", "comfy.ldm.lightricks.vae")
-#: Modules outside ``comfy.ldm.modules.attention`` whose attention serves a UNet: the SAG node's (it
-#: replaces a UNet's middle self-attention).
-UNET_MODULES = ("nodes_sag",)
+#: Files of ``comfy_extras`` (less ``.py``) whose attention serves a UNet: the SAG node's (it replaces a
+#: UNet's middle self-attention).
+UNET_FILES = ("nodes_sag",)
 WRAPPER_KEY = "flash_attention"
 #: The mark of the engine's own overrides: a node put again after this one replaces its override.
 ENGINE_OVERRIDE = "_lib_attn_override"
+#: The mark of the engine's own attention functions: whether the ComfyUI function each stands in for acts
+#: on ``attn_precision`` (``consults_precision``).
+ENGINE_FUNCTION = "_lib_attn_consults"
+#: (module's last name, qualified name) of the override ComfyUI's Model Sparse Attention node puts on
+#: (``comfy_extras/nodes_sparse_attention.py``): it hands the calls it declines on through ``func``.
+SPARSE_NODE_OVERRIDE = ("nodes_sparse_attention", "make_attention_override.<locals>.override")
 UNET_CLASS = ("comfy.ldm.modules.diffusionmodules.openaimodel", "UNetModel")
 
 #: The configuration of the routed VAE whose encode/decode runs now (None: ComfyUI's own attention).
@@ -87,7 +94,10 @@ def consults_precision(func) -> bool:
     """Whether ComfyUI's attention function ``func`` acts on ``attn_precision``: its basic, split and
     sub-quadratic functions ask ``get_attn_precision`` and upcast; PyTorch's, xformers', flash-attn's
     and SageAttention's run in the inputs' dtype whatever the call asks. A function that cannot be
-    read is taken to act on it."""
+    read is taken to act on it; an engine function says what it stands in for."""
+    marked = getattr(func, ENGINE_FUNCTION, None)
+    if marked is not None:
+        return marked
     try:
         return _consults[func]
     except (KeyError, TypeError):
@@ -131,7 +141,9 @@ def _heads(role: str, fp32: str | None = None, upcasts: bool = True):
     key = ("heads", role, fp32, upcasts)
     if key not in _functions:
         rule = precision() if upcasts or fp32 else _no_upcast
-        _functions[key] = convention.make_heads_function(role, rule, fp32_rule(fp32))
+        made = convention.make_heads_function(role, rule, fp32_rule(fp32))
+        setattr(made, ENGINE_FUNCTION, upcasts)
+        _functions[key] = made
     return _functions[key]
 
 
@@ -145,36 +157,103 @@ def role_of(model_patcher) -> str:
 
 # --- one model --------------------------------------------------------------------------------------
 
+def _stem(module_name) -> str:
+    """A module's last name: ``nodes_sparse_attention`` for ``comfy_extras.nodes_sparse_attention`` and for
+    the ``/…/comfy_extras/nodes_sparse_attention`` ComfyUI's file loader registers it as."""
+    return re.split(r"[\\/.]", module_name or "")[-1]
+
+
+def _under(override):
+    """The override a chaining override hands its declined calls to (its ``previous``), or None."""
+    cells = dict(zip(getattr(getattr(override, "__code__", None), "co_freevars", ()), override.__closure__ or ()))
+    try:
+        return cells["previous"].cell_contents if "previous" in cells else None
+    except ValueError:   # an empty cell
+        return None
+
+
+def hands_on(override) -> bool:
+    """Whether ``override`` computes every call through the ``func`` it is handed (or declines it to an
+    override that does): the engine's own, and ComfyUI's Model Sparse Attention node's with what is under
+    it. Others (ComfyUI's Model Attention Backend, KJNodes' Patch Sage Attention) call a kernel of their
+    own and drop ``func``."""
+    if override is None or getattr(override, ENGINE_OVERRIDE, False):
+        return True
+    if (_stem(getattr(override, "__module__", "")), getattr(override, "__qualname__", "")) != SPARSE_NODE_OVERRIDE:
+        return False
+    return hands_on(_under(override))
+
+
+def describe(override) -> str:
+    return f"{getattr(override, '__module__', '?')}.{getattr(override, '__qualname__', repr(override))}"
+
+
 def make_override(role: str, fp32: str | None = None, previous=None):
     """``optimized_attention_override``: ComfyUI calls it as ``override(func, *args, **kwargs)`` with
     the arguments of the attention function ``func``; the engine serves the call instead. ``previous``,
-    an override another node put on the model before this one (ComfyUI's Model Sparse Attention node, a
-    patch node), keeps its place: it gets every call first, with the engine's function as the ``func``
-    it computes (or declines) with."""
+    an override another node put on the model before this one, keeps its place when it hands calls on
+    through ``func`` (``hands_on``: ComfyUI's Model Sparse Attention node): it gets every call first, with
+    the engine's function as the ``func`` it computes (or declines) with; a call it computes itself is
+    said in the run's report. Any other override is replaced (the last node wins, as with ComfyUI's own
+    patch nodes): ``override.replaced`` names it. A ``func`` that is the engine's function of a node put
+    on after this one (reaching this override through an override between) runs as that node says."""
     upcasting, own_dtype = function(role, fp32), function(role, fp32, upcasts=False)
     if getattr(previous, ENGINE_OVERRIDE, False):  # this node again: the override before the first one stays
         previous = previous.previous
+    replaced = None
+    if previous is not None and not hands_on(previous):
+        replaced, previous = describe(previous), None
+
+    def engine(func):
+        if getattr(func, ENGINE_FUNCTION, None) is not None:
+            return func
+        return upcasting if consults_precision(func) else own_dtype
 
     if previous is None:
         def override(func, *args, **kwargs):
-            return (upcasting if consults_precision(func) else own_dtype)(*args, **kwargs)
+            return engine(func)(*args, **kwargs)
     else:
+        reached = [0]
+        took_itself = (f"calls computed by the attention override put on before this node ({describe(previous)}), "
+                       "not by this node's backend")
+        counted = {}
+        for chosen in (upcasting, own_dtype):
+            counted[chosen] = _counting(chosen, reached)
+
         def override(func, *args, **kwargs):
-            return previous(upcasting if consults_precision(func) else own_dtype, *args, **kwargs)
+            before = reached[0]
+            chosen = engine(func)
+            out = previous(counted.get(chosen) or _counting(chosen, reached), *args, **kwargs)
+            if reached[0] == before:
+                run.note(took_itself)
+            return out
 
     override.__qualname__ = override.__name__ = f"lib_attn_{role}_override"
     setattr(override, ENGINE_OVERRIDE, True)
     override.previous = previous
+    override.replaced = replaced
     return override
 
 
-def make_sample_wrapper(config: dict, role: str = "unet", fp32: str | None = None):
+def _counting(function_, reached):
+    def counted(*args, **kwargs):
+        reached[0] += 1
+        return function_(*args, **kwargs)
+    setattr(counted, ENGINE_FUNCTION, getattr(function_, ENGINE_FUNCTION, True))
+    return counted
+
+
+def make_sample_wrapper(config: dict, role: str = "unet", fp32: str | None = None, replaced: str | None = None):
     """An ``OUTER_SAMPLE`` wrapper: the model samples under ``config``, counted in the run, and the
-    calls that pass no options are served as ``role`` with ``fp32``. While a schedule or sparse dense
+    calls that pass no options are served as ``role`` with ``fp32``; ``replaced``, the override the node
+    took the place of, is said in the run's report. While a schedule or sparse dense
     windows are in force, the blocks of the model being sampled (the guider's, ``executor.class_obj``)
     tell the engine where they start; no step is known before or after."""
     def wrapper(executor, *args, **kwargs):
         token = _serving.set((role, fp32))
+        if replaced:
+            run.note(f"the attention override put on before this node ({replaced}) computes its calls with a kernel "
+                     "of its own: this node replaced it")
         try:
             return _sample(executor, config, *args, **kwargs)
         finally:
@@ -211,10 +290,11 @@ def route_model(model_patcher, config: dict, fp32: str | None = None):
     role = role_of(model)
     options = model.model_options.setdefault("transformer_options", {})
     previous = options.get("optimized_attention_override")
-    options["optimized_attention_override"] = make_override(role, fp32, previous)
+    override = options["optimized_attention_override"] = make_override(role, fp32, previous)
     for kind in (WrappersMP.OUTER_SAMPLE, WrappersMP.APPLY_MODEL):
         model.remove_wrappers_with_key(kind, WRAPPER_KEY)
-    model.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, make_sample_wrapper(config, role, fp32))
+    model.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY,
+                               make_sample_wrapper(config, role, fp32, override.replaced))
     model.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, model_call_wrapper)
     return model
 
@@ -278,21 +358,29 @@ def _in_vae_segment(method, config: dict):
 
 # --- module names and the global route ----------------------------------------------------------------
 
+def _extras_file(module, root: str) -> str | None:
+    """The file name (less ``.py``) of a module ComfyUI loaded from its ``comfy_extras`` folder (the SAG
+    node's), or None. ComfyUI names such a module by its path and builds that path from its real location,
+    while ``root`` may come through a symbolic link: both are compared resolved."""
+    path = getattr(module, "__file__", None) or ""
+    if not path or os.path.dirname(os.path.realpath(path)) != os.path.join(root, "comfy_extras"):
+        return None
+    return os.path.splitext(os.path.basename(path))[0]
+
+
 def _comfy_model_module(module_name: str, module, root: str) -> bool:
-    """A module of ComfyUI's own (its ``comfy`` package, or a file of ``comfy_extras`` such as the SAG
-    node's, which ComfyUI loads under its bare file name) that is no encoder's."""
+    """A module of ComfyUI's own (its ``comfy`` package, or a file of ``comfy_extras``) that is no encoder's."""
     if module_name.startswith(ENCODER_MODULES):
         return False
     if module_name.startswith("comfy.") or module_name == "comfy":
         return True
-    path = getattr(module, "__file__", None) or ""
-    return os.path.dirname(os.path.abspath(path)) == os.path.join(root, "comfy_extras") if path else False
+    return _extras_file(module, root) is not None
 
 
-def _module_role(module_name: str, attention) -> str:
+def _module_role(module_name: str, module, attention, root: str) -> str:
     if module_name.startswith(VAE_MODULES):
         return "vae"
-    return "unet" if module_name in (attention.__name__, *UNET_MODULES) else "dit"
+    return "unet" if module_name == attention.__name__ or _extras_file(module, root) in UNET_FILES else "dit"
 
 
 def rebind_names() -> list[str]:
@@ -300,12 +388,12 @@ def rebind_names() -> list[str]:
     module; a module loaded later is reached at the next call of this); returns what is rebound."""
     attention = importlib.import_module(SOURCE)
     wrap = getattr(attention, "wrap_attn", None)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(attention.__file__)))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(attention.__file__)))))
     chosen = [_names.original(attention, name) for name in NAMES if hasattr(attention, name)]
     for module_name, module, name in copies(attention, NAMES, values=chosen):
         if _comfy_model_module(module_name, module, root) and not _names.is_patched(module, name):
             original = getattr(module, name)
-            _names.patch(module, name, _rebound(_module_role(module_name, attention), original, wrap))
+            _names.patch(module, name, _rebound(_module_role(module_name, module, attention, root), original, wrap))
     return _names.targets()
 
 

@@ -234,29 +234,82 @@ def test_an_override_put_on_after_the_node_sends_what_it_declines_to_the_engine(
     assert len(taken) == 2 and rec.calls == {("unet", "sdpa"): 2}   # self-attention its own, cross the engine's
 
 
-def test_an_override_put_on_before_the_node_keeps_its_place_and_computes_on_the_engine(comfy_factory):
+def load_extras(name):
+    """A file of ComfyUI's ``comfy_extras``, loaded as ComfyUI loads it (named by its path less ``.py``)."""
+    import nodes
+    path = os.path.join(os.path.dirname(os.path.realpath(nodes.__file__)), "comfy_extras", name + ".py")
+    asyncio.run(nodes.load_custom_node(path, module_parent="comfy_extras"))   # its nodes: not in the double
+    return sys.modules[os.path.splitext(path)[0]]
+
+
+def test_comfyuis_sparse_node_before_the_node_keeps_its_place_and_declines_to_the_engine(comfy_factory):
     _, nodes = loaded(comfy_factory)
-    from comfy.ldm.modules import attention
+    sparse = load_extras("nodes_sparse_attention")
     original = unet_patcher()
     ref = sample(original)
-    seen = []
-
-    def earlier(func, *args, **kwargs):
-        seen.append(func)
-        return func(*args, **kwargs)
-
-    original.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = earlier
-    (routed,) = node(nodes, "FlashAttentionBackend", model=original, tune="auto", **BACKEND)
+    patch = sparse.SparseAttnPatch(min_tokens=1)
+    sparse.install_override(patch, original.model_options["transformer_options"])
+    (routed,) = node(nodes, "FlashAttentionBackend", model=original, tune="auto", **dict(BACKEND, backend="sdpa-math"))
     with lib_attn.recording() as rec:
         out = sample(routed)
     assert rel_err(out, ref) <= FP32
-    assert len(seen) == 4 and all(f is not attention.optimized_attention for f in seen)
-    assert rec.calls == {("unet", "sdpa"): 4}                          # every call it passed on ran on the engine
+    assert len(patch.taken) == 2 and rec.calls == {("unet", "sdpa-math"): 2}   # self-attention its own, cross ours
+    text = node(nodes, "FlashAttentionReport", images=out)["ui"]["text"]
+    assert any("override put on before this node" in line and "make_attention_override.<locals>.override" in line
+               and "not by this node's backend" in line for line in text), text
     (again,) = node(nodes, "FlashAttentionBackend", model=routed, tune="auto", **BACKEND)
-    seen.clear()
+    patch.taken.clear()
     with lib_attn.recording() as rec:
         sample(again)
-    assert len(seen) == 4 and rec.calls == {("unet", "sdpa"): 4}      # the node twice: one engine, the earlier kept
+    assert len(patch.taken) == 2 and rec.calls == {("unet", "sdpa"): 2}     # the node twice: the later wins, once
+
+
+@pytest.mark.parametrize("first_fp32", ["auto", "cast"])
+def test_the_node_twice_with_the_sparse_node_between_runs_as_the_later_node_says(comfy_factory, monkeypatch,
+                                                                                first_fp32):
+    """The first node's override stays under the sparse node's, which hands it the later node's engine
+    function as ``func``: that function runs (its upcast where ComfyUI's own function upcasts, its fp32)."""
+    _, nodes = loaded(comfy_factory)
+    from comfy.ldm.modules import attention
+    from host_attn import convention
+    sparse = load_extras("nodes_sparse_attention")
+    seen = []
+    engine = lib_attn.attention
+    monkeypatch.setattr(convention.lib_attn, "attention",
+                        lambda q, k, v, **kw: seen.append((q.dtype, kw.get("fp32"))) or engine(q, k, v, **kw))
+    (first,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto", **dict(BACKEND, fp32=first_fp32))
+    between = first.clone()
+    sparse.install_override(sparse.SparseAttnPatch(min_tokens=10 ** 6), between.model_options["transformer_options"])
+    (later,) = node(nodes, "FlashAttentionBackend", model=between, tune="auto", **BACKEND)
+    (alone,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto", **BACKEND)
+    q, k, v = (torch.randn(1, 12, 64).bfloat16() for _ in range(3))
+    for model in (later, alone):
+        attention.attention_sub_quad(q, k, v, 4, attn_precision=torch.float32,
+                                     transformer_options=model.model_options["transformer_options"])
+    assert seen[0] == seen[1] and seen[0][0] == torch.float32
+
+
+@pytest.mark.parametrize("put_on", ["ComfyUI's Model Attention Backend", "a patch node's own kernel"])
+def test_an_override_with_a_kernel_of_its_own_before_the_node_is_replaced_and_said(comfy_factory, put_on):
+    """ComfyUI's ``set_model_optimized_attention`` and KJNodes' Patch Sage Attention leave ``func`` unused:
+    kept under the node, they would take every call and the node would choose nothing."""
+    _, nodes = loaded(comfy_factory)
+    from comfy.ldm.modules import attention
+    original = unet_patcher()
+    ran = []
+    if put_on.startswith("ComfyUI"):
+        original.set_model_optimized_attention(lambda *a, **kw: ran.append(1) or attention.attention_pytorch(*a, **kw))
+    else:
+        def own_kernel(func, *args, **kwargs):
+            ran.append(1)
+            return attention.attention_pytorch(*args, **kwargs)
+        original.model_options["transformer_options"]["optimized_attention_override"] = own_kernel
+    (routed,) = node(nodes, "FlashAttentionBackend", model=original, tune="auto", **dict(BACKEND, backend="sdpa-math"))
+    with lib_attn.recording() as rec:
+        out = sample(routed)
+    assert not ran and rec.calls == {("unet", "sdpa-math"): 4}
+    text = node(nodes, "FlashAttentionReport", images=out)["ui"]["text"]
+    assert any("this node replaced it" in line for line in text), text
 
 
 def test_text_encoders_keep_comfyuis_attention(comfy_factory):
@@ -831,14 +884,14 @@ def multitalk_patcher(seed=0):
 
 class SAGUNet(torch.nn.Module):
     """A diffusion model whose middle self-attention the SAG node replaced with its own (``attn_and_record``
-    of ComfyUI's ``nodes_sag`` module, loaded from ``comfy_extras`` as ComfyUI loads it)."""
+    of ComfyUI's SAG module, loaded from ``comfy_extras`` as ComfyUI loads it)."""
 
     def __init__(self):
         super().__init__()
         self.proj_in, self.to_qkv, self.proj_out = torch.nn.Linear(4, 32), torch.nn.Linear(32, 96), torch.nn.Linear(32, 4)
 
     def forward(self, x, timesteps=None, context=None, transformer_options={}, **kwargs):
-        import nodes_sag
+        nodes_sag = sag_module()
         b, c, h, w = x.shape
         t = self.proj_in(x.flatten(2).transpose(1, 2))
         q, k, v = self.to_qkv(t).chunk(3, dim=-1)
@@ -853,10 +906,21 @@ def sag_patcher(seed=0):
     return ModelPatcher(BaseModel(SAGUNet()))
 
 
+def sag_path():
+    """Where ComfyUI's ``init_builtin_extra_nodes`` finds the SAG node: beside ``nodes.py``, resolved."""
+    import nodes
+    return os.path.join(os.path.dirname(os.path.realpath(nodes.__file__)), "comfy_extras", "nodes_sag.py")
+
+
 def load_sag():
     import nodes
-    asyncio.run(nodes.load_custom_node(os.path.join(COMFY_ROOT, "comfy_extras", "nodes_sag.py"),
-                                       module_parent="comfy_extras"))
+    asyncio.run(nodes.load_custom_node(sag_path(), module_parent="comfy_extras"))
+    return sag_module()
+
+
+def sag_module():
+    """The SAG module, under the name ComfyUI's loader gives a file: its path less ``.py``."""
+    return sys.modules[os.path.splitext(sag_path())[0]]
 
 
 FAMILIES = {   # name: (patcher, attention calls per model call, calls of them that ask for exact attention)
@@ -900,12 +964,20 @@ def test_a_schedule_takes_the_steps_of_calls_that_pass_no_options(comfy_factory,
     assert rec.rules == {(WINDOWS, "0-50%", "dit", "sdpa"): 2 * per_call, (WINDOWS, "50-100%", "dit", "math"): 2 * per_call}
 
 
-def test_the_global_route_reaches_the_sag_module_and_gives_calls_without_options_no_step(comfy_factory):
+@pytest.mark.parametrize("linked", [False, True])
+def test_the_global_route_reaches_the_sag_module_and_gives_calls_without_options_no_step(comfy_factory, tmp_path,
+                                                                                          linked):
+    """As a UNet's (its role), also where ComfyUI is reached through a symbolic link (its loader names
+    the SAG file by its resolved path, while the attention module's path is the link's)."""
+    root = COMFY_ROOT
+    if linked:
+        root = str(tmp_path / "ComfyUI")
+        os.symlink(COMFY_ROOT, root)
     comfy = comfy_factory(argv=("--cpu",), env={"ATTN_COMFY_ROUTE": "auto",
-                                                "ATTN_COMFY_SCHEDULE": "0-50%: math; 50-100%: sdpa"})
-    load_sag()                                   # ComfyUI loads its comfy_extras before the custom nodes
+                                                "ATTN_COMFY_SCHEDULE": "0-50%: math; 50-100%: sdpa"}, root=root)
+    nodes_sag = load_sag()                       # ComfyUI loads its comfy_extras before the custom nodes
+    assert "nodes_sag" not in sys.modules
     assert comfy.load_node()
-    import nodes_sag
     assert nodes_sag.optimized_attention.comfy_function.__name__ == "attention_sub_quad"
     assert nodes_sag.optimized_attention.__wrapped__.__name__ == "lib_attn_unet_attention"
     rules = lib_attn.config().schedule.text

@@ -13,8 +13,8 @@ import sys
 from .wheels import (COMFY_KITCHEN_REQUIREMENT, HUB_REPOS, SAGE_1_WARNING, TRITON_DISTS, flash_attn_coverage,
                      flash_attn_release)
 
-TAG = "[flash-attention]"
-COMFY_KITCHEN_MINIMUM = COMFY_KITCHEN_REQUIREMENT.split(">=")[1]  # the runtime's prefix too
+TAG = "[flash-attention]"  # the runtime's prefix too
+COMFY_KITCHEN_MINIMUM = COMFY_KITCHEN_REQUIREMENT.split(">=")[1]
 
 
 def say(backend, text):

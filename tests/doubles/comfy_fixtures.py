@@ -57,13 +57,14 @@ class Comfy:
 
 
 def _drop():
+    roots = (tempfile.gettempdir().replace(".", "_x_"), tempfile.gettempdir(), COMFY_ROOT, os.path.realpath(COMFY_ROOT))
     for name in list(sys.modules):
-        if name.split(".")[0] in DOUBLE_MODULES or name.startswith(tempfile.gettempdir().replace(".", "_x_")):
+        if name.split(".")[0] in DOUBLE_MODULES or name.startswith(roots):   # files ComfyUI names by path too
             del sys.modules[name]
 
 
 @contextlib.contextmanager
-def comfy_double(argv=(), env=None, prestartup=True):
+def comfy_double(argv=(), env=None, prestartup=True, root=COMFY_ROOT):
     saved_path, saved_argv = list(sys.path), list(sys.argv)
     saved_env = {k: os.environ.get(k) for k in ENV}
     tmp = tempfile.TemporaryDirectory()
@@ -75,7 +76,7 @@ def comfy_double(argv=(), env=None, prestartup=True):
         for key in ENV:
             os.environ.pop(key, None)
         os.environ.update(env or {})
-        sys.path.insert(0, COMFY_ROOT)
+        sys.path.insert(0, root)
         sys.argv = ["main.py", *argv]
         import comfy.options
         comfy.options.enable_args_parsing()
@@ -111,11 +112,12 @@ def comfy_double(argv=(), env=None, prestartup=True):
 
 @pytest.fixture
 def comfy_factory():
-    """``comfy_factory(argv=(), env=None, prestartup=True)`` -> Comfy; uninstalled after the test."""
+    """``comfy_factory(argv=(), env=None, prestartup=True, root=COMFY_ROOT)`` -> Comfy (``root``: where
+    ComfyUI is found, a symbolic link to the double for instance); uninstalled after the test."""
     stack = contextlib.ExitStack()
 
-    def make(argv=(), env=None, prestartup=True):
-        return stack.enter_context(comfy_double(argv, env, prestartup))
+    def make(argv=(), env=None, prestartup=True, root=COMFY_ROOT):
+        return stack.enter_context(comfy_double(argv, env, prestartup, root))
 
     with stack:
         yield make

@@ -1,8 +1,8 @@
 """Double of ComfyUI's nodes.py custom-node loader (``load_custom_node``, async in 0.8.0).
 
 A folder is imported from its ``__init__.py`` as a package whose ``sys.modules`` name is the folder's
-path (dots replaced by ``_x_``), a file (ComfyUI's own ``comfy_extras/nodes_*.py``) as a module of its
-bare file name (``nodes_sag``); the folder is not put on ``sys.path``, so inside it ``from .pkg import``
+path (dots replaced by ``_x_``), a file (ComfyUI's own ``comfy_extras/nodes_*.py``) as a module named by
+its path less ``.py`` (``/…/comfy_extras/nodes_sag``, as given: not resolved); the folder is not put on ``sys.path``, so inside it ``from .pkg import``
 works and a bare ``import pkg`` of a sibling does not. ``NODE_CLASS_MAPPINGS`` (even empty) makes the load
 a success; ``WEB_DIRECTORY`` registers the folder's web files. An exception is logged as the import
 failure ComfyUI reports ("IMPORT FAILED") and the load returns False.
@@ -28,8 +28,9 @@ def get_module_name(module_path):
 
 async def load_custom_node(module_path, ignore=set(), module_parent="custom_nodes"):
     module_name = get_module_name(module_path)
-    if os.path.isfile(module_path):   # a file (ComfyUI's own comfy_extras/nodes_*.py): its bare name
-        sys_module_name, init = module_name, module_path
+    if os.path.isfile(module_path):   # a file (ComfyUI's own comfy_extras/nodes_*.py): its path less .py
+        module_name = sys_module_name = os.path.splitext(module_path)[0]
+        init = module_path
     else:
         sys_module_name, init = module_path.replace(".", "_x_"), os.path.join(module_path, "__init__.py")
     try:
@@ -45,7 +46,7 @@ async def load_custom_node(module_path, ignore=set(), module_parent="custom_node
             for name, node_cls in module.NODE_CLASS_MAPPINGS.items():
                 if name not in ignore:
                     NODE_CLASS_MAPPINGS[name] = node_cls
-                    node_cls.RELATIVE_PYTHON_MODULE = f"{module_parent}.{module_name}"
+                    node_cls.RELATIVE_PYTHON_MODULE = f"{module_parent}.{get_module_name(module_path)}"
             NODE_DISPLAY_NAME_MAPPINGS.update(getattr(module, "NODE_DISPLAY_NAME_MAPPINGS", None) or {})
             return True
         logging.warning(f"Skip {module_path} module for custom nodes due to the lack of NODE_CLASS_MAPPINGS.")

@@ -47,5 +47,12 @@ class ModelPatcher:
             found.extend(wrappers)
         return found
 
+    def set_model_optimized_attention(self, optimized_attention):
+        """Newer ComfyUI (the Model Attention Backend node): an override that runs ``optimized_attention``
+        with the call's arguments and leaves the ``func`` it is handed unused."""
+        def optimized_attention_override(_, *args, **kwargs):
+            return optimized_attention(*args, **kwargs)
+        self.model_options["transformer_options"]["optimized_attention_override"] = optimized_attention_override
+
     def add_callback_with_key(self, call_type, key, callback):
         self.callbacks.setdefault(call_type, {}).setdefault(key, []).append(callback)

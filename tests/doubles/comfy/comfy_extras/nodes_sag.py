@@ -1,5 +1,5 @@
-"""Double of ComfyUI 0.19.3's comfy_extras/nodes_sag.py, which ComfyUI loads as the module ``nodes_sag``
-(a file of ``comfy_extras``, imported under its bare name): imports ``optimized_attention`` by name, and
+"""Double of ComfyUI 0.19.3's comfy_extras/nodes_sag.py, which ComfyUI loads as a module named by
+its path less ``.py`` (``nodes.load_custom_node``): imports ``optimized_attention`` by name, and
 the attention SAG puts in place of the UNet's middle self-attention (``attn_and_record``, an
 ``attn1`` replacement called as ``(q, k, v, extra_options)``) calls it with ``heads=`` and
 ``attn_precision``, and no transformer options, on the calls it does not record."""
