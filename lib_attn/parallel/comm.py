@@ -79,7 +79,8 @@ def all_gather(t: torch.Tensor, par: Parallel, group, ranks, traffic: Traffic) -
     dist = _dist()
     t = t.contiguous()
     out = [torch.empty_like(t) for _ in ranks]
-    _wait(dist.all_gather(out, t, group=group, async_op=True), par, "all_gather", ranks)
+    _wait(dist.all_gather([_wire(o, par) for o in out], _wire(t, par), group=group, async_op=True), par,
+          "all_gather", ranks)
     traffic.sent += t.numel() * t.element_size() * (len(ranks) - 1)
     return out
 
@@ -92,7 +93,8 @@ def all_to_all(send: torch.Tensor, sizes_out: list[int], sizes_in: list[int], pa
     dist = _dist()
     send = send.reshape(-1)
     recv = torch.empty(sum(sizes_in), dtype=send.dtype, device=send.device)
-    work = dist.all_to_all_single(recv, send, sizes_in, sizes_out, group=group, async_op=True)
+    work = dist.all_to_all_single(_wire(recv, par), _wire(send, par), sizes_in, sizes_out, group=group,
+                                  async_op=True)
     _wait(work, par, "all_to_all", ranks)
     traffic.sent += (send.numel() - sizes_out[me]) * send.element_size()
     return list(recv.split(sizes_in))
@@ -106,14 +108,20 @@ def exchange(send: torch.Tensor, recv_numel: int, to_rank: int, from_rank: int, 
     dist = _dist()
     send = send.contiguous()
     recv = torch.empty(recv_numel, dtype=send.dtype, device=send.device)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send.reshape(-1), to_rank, par.comm_group),
-                                    dist.P2POp(dist.irecv, recv, from_rank, par.comm_group)])
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, _wire(send.reshape(-1), par), to_rank, par.comm_group),
+                                    dist.P2POp(dist.irecv, _wire(recv, par), from_rank, par.comm_group)])
 
     def done():
         for work in works:
             _wait(work, par, f"ring step (sending to rank {to_rank}, receiving from rank {from_rank})", ())
         return recv
     return done
+
+
+def _wire(t: torch.Tensor, par: Parallel) -> torch.Tensor:
+    """``t`` as the transport takes it: bfloat16 travels as the same bytes labelled float16 on gloo, whose
+    torch 2.1 build refuses bfloat16 (and int16) with "Invalid scalar type"; gloo only moves them."""
+    return t.view(torch.float16) if t.dtype == torch.bfloat16 and par.backend == "gloo" else t
 
 
 def _device(par: Parallel):
