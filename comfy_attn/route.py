@@ -21,9 +21,11 @@
   hands it to ComfyUI's function otherwise. Text, audio and image encoders keep ComfyUI's function.
 * Every model and VAE (the global route, ``ATTN_COMFY_ROUTE`` or ComfyUI's own
   ``--use-flash-attention`` / ``--use-sage-attention`` with this package installed): the module
-  names serve every call, and the VAE blocks see the engine's function always. No wrapper reaches
-  every model, so the step is followed from the attention calls (a new ``sigmas`` tensor is a new
-  model call; a call that passes no options has no step), and the blocks are not known.
+  names serve every call, and the VAE blocks see the engine's function always. ``BaseModel.apply_model``
+  (on the class) serves each model call's attention as its model's role and tells the step, calls that
+  pass no options included; outside a model call the step is followed from the attention calls (a new
+  ``sigmas`` tensor is a new model call; a call that passes no options has no step). The blocks are
+  not known.
 """
 from __future__ import annotations
 
@@ -77,6 +79,8 @@ UNET_CLASS = ("comfy.ldm.modules.diffusionmodules.openaimodel", "UNetModel")
 _vae_config: contextvars.ContextVar = contextvars.ContextVar("lib_attn_vae_config", default=None)
 #: (role, fp32) of the model an Attention backend node routes, while it samples (None: no such model).
 _serving: contextvars.ContextVar = contextvars.ContextVar("lib_attn_comfy_serving", default=None)
+#: The role of the model whose call (``BaseModel.apply_model``) runs now, under the global route (None: none).
+_model_call: contextvars.ContextVar = contextvars.ContextVar("lib_attn_comfy_model_call", default=None)
 _blocks = Patches("comfy-vae")
 _names = Patches("comfy-names")
 _everything = [False]   # the global route is on
@@ -149,9 +153,14 @@ def _heads(role: str, fp32: str | None = None, upcasts: bool = True):
 
 def role_of(model_patcher) -> str:
     """``unet`` for SD1.5/SD2/SDXL's UNet, ``dit`` for every other denoiser."""
+    return _denoiser_role(getattr(model_patcher, "model", None))
+
+
+def _denoiser_role(base_model) -> str:
+    """The role of ComfyUI's ``BaseModel`` ``base_model``: its diffusion model's class says."""
     module, name = UNET_CLASS
     unet = getattr(sys.modules.get(module), name, None)
-    diffusion = getattr(getattr(model_patcher, "model", None), "diffusion_model", None)
+    diffusion = getattr(base_model, "diffusion_model", None)
     return "unet" if unet is not None and isinstance(diffusion, unet) else "dit"
 
 
@@ -399,7 +408,8 @@ def rebind_names() -> list[str]:
 
 def _rebound(module_role: str, original, wrap):
     """The function a rebound name holds: the engine serves the call as the model sampling now, the VAE
-    running now or (global route) the module says; otherwise ComfyUI's ``original`` takes it."""
+    running now or (global route) the model whose call runs now says, or else the module; otherwise
+    ComfyUI's ``original`` takes it."""
     upcasts = consults_precision(original)
 
     def attention_function(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
@@ -410,9 +420,10 @@ def _rebound(module_role: str, original, wrap):
             if vae is not None:
                 serving = ("vae", vae.get("fp32"))
             elif _everything[0]:
-                serving = (module_role, None)
+                inside = _model_call.get()
+                serving = (inside or module_role, None)
                 run.begin()  # counts the run a graph without the nodes is
-                if schedule.position().schedule is not None:
+                if inside is None and schedule.position().schedule is not None:
                     steps.attention_call(kwargs.get("transformer_options"))
             else:
                 return original(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, **kwargs)
@@ -436,7 +447,33 @@ def route_everything(config: dict | None = None) -> list[str]:
     rebind_names()
     route_vae_blocks()
     _passes_as_vae()
+    _model_calls_say_their_role()
     return _names.targets() + _blocks.targets()
+
+
+def _model_calls_say_their_role() -> None:
+    """Each model call (``BaseModel.apply_model``) that no node routes serves its calls as its model's role
+    and tells the engine its step: LTXV and LTX-2 call the UNet's attention module, and calls that pass no
+    options carry no sigma to follow."""
+    base = getattr(sys.modules.get("comfy.model_base"), "BaseModel", None)
+    method = base.__dict__.get("apply_model") if base is not None else None
+    if method is not None and not _names.is_patched(base, "apply_model"):
+        _names.patch(base, "apply_model", _as_model_call(method))
+
+
+def _as_model_call(method):
+    def model_call(self, *args, **kwargs):
+        if _serving.get() is not None:    # a node's model: its wrappers tell the role and the step
+            return method(self, *args, **kwargs)
+        token = _model_call.set(_denoiser_role(self))
+        try:
+            options = kwargs.get("transformer_options", args[5] if len(args) > 5 else None)
+            steps.model_call(options)
+            return method(self, *args, **kwargs)
+        finally:
+            _model_call.reset(token)
+    model_call.__name__, model_call.__qualname__ = method.__name__, method.__qualname__
+    return model_call
 
 
 def _passes_as_vae() -> None:

@@ -1004,6 +1004,29 @@ class TemporalVAE(torch.nn.Module):
         return (t + self.attn(t)).transpose(1, 2).reshape(b, c, h, w)
 
 
+GLOBAL_FAMILIES = {   # name: (patcher, role, attention calls per model call)
+    "LTXV": (lambda: family_patcher("comfy.ldm.lightricks.model", "LTXVModel"), "dit", 4),
+    "PixArt": (lambda: family_patcher("comfy.ldm.pixart.pixartms", "PixArtMS"), "dit", 4),
+    "UNet": (unet_patcher, "unet", 2),
+}
+
+
+@pytest.mark.parametrize("family", list(GLOBAL_FAMILIES))
+def test_under_the_global_route_each_model_call_serves_its_models_role_with_its_step(comfy_factory, family):
+    """LTXV calls the UNet's attention module and PixArt passes no options: the model call running says
+    the role (``dit:`` rules take them) and the step."""
+    rules = "dit 0-50%: math; dit: sdpa-math; unet 0-50%: math; unet: sdpa"
+    comfy = comfy_factory(argv=("--cpu",), env={"ATTN_COMFY_ROUTE": "auto", "ATTN_COMFY_SCHEDULE": rules})
+    assert comfy.load_node()
+    make, role, per_call = GLOBAL_FAMILIES[family]
+    text = lib_attn.config().schedule.text
+    with lib_attn.recording() as rec:
+        sample(make(), prompt_id="g1", steps=4)
+    later = "sdpa-math" if role == "dit" else "sdpa"
+    assert rec.rules == {(text, f"0-50% {role}", role, "math"): 2 * per_call,
+                         (text, role, role, later): 2 * per_call}, rec.rules
+
+
 def test_roles_under_the_global_route_follow_what_the_module_serves(comfy_factory):
     _, nodes = loaded(comfy_factory, env={"ATTN_COMFY_ROUTE": "auto"})
     from comfy.sd import VAE

@@ -9,6 +9,7 @@ import comfy.ldm.ernie.model  # noqa: F401
 import comfy.ldm.flux.model  # noqa: F401
 import comfy.ldm.hunyuan3dv2_1.hunyuandit  # noqa: F401
 import comfy.ldm.hydit.models  # noqa: F401
+import comfy.ldm.lightricks.model  # noqa: F401
 import comfy.ldm.modules.diffusionmodules.openaimodel  # noqa: F401
 import comfy.ldm.pixart.pixartms  # noqa: F401
 import comfy.ldm.wan.model  # noqa: F401
