@@ -68,6 +68,22 @@ api.message("flash-attention.report", { text: ["another tab's later prompt"], pr
 seen.other_later = await state(report);
 seen.queued = api.queued.length;
 
+// Two workflow tabs: a prompt queued from workflow-1 reports while workflow-2 is open.
+api.promptIds.push("mine-3", "mine-4");
+await app.queuePrompt(0);                             // from workflow-1
+app.openWorkflow("workflow-2");
+const other = await app.addNode(9, input.nodes.FlashAttentionReport);
+app.link(8, 0, other, "images");
+await app.loaded();
+api.message("flash-attention.report", { text: ["workflow-1's report"], prompt_id: "mine-3" });
+seen.other_tab = await state(other);
+await app.queuePrompt(0);                             // from workflow-2
+api.message("flash-attention.report", { text: ["workflow-2's report"], prompt_id: "mine-4" });
+seen.own_tab = await state(other);
+api.message("flash-attention.report", { text: ["workflow-1's later report"], prompt_id: "mine-3" });
+seen.own_tab_later = await state(other);
+app.openWorkflow("workflow-1");
+
 // A page reload: the same workflow, a fresh node, ComfyUI's history with this node's outputs.
 app.graph._nodes = [];
 api.routes["/history"] = input.history;

@@ -102,6 +102,13 @@ def test_a_report_node_shows_its_own_pages_prompts_only(scenario):
     assert seen["other_later"]["shown"] == "early report"
 
 
+def test_a_report_goes_to_the_workflow_that_queued_its_prompt_only(scenario):
+    _, seen = scenario
+    assert seen["other_tab"]["shown"] == ""                                 # workflow-1's prompt, workflow-2 open
+    assert seen["own_tab"]["shown"] == "workflow-2's report"
+    assert seen["own_tab_later"]["shown"] == "workflow-2's report"
+
+
 def test_nothing_shown_is_sent_back_or_saved(scenario):
     _, seen = scenario
     for step in ("created", "executed", "message", "reloaded"):

@@ -7,7 +7,9 @@
 // while a routed sampling or VAE pass ends, and after a page reload the node's last output in
 // ComfyUI's history. A report message names its prompt: the page shows only those of the prompts it
 // queued itself (two tabs can share a client id, and a report of another tab's, user's or script's
-// prompt must not overwrite what this page's node says).
+// prompt must not overwrite what this page's node says), and only while the workflow that queued the
+// prompt is the open one (the page keeps several workflows open in one graph; going back to that
+// workflow brings its report back from the history).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
@@ -96,13 +98,22 @@ async function restore(node) {
     }
 }
 
-// The prompts this page queued, and the latest report of each prompt not yet known to be one of them
-// (its first report can arrive before the answer to the page's own /prompt request).
-const queued = new Set();
+// The prompts this page queued, each with the id of the workflow (graph) that queued it, and the
+// latest report of each prompt not yet known to be one of them (its first report can arrive before
+// the answer to the page's own /prompt request).
+const queued = new Map();
 const early = new Map();
+const QUEUED_KEPT = 4096;   // a long queue's prompts, oldest forgotten first
 const EARLY_KEPT = 16;
 
-function showInReportNodes(lines) {
+function keep(map, key, value, kept) {
+    map.delete(key);
+    map.set(key, value);
+    if (map.size > kept) map.delete(map.keys().next().value);
+}
+
+function showInReportNodes(lines, graphId) {
+    if (graphId !== app.graph?.id) return;   // another workflow's prompt: its report waits in the history
     for (const node of app.graph?._nodes ?? []) {
         if (node.type === REPORT_NODE) show(node, lines);
     }
@@ -110,31 +121,33 @@ function showInReportNodes(lines) {
 
 export function onReport(detail) {
     const id = detail?.prompt_id;
-    if (id === undefined || id === null || queued.has(id)) {
-        showInReportNodes(detail?.text);
-        return;
+    if (id === undefined || id === null) {
+        showInReportNodes(detail?.text, app.graph?.id);
+    } else if (queued.has(id)) {
+        showInReportNodes(detail?.text, queued.get(id));
+    } else {
+        keep(early, id, detail?.text, EARLY_KEPT);
     }
-    early.delete(id);
-    early.set(id, detail?.text);
-    if (early.size > EARLY_KEPT) early.delete(early.keys().next().value);
 }
 
-export function promptQueued(id) {
+export function promptQueued(id, graphId) {
     if (id === undefined || id === null) return;
-    queued.add(id);
+    keep(queued, id, graphId, QUEUED_KEPT);
     if (early.has(id)) {
-        showInReportNodes(early.get(id));
+        showInReportNodes(early.get(id), graphId);
         early.delete(id);
     }
 }
 
-// api.queuePrompt answers with the prompt id ComfyUI gave the prompt this page queued.
+// api.queuePrompt answers with the prompt id ComfyUI gave the prompt this page queued; the workflow
+// open when it was called is the one that queued it.
 function watchQueue() {
     const queue = api.queuePrompt;
     if (typeof queue !== "function" || queue.flashAttention) return;
     const watched = async function (...args) {
+        const graphId = app.graph?.id;
         const answer = await queue.apply(this, args);
-        promptQueued(answer?.prompt_id);
+        promptQueued(answer?.prompt_id, graphId);
         return answer;
     };
     watched.flashAttention = true;

@@ -80,6 +80,13 @@ class App {
         }
     }
 
+    // Another workflow tab opened (loadGraphData): the same graph object takes that workflow's id, and its
+    // nodes are made afresh (the caller adds them, then calls loaded()).
+    openWorkflow(id) {
+        this.graph.id = id;
+        this.graph._nodes = [];
+    }
+
     executed(node, output) { node.onExecuted?.(output); }
 
     // The Run button: the prompt to api.queuePrompt, looked up on the api object at each call.
