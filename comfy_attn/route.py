@@ -64,6 +64,9 @@ VAE_MODULES = ("comfy.ldm.genmo.vae", "comfy.ldm.cosmos.cosmos_tokenizer", "comf
 #: Files of ``comfy_extras`` (less ``.py``) whose attention serves a UNet: the SAG node's (it replaces a
 #: UNet's middle self-attention).
 UNET_FILES = ("nodes_sag",)
+#: Modules of ``comfy`` outside ``comfy.ldm.modules.attention`` whose attention serves a UNet: the UNet
+#: ControlNet's (its union blocks).
+UNET_MODULES = ("comfy.cldm.cldm",)
 WRAPPER_KEY = "flash_attention"
 #: The mark of the engine's own overrides: a node put again after this one replaces its override.
 ENGINE_OVERRIDE = "_lib_attn_override"
@@ -389,7 +392,9 @@ def _comfy_model_module(module_name: str, module, root: str) -> bool:
 def _module_role(module_name: str, module, attention, root: str) -> str:
     if module_name.startswith(VAE_MODULES):
         return "vae"
-    return "unet" if module_name == attention.__name__ or _extras_file(module, root) in UNET_FILES else "dit"
+    if module_name in (attention.__name__, *UNET_MODULES) or _extras_file(module, root) in UNET_FILES:
+        return "unet"
+    return "dit"
 
 
 def rebind_names() -> list[str]:

@@ -1037,6 +1037,10 @@ def test_roles_under_the_global_route_follow_what_the_module_serves(comfy_factor
         vae.decode(latent)                                    # the UNet attention module's function, in a VAE
         sample(unet_patcher(), prompt_id="r1")
     assert rec.calls == {("vae", "sdpa"): 1, ("unet", "sdpa"): 4}
+    from comfy.cldm.cldm import OptimizedAttention
+    with lib_attn.recording() as rec:
+        OptimizedAttention(32, 4)(torch.randn(1, 8, 32))      # a UNet ControlNet's union block: the UNet's role
+    assert rec.calls == {("unet", "sdpa"): 1}
     assert VAE.__dict__["decode"].__code__.co_name == "vae_pass" and VAE.decode.__qualname__ == "VAE.decode"
     (routed,) = node(nodes, "FlashAttentionVAEBackend", prompt_id="r1", vae=vae, **dict(BACKEND, backend="sdpa-math"))
     with lib_attn.recording() as rec:

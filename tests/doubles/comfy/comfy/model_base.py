@@ -4,6 +4,7 @@ then hands them to the diffusion model. Like the real one it imports every
 model family's module, so they are all loaded (and hold their by-name copies) before custom nodes load."""
 from torch import nn
 
+import comfy.cldm.cldm  # noqa: F401
 import comfy.ldm.ace.ace_step15  # noqa: F401
 import comfy.ldm.ernie.model  # noqa: F401
 import comfy.ldm.flux.model  # noqa: F401
