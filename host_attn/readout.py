@@ -3,7 +3,8 @@ have no readout convention of their own (ComfyUI's Attention report node and ser
 report's JSON with them.
 
 Each part is rendered here, from the report's data (``lib_attn.report``): the kernels that ran per
-role (``kernel_text``, ``role_mark``), the calls per schedule rule (``schedule_text``), each fallback
+role (``kernel_text``, ``role_mark``), the calls per schedule rule (``schedule_text``), what sparse
+attention did (``sparse_lines``), each fallback
 with the backends passed over after it (``fallback_line``), what the guard caught (``guard_lines``).
 The webuis lay the same parts out as their readout and infotext, in A1111's terms
 (``webui_attn.ui.readout``).
@@ -80,6 +81,54 @@ def fallback_line(report: Report, key: tuple, n: int) -> str:
     return "; ".join(parts)
 
 
+#: The call kinds of sparse attention a readout lists one by one (most calls first); the rest are counted.
+SPARSE_KINDS_SHOWN = 4
+
+
+def _error(x) -> str:
+    return "–" if x is None else f"{x:.1e}"
+
+
+def _measured_text(sparse, where=None) -> str:
+    """``kept 21%, error max 1.1e-01 / typical 9.0e-02`` of the measured calls (of one kind, ``where``)."""
+    kept = sparse.kept_share(where)
+    parts = [f"kept {kept:.0%}"] if kept is not None else []
+    if sparse.error_max(where) is not None:
+        parts.append(f"error max {_error(sparse.error_max(where))} / typical {_error(sparse.error_typical(where))}")
+    return ", ".join(parts)
+
+
+def sparse_lines(report: Report) -> list[str]:
+    """What sparse attention did: ``sparse ×1,200 (block-sparse, budget=0.15, …): blocks kept 21%, error
+    max 1.2e-01 / typical 9.0e-02 against budget 1.5e-01 (310 measured)``, one line per call kind (the
+    most served first: ``sparse DiT block-sparse block 3, 20–40% at topk 0.2 ×8: kept 21%, error max …``),
+    the calls that ran dense while it was on by reason, and the time split where it was measured."""
+    sparse = report.sparse
+    if sparse is None:
+        return []
+    summary = _measured_text(sparse)
+    head = f"sparse ×{sparse.calls:,} ({sparse.settings})"
+    if summary:
+        head += f": blocks {summary}"
+    if sparse.budget is not None:
+        head += f" against budget {_error(sparse.budget)} ({sparse.measured:,} measured)"
+    out = [head]
+    items = sparse.kind_items()
+    for (role, backend, kind, setting), n in items[:SPARSE_KINDS_SHOWN]:
+        line = f"sparse {ROLE_NAMES.get(role, role)} {backend} {_range_text(kind)} at {setting} ×{n:,}"
+        detail = _measured_text(sparse, (role, backend, kind, setting))
+        out.append(f"{line}: {detail}" if detail else line)
+    if len(items) > SPARSE_KINDS_SHOWN:
+        rest = items[SPARSE_KINDS_SHOWN:]
+        out.append(f"sparse: {len(rest)} more call kinds ×{sum(n for _, n in rest):,}")
+    if sparse.dense:
+        out.append("dense while sparse was on: " + " · ".join(
+            f"{ROLE_NAMES.get(role, role)} ×{n:,} {one_line(reason)}" for (role, reason), n in sparse.dense_items()))
+    if sparse.seconds:
+        out.append("sparse time: " + " · ".join(f"{part} {seconds:.2f} s" for part, seconds in sorted(sparse.seconds.items())))
+    return out
+
+
 def _gib(n: int) -> str:
     return f"{n / (1024 * MIB):.2f} GiB"
 
@@ -95,7 +144,7 @@ def vram_text(vram) -> str:
 def lines(report: Report) -> list[str]:
     """One line per role that ran (most calls first), the calls per schedule rule (``Attention schedule:
     0–50%: sdpa ×32 · 50–100%: math ×32``, adding up to the calls above) when a schedule served calls,
-    one line per fallback, one per thing the guard caught, then time, memory and notes."""
+    what sparse attention did (``sparse_lines``), one line per fallback, one per thing the guard caught, then time, memory and notes."""
     out = [f"{ROLE_NAMES.get(role, role)}: " + ", ".join(f"{kernel_text(report, role, b)} ×{n:,}"
                                                           for b, n in report.backends(role))
            for role in report.roles()]
@@ -103,6 +152,7 @@ def lines(report: Report) -> list[str]:
         out.append(f"{report.ran_on}, not through this extension" if report.ran_on else "no attention calls")
     if report.rules:
         out.append(f"{SCHEDULE_KEY}: {schedule_text(report)}")
+    out += sparse_lines(report)
     out += [fallback_line(report, key, n) for key, n in report.fallback_items()]
     out += guard_lines(report)
     facts = []

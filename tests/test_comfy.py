@@ -1126,3 +1126,39 @@ def test_default_sparse_from_the_environment_and_a_bad_one_said_at_startup(comfy
     out = capsys.readouterr().out
     assert "ATTN_COMFY_SPARSE='sol, min_tokens=-3': sparse min_tokens '-3' must be a whole number >= 1" in out
     assert "No default sparse" in out and lib_attn.config().sparse is None
+
+
+class LocalAttentionDiT(torch.nn.Module):
+    """A diffusion model whose one attention call is long self-attention with local structure (as a video
+    model's: ``local_inputs`` on a 4×16×32 grid, 2,048 tokens), made as ComfyUI's models make it: through
+    ComfyUI's module function with the transformer options, on ``(B, N, heads·d)``."""
+
+    def __init__(self, heads=2, head_dim=32):
+        super().__init__()
+        from lib_attn.commands.bench.inputs import local_inputs
+        self.heads = heads
+        q, k, v = local_inputs(1, heads, (4, 16, 32), head_dim, torch.float32, torch.device("cpu"), seed=3)
+        for name, t in zip("qkv", (q, k, v)):
+            self.register_buffer(name, t.transpose(1, 2).reshape(1, t.shape[2], heads * head_dim).contiguous())
+
+    def forward(self, x, timesteps=None, context=None, transformer_options={}, **kwargs):
+        from comfy.ldm.modules import attention
+        out = attention.optimized_attention(self.q, self.k, self.v, self.heads, transformer_options=transformer_options)
+        return x + out.mean()
+
+
+def test_a_sparse_call_through_the_node_is_taken_and_the_report_node_shows_its_readout(comfy_factory):
+    _, nodes = loaded(comfy_factory)
+    from comfy.model_base import BaseModel
+    from comfy.model_patcher import ModelPatcher
+    (model,) = node(nodes, "FlashAttentionBackend", model=ModelPatcher(BaseModel(LocalAttentionDiT())), tune="auto",
+                    sparse="block-sparse, budget=0.15, min_tokens=1024, dense=none", **BACKEND)
+    with lib_attn.recording() as rec:
+        out = sample(model, steps=2)
+    assert rec.calls == {("dit", "block-sparse"): 2} and rec.sparse.calls == 2
+    assert rec.sparse.error_max() <= 0.15
+    text = node(nodes, "FlashAttentionReport", images=out)["ui"]["text"]
+    head = next(line for line in text if line.startswith("sparse ×2 (block-sparse, budget=0.15"))
+    assert f"blocks kept {rec.sparse.kept_share():.0%}" in head and f"error max {rec.sparse.error_max():.1e}" in head
+    assert "against budget 1.5e-01" in head
+    assert any(line.startswith("sparse DiT block-sparse ") and "error max" in line for line in text), text
