@@ -1,12 +1,31 @@
-"""Double of ComfyUI 0.19.3's comfy/ldm/ace/ace_step15.py: imports ``optimized_attention`` by name;
-``AceStepAttention`` repeats its key/value heads up to the query heads and calls it on
-``(B, heads, L, d)`` with ``skip_reshape=True``, a sliding-window additive bias of shape
-``(1, 1, L, L)`` for self-attention, and ``low_precision_attention=False``; no transformer options.
-``AceStepDiTModel`` runs ``layers`` of self-attention (windowed) then cross-attention."""
+"""Double of ComfyUI 0.19.3's comfy/ldm/ace/ace_step15.py, written from the call's form alone.
+
+Facts kept: the module imports ``optimized_attention`` by name. ``AceStepAttention(hidden_size,
+num_heads, num_kv_heads, head_dim, is_cross_attention=False, sliding_window=None)`` has fewer key/value
+heads than query heads and repeats each of them up to the query heads before the call, which is made on
+``(B, heads, L, d)`` tensors as ``optimized_attention(q, k, v, heads, bias, skip_reshape=True,
+low_precision_attention=False)``: no transformer options; ``bias`` is None for cross-attention and, for
+windowed self-attention, an additive ``(1, 1, L, L)`` band (0 where ``|i - j| <= sliding_window``, the
+dtype's lowest value elsewhere). The output comes back as ``(B, L, heads*d)``. ``AceStepDiTModel`` runs
+``layers`` of windowed self-attention then cross-attention to the conditioning."""
 import torch
 from torch import nn
 
 from comfy.ldm.modules.attention import optimized_attention
+
+
+def band_bias(length: int, width: int, like: torch.Tensor) -> torch.Tensor:
+    """The additive sliding-window bias: 0 inside the band, the lowest value of ``like``'s dtype outside."""
+    positions = torch.arange(length, device=like.device)
+    inside = (positions[:, None] - positions[None, :]).abs() <= width
+    lowest = torch.tensor(torch.finfo(like.dtype).min, dtype=like.dtype, device=like.device)
+    return torch.where(inside, torch.zeros((), dtype=like.dtype, device=like.device), lowest)[None, None]
+
+
+def heads_first(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``(B, L, heads*d)`` to ``(B, heads, L, d)``."""
+    b, n, _ = t.shape
+    return t.reshape(b, n, heads, -1).permute(0, 2, 1, 3)
 
 
 class AceStepAttention(nn.Module):
@@ -20,27 +39,16 @@ class AceStepAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
 
     def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, position_embeddings=None):
-        bsz, q_len, _ = hidden_states.size()
-        query_states = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        source = encoder_hidden_states if self.is_cross_attention and encoder_hidden_states is not None \
-            else hidden_states
-        kv_len = source.shape[1]
-        key_states = self.k_proj(source).view(bsz, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        value_states = self.v_proj(source).view(bsz, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        n_rep = self.num_heads // self.num_kv_heads
-        if n_rep > 1:
-            key_states = key_states.repeat_interleave(n_rep, dim=1)
-            value_states = value_states.repeat_interleave(n_rep, dim=1)
-        attn_bias = None
-        if self.sliding_window is not None and not self.is_cross_attention:
-            indices = torch.arange(q_len, device=query_states.device)
-            in_window = torch.abs(indices.unsqueeze(1) - indices.unsqueeze(0)) <= self.sliding_window
-            window_bias = torch.zeros((q_len, kv_len), device=query_states.device, dtype=query_states.dtype)
-            window_bias.masked_fill_(~in_window, torch.finfo(query_states.dtype).min)
-            attn_bias = window_bias.unsqueeze(0).unsqueeze(0)
-        attn_output = optimized_attention(query_states, key_states, value_states, self.num_heads, attn_bias,
-                                          skip_reshape=True, low_precision_attention=False)
-        return self.o_proj(attn_output)
+        cross = self.is_cross_attention and encoder_hidden_states is not None
+        memory = encoder_hidden_states if cross else hidden_states
+        q = heads_first(self.q_proj(hidden_states), self.num_heads)
+        group = self.num_heads // self.num_kv_heads      # query heads per key/value head
+        k, v = (heads_first(proj(memory), self.num_kv_heads).repeat_interleave(group, dim=1)
+                for proj in (self.k_proj, self.v_proj))
+        windowed = self.sliding_window is not None and not self.is_cross_attention
+        bias = band_bias(q.shape[2], self.sliding_window, q) if windowed else None
+        out = optimized_attention(q, k, v, self.num_heads, bias, skip_reshape=True, low_precision_attention=False)
+        return self.o_proj(out)
 
 
 class AceStepDiTLayer(nn.Module):

@@ -1,8 +1,15 @@
-"""Double of ComfyUI 0.19.3's comfy/ldm/wan/model_multitalk.py: imports ``optimized_attention`` by name;
-``SingleStreamAttention`` calls it on ``(B*T, heads, S, d)`` with ``heads=``, ``skip_reshape=True`` and
-``skip_output_reshape=True``, and no transformer options. ``MultiTalkCrossAttnPatch`` is the
-``attn2_patch`` the MultiTalk nodes add: called with the block's ``x`` and transformer options, it adds
-the audio attention of the block (``transformer_options["block_index"]``) on ``audio_embeds``."""
+"""Double of ComfyUI 0.19.3's comfy/ldm/wan/model_multitalk.py, written from the call's form alone.
+
+Facts kept: the module imports ``optimized_attention`` by name. ``SingleStreamAttention(dim,
+encoder_hidden_states_dim, num_heads)`` attends each frame's tokens to that frame's audio tokens: ``x``
+of ``(B, T*S, dim)`` (``T``, the frames, is ``shape[0]``) against ``encoder_hidden_states`` of
+``(B*T, A, encoder_hidden_states_dim)``, in one call on ``(B*T, heads, S, d)`` queries and ``(B*T,
+heads, A, d)`` keys and values: ``optimized_attention(q, k, v, heads=heads, skip_reshape=True,
+skip_output_reshape=True)``, no transformer options; the output is projected back to ``(B, T*S, dim)``.
+``MultiTalkCrossAttnPatch(audio_cross_attn, audio_scale=1.0)`` is the ``attn2_patch`` the MultiTalk
+nodes add to Wan: called with ``{"x": …, "transformer_options": …}``, it returns ``x`` plus the audio
+attention of the block ``transformer_options["block_index"]`` names (on ``audio_embeds``, over
+``grid_sizes``) times the scale, and zeros where no block is named."""
 import torch
 
 from comfy.ldm.modules.attention import optimized_attention
@@ -16,19 +23,19 @@ class SingleStreamAttention(torch.nn.Module):
         self.kv_linear = torch.nn.Linear(encoder_hidden_states_dim, dim * 2)
         self.proj = torch.nn.Linear(dim, dim)
 
+    def _split_heads(self, t):
+        """``(frames, tokens, heads*d)`` to ``(frames, heads, tokens, d)``."""
+        return t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+
     def forward(self, x, encoder_hidden_states, shape=None, x_ref_attn_map=None):
-        N_t = shape[0]
-        B = x.shape[0]
-        S = x.shape[1] // N_t
-        x = x.view(B * N_t, S, self.dim)
-        q = self.q_linear(x).view(B * N_t, S, self.num_heads, self.head_dim)
-        kv = self.kv_linear(encoder_hidden_states)
-        encoder_k, encoder_v = kv.view(B * N_t, encoder_hidden_states.shape[1], 2, self.num_heads,
-                                       self.head_dim).unbind(2)
-        x = optimized_attention(q.transpose(1, 2), encoder_k.transpose(1, 2), encoder_v.transpose(1, 2),
-                                heads=self.num_heads, skip_reshape=True, skip_output_reshape=True).transpose(1, 2)
-        x = self.proj(x.reshape(B * N_t, S, self.dim))
-        return x.view(B, N_t * S, self.dim)
+        batch, frames = x.shape[0], shape[0]
+        per_frame = x.reshape(batch * frames, -1, self.dim)
+        keys, values = self.kv_linear(encoder_hidden_states).chunk(2, dim=-1)
+        out = optimized_attention(self._split_heads(self.q_linear(per_frame)), self._split_heads(keys),
+                                  self._split_heads(values), heads=self.num_heads, skip_reshape=True,
+                                  skip_output_reshape=True)
+        out = out.transpose(1, 2).flatten(2)           # (frames, tokens, dim)
+        return self.proj(out).reshape(batch, -1, self.dim)
 
 
 class MultiTalkCrossAttnPatch:
@@ -37,11 +44,9 @@ class MultiTalkCrossAttnPatch:
         self.audio_scale = audio_scale
 
     def __call__(self, kwargs):
-        transformer_options = kwargs.get("transformer_options", {})
-        block_idx = transformer_options.get("block_index", None)
-        x = kwargs["x"]
-        if block_idx is None:
+        x, options = kwargs["x"], kwargs.get("transformer_options", {})
+        block = options.get("block_index")
+        if block is None:
             return torch.zeros_like(x)
-        audio_embeds = transformer_options.get("audio_embeds")
-        x_audio = self.audio_cross_attn[block_idx](x, audio_embeds.to(x.dtype), shape=transformer_options["grid_sizes"])
-        return x + x_audio * self.audio_scale
+        audio = options.get("audio_embeds").to(x.dtype)
+        return x + self.audio_scale * self.audio_cross_attn[block](x, audio, shape=options["grid_sizes"])
