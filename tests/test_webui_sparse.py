@@ -127,3 +127,20 @@ def test_a_bad_sparse_setting_refuses_generations_that_leave_it_to_the_setting(w
         f"generation refused: setting {stored.KEY_SPARSE}: sparse min_tokens '0' must be a whole number >= 1")
     _, _, outputs = generate(runner, "forge", ["use setting", "use setting", "", "off"])  # none for this one
     assert len(outputs) == 1
+
+
+def test_the_readout_says_what_sparse_attention_did():
+    """A long local-structure self-attention call runs sparse: the readout under the image has the calls,
+    the blocks kept and the error measured against the budget, and the call kind."""
+    from lib_attn.commands.bench.inputs import local_inputs
+    from lib_attn.report import Report
+    from webui_attn.ui import readout
+    lib_attn.configure(sparse="block-sparse, budget=0.15, min_tokens=1024, dense=none")
+    q, k, v = local_inputs(1, 2, (4, 16, 32), 32, torch.float32, torch.device("cpu"), seed=1)
+    with lib_attn.recording() as rec:
+        lib_attn.attention(q, k, v, role="unet")
+    lines = readout.lines(Report.from_recording(rec))
+    sparse = rec.sparse
+    head = next(line for line in lines if line.startswith("sparse ×1 (block-sparse, budget=0.15"))
+    assert f"blocks kept {sparse.kept_share():.0%}" in head and f"error max {sparse.error_max():.1e}" in head
+    assert any(line.startswith("sparse UNet block-sparse any at ") for line in lines), lines

@@ -17,7 +17,8 @@ from lib_attn.report import MIB, Report, Vram
 from lib_attn.schedule import parse
 from lib_attn.sparse import parse as parse_sparse
 
-from host_attn.readout import SCHEDULE_KEY, TUNED_MARK, guard_lines, kernel_text, one_line, role_mark, schedule_text
+from host_attn.readout import (SCHEDULE_KEY, TUNED_MARK, guard_lines, kernel_text, one_line, role_mark, schedule_text,
+                               sparse_lines)
 
 _MARK_ROLE = {"VAE": "vae", "Text": "text", "DiT": "dit"}
 
@@ -109,8 +110,9 @@ def guard_text(report: Report) -> str:
 
 def lines(report: Report) -> list[str]:
     """The readout: ``Attention: …`` then, when a schedule served calls, ``Attention schedule: …`` (calls
-    per rule), when anything fell back, ``Attention fallbacks: …``, when the guard caught anything,
-    ``Attention guard: …``, then notes."""
+    per rule), when sparse attention served calls, what it did (``host_attn.readout.sparse_lines``), when
+    anything fell back, ``Attention fallbacks: …``, when the guard caught anything, ``Attention guard: …``,
+    then notes."""
     head = [calls_text(report)]
     if report.seconds is not None:
         head.append(elapsed_text(report.seconds))
@@ -119,6 +121,7 @@ def lines(report: Report) -> list[str]:
     out = [f"{INFOTEXT_KEY}: " + " · ".join(head)]
     if report.rules:
         out.append(f"{INFOTEXT_SCHEDULE_KEY}: {schedule_text(report)}")
+    out += sparse_lines(report)
     if report.fallbacks:
         out.append(f"{INFOTEXT_FALLBACKS_KEY}: {fallbacks_text(report)}")
     if report.guard:
