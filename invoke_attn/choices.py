@@ -111,30 +111,67 @@ def role_of(invocation) -> str | None:
 
 
 class GraphChoices:
-    """The choice for each node of one session's graph (by the id of the node it was prepared from)."""
+    """Which Attention backend node each node of one session's graph runs under, and that node's choice.
 
-    def __init__(self, graph, node_type: str, default: Choice | None = None):
+    The nodes each one reaches are read from the session's source graph once; the choice is read when a
+    node runs, from the Attention backend node as InvokeAI prepared it: values connected to its inputs
+    (a String node giving ``chain``) are set only on that prepared copy, checked by the node's own
+    validators as InvokeAI sets them (a bad one fails the session there, naming the field)."""
+
+    def __init__(self, state, node_type: str, default: Choice | None = None):
+        self.state = state
         self.node_type = node_type
-        self.by_node: dict = {}
-        self.everywhere = default
+        self.by_node: dict = {}  # source id -> the source id of the Attention backend node that reaches it
+        self.everywhere = None  # the source id of an Attention backend node connected to nothing
+        self.default = default
+        graph = getattr(state, "graph", None)
         nodes = getattr(graph, "nodes", None) or {}
         edges = list(getattr(graph, "edges", None) or ())
         for node_id, node in nodes.items():
             if node.get_type() != node_type:
                 continue
-            made = node.choice()
-            outgoing = [e for e in edges if e.source.node_id == node_id]
-            if not outgoing:
-                self.everywhere = made
+            if not any(e.source.node_id == node_id for e in edges):
+                self.everywhere = node_id
                 continue
             for reached in _downstream(node_id, edges):
-                self.by_node.setdefault(reached, made)
+                self.by_node.setdefault(reached, node_id)
 
     def __bool__(self):
-        return bool(self.by_node) or self.everywhere is not None
+        return bool(self.by_node) or self.everywhere is not None or self.default is not None
 
-    def get(self, node_id: str) -> Choice | None:
-        return self.by_node.get(node_id, self.everywhere)
+    def get(self, source_id: str, prepared_id: str | None = None) -> Choice | None:
+        """The choice the node ``prepared_id`` (prepared from ``source_id``) runs under, or None."""
+        said_by = self.by_node.get(source_id, self.everywhere)
+        if said_by is None:
+            return self.default
+        return self.prepared(said_by, prepared_id).choice(said_by)
+
+    def prepared(self, source_id: str, downstream: str | None = None):
+        """The Attention backend node ``source_id`` as it applies to the node ``downstream``: the prepared
+        copy that passed the model on to it (it ran before it, with its connected values set); for a node
+        connected to no model, the node as typed. ValueError when its values come from other nodes but it
+        is connected to no model: InvokeAI may run a routed node before those, so they cannot apply."""
+        state = self.state
+        execution = getattr(state, "execution_graph", None)
+        mapping = getattr(state, "prepared_source_mapping", None) or {}
+        if execution is not None and downstream is not None:
+            seen, frontier = {downstream}, [downstream]
+            while frontier:
+                node_id = frontier.pop(0)
+                for edge in execution.edges:
+                    parent = edge.source.node_id
+                    if edge.destination.node_id != node_id or edge.source.field not in MODEL_OUTPUTS or parent in seen:
+                        continue
+                    if mapping.get(parent) == source_id and parent in state.executed:
+                        return execution.nodes[parent]
+                    seen.add(parent)
+                    frontier.append(parent)
+        connected = sorted({e.destination.field for e in state.graph.edges if e.destination.node_id == source_id})
+        if connected:
+            raise ValueError(f"Attention backend node {source_id}: {', '.join(connected)} connected from other nodes, "
+                             f"while the node is connected to no model; connect its outputs to the models it routes "
+                             f"(it then runs before them, with those values), or type the values")
+        return state.graph.nodes[source_id]
 
 
 def _downstream(start: str, edges: list) -> list[str]:

@@ -39,7 +39,7 @@ def install(node_type: str, nodes_module: str) -> None:
         session = sessions.of(context, node_type, session_device)
         if session is None:
             return original(self, context, services)
-        return session.run(self, context, services, lambda: original(self, context, services), MetadataField)
+        return session.run(self, context, services, lambda keyed: original(self, context, keyed), MetadataField)
 
     invoke_internal.__wrapped__ = original
     _patches.patch(BaseInvocation, "invoke_internal", invoke_internal)

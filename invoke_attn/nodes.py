@@ -103,9 +103,10 @@ class AttentionBackendInvocation(BaseInvocation):
         sparse_settings.parse(value or None)  # SparseError (a ValueError) names the value and the valid ones
         return value
 
-    def choice(self) -> choices.Choice:
+    def choice(self, node_id: str | None = None) -> choices.Choice:
+        """This node's choice, said to come from node ``node_id`` (the graph's id of a prepared copy)."""
         return choices.choice(self.backend, self.chain, self.vae_chain, self.guard, self.schedule, self.strict,
-                              self.fp32, self.tune, said_by=f"node {self.id}", sparse=self.sparse)
+                              self.fp32, self.tune, said_by=f"node {node_id or self.id}", sparse=self.sparse)
 
     def invoke(self, context: InvocationContext) -> AttentionBackendOutput:
         passed = {"unet": self.unet, "transformer": self.transformer, "vae": self.vae}

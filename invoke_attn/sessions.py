@@ -31,7 +31,7 @@ from lib_attn.report import Report, VramProbe
 
 from host_attn import readout
 
-from . import choices, targets, work
+from . import choices, node_cache, targets, work
 
 METADATA_KEY = "attention"
 #: What ran attention in a session whose calls none went through the engine.
@@ -54,12 +54,17 @@ class Session:
         self.notes: list = []
         self.said: list = []  # the choices of the nodes that made calls, in the order met
         self.running = None  # (the choice of the node running now, the calls counted when it began)
+        self.cached: list = []  # the types of the routed nodes InvokeAI answered from its node cache
 
     def report(self) -> Report:
         report = Report.from_recording(self.recording, seconds=self.touched - self.started, vram=self.probe.stop())
-        if not report.calls:
+        notes = list(self.notes)
+        if self.cached:
+            notes.append(f"{_listed(self.cached)}: from InvokeAI's node cache (outputs made earlier under the same "
+                         f"attention configuration; no attention ran for them)")
+        elif not report.calls:
             report = dataclasses.replace(report, ran_on=OWN_ATTENTION)
-        return dataclasses.replace(report, notes=tuple(self.notes)) if self.notes else report
+        return dataclasses.replace(report, notes=tuple(notes)) if notes else report
 
     def metadata(self) -> dict:
         """What an image this session saves records: the report, and what chose the configuration."""
@@ -80,13 +85,13 @@ class Session:
             self.notes.append(text)
 
     def run(self, invocation, context, services, call, metadata_field):
-        """Run one node (``call()``) as this session routes it."""
+        """Run one node (``call(services)``, InvokeAI's ``invoke_internal``) as this session routes it."""
         _watch_saves(self, context, metadata_field)
         own = invocation.get_type() == self.choices.node_type  # the Attention backend node passes models on
         role = None if own else choices.role_of(invocation)
-        choice = self.choices.get(context._data.source_invocation_id) if role else None
+        choice = self.choices.get(context._data.source_invocation_id, invocation.id) if role else None
         if choice is None:
-            return call()
+            return call(services)
         attention_type = getattr(getattr(services, "configuration", None), "attention_type", None)
         if role == "unet" and attention_type in OTHER_PROCESSORS:
             self.note(f"InvokeAI's attention_type is {attention_type!r}: its SD1.5/SDXL UNet attention runs on its "
@@ -96,17 +101,25 @@ class Session:
         _watch_steps(context)
         _watch_loads(context)
         with contextlib.ExitStack() as stack:
-            stack.enter_context(lib_attn.use(**choice.config))
+            config = stack.enter_context(lib_attn.use(**choice.config))
             stack.enter_context(lib_attn.recording(into=self.recording))
             stack.enter_context(work.running(role))
             schedule.at_step(0, _steps_asked(invocation))
             # What chose the configuration is said once its node made calls (a LoRA loader makes none).
             self.running = (choice, self.recording.total())
+            keyed_services, cache = node_cache.keyed(services, config.token)
             try:
-                return call()
+                return call(keyed_services)
             finally:
+                if cache.hit:
+                    self.cached.append(invocation.get_type())
                 self.touched = time.perf_counter()
                 self.said, self.running = self._said(), None
+
+
+def _listed(names: list) -> str:
+    names = list(dict.fromkeys(names))
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _steps_asked(invocation) -> int | None:
@@ -180,7 +193,7 @@ def of(context, node_type: str, device_now=None) -> Session | None:
         if session_id in _sessions:
             _sessions.move_to_end(session_id)
             return _sessions[session_id]
-    graph_choices = choices.GraphChoices(getattr(item.session, "graph", None), node_type, default_choice[0])
+    graph_choices = choices.GraphChoices(item.session, node_type, default_choice[0])
     made = Session(session_id, graph_choices, device_now() if device_now else None) if graph_choices else None
     with _lock:
         made = _sessions.setdefault(session_id, made)

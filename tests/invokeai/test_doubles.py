@@ -472,3 +472,120 @@ def test_a_canceled_session_stops_without_an_error(host):
                           runner=DefaultSessionRunner(on_before_run_node_callbacks=[cancel_at_denoise]))
     assert (item.status, item.session.errors, host.images.saved) == ("in_progress", {}, {})
     assert "denoise" not in item.session.executed and host.events.steps() == []
+
+
+# --- The node cache and the preparation of connected values, as the release has them ---------------------------
+
+
+def _method_signatures(cls_node: ast.ClassDef) -> dict:
+    return {n.name: [a for a in arg_names(n) if a != "self"] for n in cls_node.body if isinstance(n, ast.FunctionDef)}
+
+
+def test_the_invocation_cache_has_the_release_methods():
+    """Every method of the release's MemoryInvocationCache (its deletion hooks included), with its arguments."""
+    from invokeai.app.services.invocation_cache.invocation_cache_memory import CachedItem, MemoryInvocationCache
+
+    module = "invokeai.app.services.invocation_cache.invocation_cache_memory"
+    real = _method_signatures(release_class(module, "MemoryInvocationCache"))
+    double = {name: [p for p in inspect.signature(fn).parameters if p != "self"]
+              for name, fn in vars(MemoryInvocationCache).items() if inspect.isfunction(getattr(fn, "__func__", fn))}
+    assert double == real
+    assert isinstance(vars(MemoryInvocationCache)["create_key"], staticmethod)
+    assert list(CachedItem.__dataclass_fields__) == annotated_fields(release_class(module, "CachedItem"))
+
+
+def _cache_calls(fn: ast.FunctionDef) -> list:
+    """The methods of ``services.invocation_cache`` a function calls, in source order."""
+    return [n.func.attr for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and ast.unparse(n.func.value) == "services.invocation_cache"]
+
+
+def test_invoke_internal_goes_through_the_cache_as_the_release():
+    from invokeai.app.invocations.baseinvocation import BaseInvocation
+
+    real = next(n for n in release_class("invokeai.app.invocations.baseinvocation", "BaseInvocation").body
+                if isinstance(n, ast.FunctionDef) and n.name == "invoke_internal")
+    source = inspect.getsource(BaseInvocation.invoke_internal)
+    double = ast.parse(__import__("textwrap").dedent(source)).body[0]
+    assert _cache_calls(double) == _cache_calls(real) == ["create_key", "get", "save"]
+    for tree in (real, double):  # both skip the cache on node_cache_size 0 and on the node's use_cache
+        text = ast.unparse(tree)
+        assert "services.configuration.node_cache_size == 0" in text and "self.use_cache" in text
+
+
+def test_deleting_an_image_drops_the_cached_outputs_that_name_it(host, mypack):
+    """As the release's ``start``: the stores' ``on_deleted`` call ``_delete_by_match`` with the name."""
+    node = mypack.Save(id="s")
+    output = node.invoke_internal(context_for(host, node), host.services)
+    assert host.invocation_cache.get_status()["size"] == 1
+    host.images.delete(output.image.image_name)
+    assert host.invocation_cache.get_status()["size"] == 0
+
+
+def test_the_string_primitive_is_the_release_one():
+    from invokeai.app.invocations.primitives import StringInvocation
+
+    real = release_class("invokeai.app.invocations.primitives", "StringInvocation")
+    assert [f for f in StringInvocation.model_fields if f not in ("id", "is_intermediate", "use_cache", "type")] == \
+        annotated_fields(real)
+    decorator = next(d for d in real.decorator_list if isinstance(d, ast.Call))
+    assert StringInvocation.get_type() == ast.literal_eval(decorator.args[0]) == "string"
+    version = next(k.value for k in decorator.keywords if k.arg == "version")
+    assert StringInvocation.UIConfig.version == ast.literal_eval(version)
+
+
+def test_connected_values_are_set_when_the_node_is_handed_out():
+    """As the release's ``next()`` (read in graph.py): every node that can be is prepared first, a copy with
+    its typed values (``_prepare_until_node_ready``), and a node's connected values are set on it only when
+    ``next()`` returns it (``_prepare_inputs``), through validated assignment: a refused value is a
+    ``NodeInputError``."""
+    from invokeai.app.services.shared.graph import NodeInputError
+
+    real_next = next(n for n in release_class("invokeai.app.services.shared.graph", "GraphExecutionState").body
+                     if isinstance(n, ast.FunctionDef) and n.name == "next")
+    text = ast.unparse(real_next)
+    assert text.index("_prepare_until_node_ready") < text.index("_prepare_inputs(next_node)")
+    assert "raise NodeInputError(next_node, e)" in text
+
+    graph = Graph.model_validate({"nodes": {"a": {"id": "a", "type": "string", "value": "given"},
+                                            "b": {"id": "b", "type": "string", "value": "typed"}},
+                                  "edges": [{"source": {"node_id": "a", "field": "value"},
+                                             "destination": {"node_id": "b", "field": "value"}}]})
+    state = GraphExecutionState(graph=graph)
+    first = state.next()
+    (b,) = state.source_prepared_mapping["b"]
+    assert state.prepared_source_mapping[first.id] == "a" and state.execution_graph.nodes[b].value == "typed"
+    state.complete(first.id, StringOutput(value="given"))
+    assert state.next().value == "given"
+
+    checked = define_pack_module("checkpack.nodes", CHECKED_SOURCE)
+    try:
+        state = GraphExecutionState(graph=Graph.model_validate(
+            {"nodes": {"a": {"id": "a", "type": "string", "value": "bad"}, "c": {"id": "c", "type": "checkpack_checked"}},
+             "edges": [{"source": {"node_id": "a", "field": "value"}, "destination": {"node_id": "c", "field": "text"}}]}))
+        state.complete(state.next().id, StringOutput(value="bad"))
+        with pytest.raises(NodeInputError, match=r"has invalid incoming input for text$") as refused:
+            state.next()
+        assert isinstance(refused.value.node, checked.Checked)
+    finally:
+        sys.modules.pop("checkpack.nodes", None)
+
+
+CHECKED_SOURCE = '''
+from pydantic import field_validator
+from invokeai.invocation_api import BaseInvocation, InputField, InvocationContext, StringOutput, invocation
+
+@invocation("checkpack_checked", version="1.0.0")
+class Checked(BaseInvocation):
+    text: str = InputField(default="ok", description="t")
+
+    @field_validator("text")
+    @classmethod
+    def _not_bad(cls, value):
+        if value == "bad":
+            raise ValueError("bad text")
+        return value
+
+    def invoke(self, context: InvocationContext) -> StringOutput:
+        return StringOutput(value=self.text)
+'''

@@ -324,3 +324,133 @@ def test_vram_is_measured_on_the_device_of_the_session_s_thread(host, monkeypatc
     item = host.run_graph(_with_nodes(txt2img_graph(seed=15), _attention()))
     assert asked == [1]
     assert sessions._sessions[item.session_id].probe.device == torch.device("cpu")
+
+
+# --- InvokeAI's node cache -------------------------------------------------------------------------------------
+
+
+def _routed_unet_and_vae(graph, **fields):
+    """``graph`` (use_cache on) with an Attention backend node between the loader and both the denoise node
+    and l2i, as a user wires it, and a report node after l2i."""
+    from invokeai.app.services.shared.graph import Edge, EdgeConnection
+
+    graph = insert_on_edge(graph, _attention(use_cache=True, **fields), destination=("denoise", "unet"),
+                           input_field="unet")
+    (old,) = graph._get_input_edges("l2i", "vae")
+    graph.delete_edge(old)
+    graph.add_edge(Edge(source=old.source, destination=EdgeConnection(node_id="attn", field="vae")))
+    graph.add_edge(Edge(source=EdgeConnection(node_id="attn", field="vae"), destination=old.destination))
+    return _with_nodes(graph)
+
+
+def _ran(host, item):
+    """The routed session's calls {(role, backend): n}, its report, and the name of the image l2i gave."""
+    session = sessions._sessions[item.session_id]
+    return dict(session.recording.calls), host.output(item, "report").report, host.output(item, "l2i").image.image_name
+
+
+def test_a_changed_setting_never_takes_an_output_cached_under_another(host):
+    """With InvokeAI's cache on (node_cache_size 512, use_cache on every node): a plain run, then the node
+    with sdpa-math, then with sdpa: each runs its denoise and decode on its own kernels and saves its own
+    image; the last graph again comes from the cache, and the report says so."""
+    plain = host.run_graph(txt2img_graph(seed=21, use_cache=True))
+    assert plain.status == "completed", plain.error_traceback
+    seen = set()
+    for backend in ("sdpa-math", "sdpa"):
+        item = host.run_graph(_routed_unet_and_vae(txt2img_graph(seed=21, use_cache=True), backend=backend,
+                                                   vae_chain=backend))
+        assert item.status == "completed", item.error_traceback
+        calls, report, image = _ran(host, item)
+        assert set(calls) == {("unet", backend), ("vae", backend)} and calls[("vae", backend)] == 1
+        assert "InvokeAI's own attention" not in report and "node cache" not in report
+        metadata = host.images.get_metadata(image).root["attention"]
+        assert metadata["configuration"][0]["backend"] == backend
+        seen.add(image)
+    assert len(seen | {host.output(plain, "l2i").image.image_name}) == 3  # three runs, three images
+
+    again = host.run_graph(_routed_unet_and_vae(txt2img_graph(seed=21, use_cache=True), backend="sdpa",
+                                                vae_chain="sdpa"))
+    calls, report, image = _ran(host, again)
+    assert calls == {} and image in seen  # nothing ran: the sdpa run's image
+    assert "note: denoise_latents and l2i: from InvokeAI's node cache" in report
+    assert "InvokeAI's own attention" not in report
+    # The plain graph again is still the plain run's, from the cache, untouched by the routed runs.
+    assert host.output(host.run_graph(txt2img_graph(seed=21, use_cache=True)), "l2i").image.image_name == \
+        host.output(plain, "l2i").image.image_name
+
+
+def test_equal_configurations_share_cached_outputs(host):
+    """The same configuration said by a node on the edges and by one routing the whole graph: the second
+    session takes the first one's outputs (the configuration, not the graph around it, is in the key)."""
+    first = host.run_graph(_routed_unet_and_vae(txt2img_graph(seed=22, use_cache=True), backend="sdpa-math"))
+    assert sum(_ran(host, first)[0].values()) > 0
+    second = host.run_graph(_with_nodes(txt2img_graph(seed=22, use_cache=True),
+                                        _attention(backend="sdpa-math", use_cache=True)))
+    calls, report, image = _ran(host, second)
+    assert calls == {} and image == _ran(host, first)[2] and "from InvokeAI's node cache" in report
+
+
+@pytest.mark.parametrize("how", ["use_cache", "node_cache_size"])
+def test_without_the_cache_every_routed_node_runs(how):
+    from invokeai_host import InvokeHost
+
+    host = InvokeHost(node_cache_size=0 if how == "node_cache_size" else 512)
+    images = set()
+    for _ in range(2):
+        graph = _routed_unet_and_vae(txt2img_graph(seed=23, use_cache=how != "use_cache"), backend="sdpa-math")
+        item = host.run_graph(graph)
+        calls, report, image = _ran(host, item)
+        assert sum(calls.values()) > 0 and "node cache" not in report
+        images.add(image)
+    assert len(images) == 2
+
+
+# --- Values connected to the node's inputs ---------------------------------------------------------------------
+
+
+def _string_into(graph, node_id, field, value, string_id="text"):
+    from invokeai.app.services.shared.graph import Edge, EdgeConnection
+
+    graph.add_node(_validated({"type": "string", "id": string_id, "value": value, "use_cache": False}))
+    graph.add_edge(Edge(source=EdgeConnection(node_id=string_id, field="value"),
+                        destination=EdgeConnection(node_id=node_id, field=field)))
+    return graph
+
+
+def test_a_connected_value_is_the_one_that_applies(host):
+    """A String node gives ``chain`` (the typed value says otherwise): the chain InvokeAI sets on the prepared
+    node is the one that runs, and the one the metadata names."""
+    graph = _string_into(_routed_unet_and_vae(txt2img_graph(seed=24), backend="sdpa"), "attn", "chain", "sdpa-math")
+    item = host.run_graph(graph)
+    assert item.status == "completed", item.error_traceback
+    calls, report, image = _ran(host, item)
+    assert {backend for role, backend in calls if role == "unet"} == {"sdpa-math"}
+    assert host.images.get_metadata(image).root["attention"]["configuration"][0]["backend"] == "sdpa-math"
+
+
+def test_a_connected_value_changes_the_cache_key(host):
+    runs = []
+    for chain in ("sdpa-math", "sdpa", "sdpa"):
+        graph = _string_into(_routed_unet_and_vae(txt2img_graph(seed=25, use_cache=True)), "attn", "chain", chain)
+        runs.append(_ran(host, host.run_graph(graph)))
+    assert {b for _, b in runs[0][0]} == {"sdpa-math", "sdpa"} and {b for _, b in runs[1][0]} == {"sdpa"}
+    assert runs[2][0] == {} and runs[2][2] == runs[1][2] and "node cache" in runs[2][1]
+
+
+def test_a_bad_connected_value_fails_the_session_naming_the_field(host):
+    """InvokeAI sets a connected value through the node's own validators, as it checks a typed one."""
+    item = host.run_graph(_string_into(_routed_unet_and_vae(txt2img_graph(seed=26)), "attn", "chain", "flash-atn"))
+    assert (item.status, item.error_type) == ("failed", "NodeInputError")
+    assert item.error_message.endswith("has invalid incoming input for chain")
+    assert "unknown backend id 'flash-atn'" in item.error_traceback
+    assert not host.images.saved  # nothing ran on another chain than the one asked
+
+
+def test_a_value_connected_to_a_node_that_routes_the_whole_graph_is_refused(host):
+    """Connected to no model, the node need not run before the nodes it routes (InvokeAI orders ready nodes
+    by class), so a connected value might apply to some and not others: the first routed node says so."""
+    graph = _string_into(_with_nodes(txt2img_graph(seed=27), _attention(backend="sdpa")), "attn", "chain", "sdpa-math")
+    item = host.run_graph(graph)
+    assert item.status == "failed" and not host.images.saved
+    assert item.error_message.startswith("Attention backend node attn: chain connected from other nodes, while the "
+                                         "node is connected to no model; connect its outputs")

@@ -23,6 +23,7 @@ import io
 import itertools
 import logging
 import threading
+import types
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +100,16 @@ class ImageStore:
 
     def __init__(self) -> None:
         self.saved: dict[str, SavedImage] = {}
+        self._on_deleted: list = []
+
+    def on_deleted(self, callback) -> None:
+        """As the release's stores: ``callback(name)`` after one of this store's items is deleted."""
+        self._on_deleted.append(callback)
+
+    def delete(self, image_name: str) -> None:
+        del self.saved[image_name]
+        for callback in self._on_deleted:
+            callback(image_name)
 
     def create(self, image: Image.Image, image_origin: str, image_category: Any, is_intermediate: bool = False,
                board_id: Optional[str] = None, session_id: Optional[str] = None, node_id: Optional[str] = None,
@@ -129,6 +140,15 @@ class ObjectStore:
     def __init__(self, prefix: str) -> None:
         self._prefix = prefix
         self._objects: dict[str, Any] = {}
+        self._on_deleted: list = []
+
+    def on_deleted(self, callback) -> None:
+        self._on_deleted.append(callback)
+
+    def delete(self, name: str) -> None:
+        del self._objects[name]
+        for callback in self._on_deleted:
+            callback(name)
 
     def save(self, obj: Any) -> str:
         name = f"{self._prefix}_{uuid.uuid4()}"
@@ -321,7 +341,9 @@ class InvokeHost:
         self.services = InvocationServices(
             configuration=self.configuration, invocation_cache=self.invocation_cache, logger=logger,
             images=self.images, tensors=ObjectStore("tensor"), conditioning=ObjectStore("conditioning"),
-            model_manager=ModelManager(), events=self.events, session_queue=self.session_queue)
+            videos=ObjectStore("video"), model_manager=ModelManager(), events=self.events,
+            session_queue=self.session_queue)
+        self.invocation_cache.start(types.SimpleNamespace(services=self.services))  # as the invoker starts it
 
     def load_node_packs(self, custom_nodes_path: Path) -> list[str]:
         """Loads every pack folder there as the release does at startup (``load_custom_nodes``)."""

@@ -1,19 +1,22 @@
 """Double of the outputs of ``invokeai/app/invocations/primitives.py`` (InvokeAI 6.14.2) that a txt2img graph
 and a node pack use: ``StringOutput``, ``ImageOutput.build(image_dto)``, ``LatentsOutput.build(name, latents,
-seed)`` (width and height are the latents' times 8), ``ConditioningOutput.build(name)``."""
+seed)`` (width and height are the latents' times 8), ``ConditioningOutput.build(name)``; and the String
+Primitive node (``string``: its ``value`` out as ``StringOutput``), what a workflow connects to a text input."""
 from typing import Optional
 
 import torch
 
-from invokeai.app.invocations.baseinvocation import BaseInvocationOutput, invocation_output
+from invokeai.app.invocations.baseinvocation import BaseInvocation, BaseInvocationOutput, invocation, invocation_output
 from invokeai.app.invocations.fields import (
     ConditioningField,
     FieldDescriptions,
     ImageField,
+    InputField,
     LatentsField,
     OutputField,
     QwenImageConditioningField,
 )
+from invokeai.app.services.shared.invocation_context import InvocationContext
 
 LATENT_SCALE_FACTOR = 8
 
@@ -21,6 +24,16 @@ LATENT_SCALE_FACTOR = 8
 @invocation_output("string_output")
 class StringOutput(BaseInvocationOutput):
     value: str = OutputField(description="The string")
+
+
+@invocation("string", title="String Primitive", tags=["primitives", "string"], category="primitives", version="1.0.1")
+class StringInvocation(BaseInvocation):
+    """A text value, for a node's text input."""
+
+    value: str = InputField(default="", description="The text")
+
+    def invoke(self, context: InvocationContext) -> StringOutput:
+        return StringOutput(value=self.value)
 
 
 @invocation_output("image_output")

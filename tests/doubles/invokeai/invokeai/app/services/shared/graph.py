@@ -10,11 +10,13 @@ Kept as the release does it:
 - ``GraphExecutionState``: ``graph`` (the source graph, validated), ``execution_graph`` (the prepared nodes:
   deep copies of the source nodes with fresh uuid ids, wired to the prepared parents), ``prepared_source_mapping``
   (prepared id -> source id), ``source_prepared_mapping`` (source id -> set of prepared ids), ``results`` (by
-  prepared id), ``executed``, ``executed_history``, ``errors``. ``next()`` prepares the next ready node and sets
-  its inputs from its parents' outputs (a deep copy of each, through validated assignment; a value the field
-  refuses raises ``NodeInputError``), ``complete(id, output)``, ``set_node_error``, ``is_complete``, ``has_error``.
-The release picks among ready nodes by class (``ready_order``); this double takes them in the order of
-``graph.nodes``, which is one valid topological order.
+  prepared id), ``executed``, ``executed_history``, ``errors``. ``next()`` prepares every node it can at once,
+  in topological order, with its typed values only (the release's ``_prepare_until_node_ready``), and sets the
+  inputs of the node it returns from its parents' outputs then (a deep copy of each, through validated
+  assignment; a value the field refuses raises ``NodeInputError``), ``complete(id, output)``,
+  ``set_node_error``, ``is_complete``, ``has_error``.
+The release picks among ready nodes by class (``ready_order``); this double takes the first ready one in the
+order they were prepared, which is one valid topological order.
 """
 from __future__ import annotations
 
@@ -267,13 +269,21 @@ class GraphExecutionState(BaseModel):
         v.validate_self()
         return v
 
-    def _ready_source(self) -> Optional[str]:
+    def _preparable_source(self) -> Optional[str]:
         for node_id in self.graph.nodes:
             if node_id in self.source_prepared_mapping:
                 continue
             parents = {e.source.node_id for e in self.graph._get_input_edges(node_id)}
-            if all(p in self.executed for p in parents):
+            if all(p in self.source_prepared_mapping for p in parents):
                 return node_id
+        return None
+
+    def _ready_prepared(self) -> Optional[BaseInvocation]:
+        for node_id, node in self.execution_graph.nodes.items():
+            if node_id in self.executed or node_id in self.errors:
+                continue
+            if all(e.source.node_id in self.executed for e in self.execution_graph._get_input_edges(node_id)):
+                return node
         return None
 
     def _prepare(self, source_id: str) -> BaseInvocation:
@@ -290,15 +300,16 @@ class GraphExecutionState(BaseModel):
         return node
 
     def next(self) -> Optional[BaseInvocation]:
-        """The next node to run, prepared and with its inputs set; None when none is left."""
-        for node_id, node in self.execution_graph.nodes.items():
-            if node_id not in self.executed and node_id not in self.errors:
-                break
-        else:
-            source_id = self._ready_source()
-            if source_id is None:
-                return None
-            node = self._prepare(source_id)
+        """The next node to run, with its inputs set now (from its parents' outputs); None when none is left.
+        As the release, every node that can be is prepared at once (a copy with its typed values only), and
+        the values of its connections are set when it is returned to run."""
+        node = self._ready_prepared()
+        if node is None:
+            while (source_id := self._preparable_source()) is not None:
+                self._prepare(source_id)
+            node = self._ready_prepared()
+        if node is None:
+            return None
         try:
             for e in self.execution_graph._get_input_edges(node.id):
                 setattr(node, e.destination.field, copydeep(getattr(self.results[e.source.node_id], e.source.field)))
