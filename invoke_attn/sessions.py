@@ -31,7 +31,7 @@ from lib_attn.report import Report, VramProbe
 
 from host_attn import readout
 
-from . import choices, node_cache, targets, work
+from . import choices, node_cache, targets, vae_calls, work
 
 METADATA_KEY = "attention"
 #: What ran attention in a session whose calls none went through the engine.
@@ -146,7 +146,8 @@ def _watch_steps(context) -> None:
 
 
 def _watch_loads(context) -> None:
-    """After this node loads a model, route the model modules diffusers imported for it."""
+    """After this node loads a model, route the model modules diffusers imported for it, and hook a VAE's
+    attention modules (``vae_calls``)."""
     models = context.models
     for name in LOADERS:
         real = getattr(models, name, None)
@@ -156,6 +157,7 @@ def _watch_loads(context) -> None:
         def load(*args, _real=real, **kwargs):
             loaded = _real(*args, **kwargs)
             targets.route()
+            vae_calls.mark(getattr(loaded, "model", None))
             return loaded
 
         setattr(models, name, load)

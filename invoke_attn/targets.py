@@ -15,7 +15,8 @@ name in its module's globals, which is where the stand-ins go (the code itself i
 
 Every stand-in asks ``work.role()`` at each call: a call made while no routed node runs (a text
 encoder, a session nothing routes) goes to the original exactly as made and is not counted. Code
-only VAEs run (an ``autoencoder`` module) counts as the VAE whichever node runs it.
+only VAEs run (an ``autoencoder`` module) counts as the VAE whichever node runs it, and so do the
+attention modules of a VAE model that diffusers' shared processors serve (``vae_calls``).
 
 A module is examined once, the first time it is found loaded: ``route()`` runs when a routed node
 starts and again after it loads a model (diffusers imports a model's module only then). What reaches
@@ -36,7 +37,7 @@ from host_attn import voice
 from host_attn.patching import Patches
 from lib_attn.integrations.diffusers import served_dispatch, served_functional, served_sdpa
 
-from . import flux_attention, work
+from . import flux_attention, vae_calls, work
 
 PREFIXES = ("diffusers.models.", "invokeai.backend.")
 SDPA = "scaled_dot_product_attention"
@@ -45,10 +46,6 @@ _patches = Patches("InvokeAI")
 _examined: set = set()
 _served: dict = {}
 _lock = threading.Lock()
-
-
-def _is_vae_module(name: str) -> bool:
-    return ".autoencoder" in name
 
 
 def _codes(value):
@@ -126,7 +123,7 @@ def _examine(name: str, module, originals: dict) -> list[str]:
     namespace = getattr(module, "__dict__", None)
     if name in SOURCES or not isinstance(namespace, dict):
         return []
-    role = work.vae_role if _is_vae_module(name) else work.role
+    role = work.vae_role if vae_calls.is_vae(name) else work.role
     routed, used = [], None
     for attr, value in list(namespace.items()):
         hit = originals.get(id(value))
@@ -169,7 +166,9 @@ def routed() -> list[str]:
 
 
 def undo() -> int:
-    """Put every replaced name back; the next ``route()`` examines every module again."""
+    """Put every replaced name back and take the VAE hooks off; the next ``route()`` examines every
+    module again. Returns how many names it put back."""
+    vae_calls.undo()
     with _lock:
         _examined.clear()
         return _patches.undo()

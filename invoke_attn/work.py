@@ -18,6 +18,16 @@ def vae_role() -> str | None:
     return "vae" if _role.get() is not None else None
 
 
+def enter_vae():
+    """The role "vae" from here, when a node is routed (else nothing changes); the token for ``leave``."""
+    return _role.set("vae") if _role.get() is not None else None
+
+
+def leave(token) -> None:
+    if token is not None:
+        _role.reset(token)
+
+
 @contextlib.contextmanager
 def running(node_role: str):
     token = _role.set(node_role)

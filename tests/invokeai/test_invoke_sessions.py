@@ -454,3 +454,80 @@ def test_a_value_connected_to_a_node_that_routes_the_whole_graph_is_refused(host
     assert item.status == "failed" and not host.images.saved
     assert item.error_message.startswith("Attention backend node attn: chain connected from other nodes, while the "
                                          "node is connected to no model; connect its outputs")
+
+
+# --- A VAE run inside a denoise node -----------------------------------------------------------------------------
+
+
+def _reference_image(host):
+    from PIL import Image
+
+    pixels = (np.random.default_rng(0).random((32, 32, 3)) * 255).astype(np.uint8)
+    return host.images.create(Image.fromarray(pixels), image_origin="external", image_category="user").image_name
+
+
+def test_flux2_reference_images_are_encoded_as_vae_calls(host):
+    """FLUX.2 encodes its reference images with its VAE inside ``flux2_denoise`` (a ``dit`` node): those
+    calls count, chain and report as the VAE's; the transformer's stay the denoiser's."""
+    from invokeai_host import flux2_graph
+
+    reference = _reference_image(host)
+    with _sdpa_calls() as counted:
+        plain = host.run_graph(flux2_graph(references=(reference,)))
+    assert plain.status == "completed", plain.error_traceback
+    vae = host.services.model_manager.load.load_model(
+        next(c for c in __import__("invokeai_tiny_models").INSTALLED if c.name == "tiny-flux2"),
+        __import__("invokeai.backend.model_manager.taxonomy", fromlist=["SubModelType"]).SubModelType.VAE).model
+    with _sdpa_calls() as encode_calls:
+        vae.encode(torch.zeros(1, 3, 32, 32))
+    assert encode_calls[0] == 1  # the encoder's mid-block attention
+
+    graph = _with_nodes(flux2_graph(references=(reference,)), _attention(backend="sdpa", vae_chain="math"),
+                        report_after=None)
+    routed = host.run_graph(graph)
+    assert routed.status == "completed", routed.error_traceback
+    calls = dict(sessions._sessions[routed.session_id].recording.calls)
+    assert calls[("vae", "math")] == encode_calls[0]
+    assert calls[("dit", "sdpa")] == counted[0] - encode_calls[0]
+    assert set(calls) == {("vae", "math"), ("dit", "sdpa")}
+    a, b = host.output(plain, "denoise").latents.latents_name, host.output(routed, "denoise").latents.latents_name
+    torch.testing.assert_close(host.services.tensors.load(b), host.services.tensors.load(a), rtol=1e-5, atol=1e-5)
+
+    without = host.run_graph(_with_nodes(flux2_graph(), _attention(vae_chain="math"), report_after=None))
+    assert {role for role, _ in sessions._sessions[without.session_id].recording.calls} == {"dit"}
+
+
+def test_a_vae_hook_changes_nothing_where_no_node_is_routed():
+    """The hooks stay on the shared VAE: a call made while no node is routed keeps no role, and a routed
+    node's role comes back after the VAE's call, an error included."""
+    from diffusers import AutoencoderKL
+
+    from invoke_attn import vae_calls, work
+
+    vae = AutoencoderKL(block_out_channels=(32,), norm_num_groups=32, latent_channels=4).eval()
+    attention = next(m for m in vae.modules() if hasattr(m, "processor"))
+    assert vae_calls.mark(vae) == 2 and vae_calls.mark(vae) == 0
+    seen, fail = [], []
+
+    def inside(module, args):  # runs inside the attention module's call, after the hook that sets the role
+        seen.append(work.role())
+        if fail:
+            raise RuntimeError("failed inside the VAE's attention")
+
+    attention.register_forward_pre_hook(inside)
+    try:
+        vae.encode(torch.zeros(1, 3, 16, 16))
+        with work.running("dit"):
+            vae.encode(torch.zeros(1, 3, 16, 16))
+            assert work.role() == "dit"
+            fail.append(1)
+            with pytest.raises(RuntimeError, match="inside the VAE"):
+                vae.encode(torch.zeros(1, 3, 16, 16))
+            assert work.role() == "dit"
+        assert seen == [None, "vae", "vae"]
+    finally:
+        vae_calls.undo()
+    fail.clear()
+    with work.running("dit"):
+        vae.encode(torch.zeros(1, 3, 16, 16))
+    assert seen[-1] == "dit"  # unhooked: the node's role again

@@ -44,7 +44,7 @@ from invokeai.app.services.shared.graph import Edge, EdgeConnection, Graph, Grap
 from invokeai.backend.model_manager.taxonomy import ModelType
 from invokeai_tiny_models import INSTALLED, ModelConfig, ModelManager
 
-CORE_NODE_MODULES = ("compel", "denoise_latents", "flux_denoise", "latents_to_image", "metadata", "noise",
+CORE_NODE_MODULES = ("compel", "denoise_latents", "flux2_denoise", "flux_denoise", "latents_to_image", "metadata", "noise",
                      "qwen_image_denoise")
 # Importing a node module registers its nodes; the release imports all of its core node modules at startup.
 for _module in CORE_NODE_MODULES:
@@ -283,6 +283,28 @@ def flux_graph(seed: int = 0, steps: int = 2, width: int = 32, height: int = 32,
     edges = [_edge("model_loader", "transformer", "prompt", "transformer"),
              _edge("model_loader", "transformer", "denoise", "transformer"),
              _edge("prompt", "conditioning", "denoise", "positive_text_conditioning")]
+    return _graph(nodes, edges, use_cache)
+
+
+def flux2_graph(seed: int = 0, steps: int = 2, width: int = 32, height: int = 32, prompt: str = "a lighthouse",
+                references: tuple = (), use_cache: bool = False) -> Graph:
+    """model_loader (transformer_model_loader: transformer and VAE) -> prompt (flux_text_encoder) -> denoise
+    (flux2_denoise), with a ``flux_kontext`` node for the image named in ``references`` (one image already in
+    the store: the release collects several into a list, which this double has no node for)."""
+    nodes = {
+        "model_loader": {"type": "transformer_model_loader", "model": model_identifier("tiny-flux2").model_dump(mode="json")},
+        "prompt": {"type": "flux_text_encoder", "prompt": prompt},
+        "denoise": {"type": "flux2_denoise", "num_steps": steps, "width": width, "height": height, "seed": seed},
+    }
+    edges = [_edge("model_loader", "transformer", "prompt", "transformer"),
+             _edge("model_loader", "transformer", "denoise", "transformer"),
+             _edge("model_loader", "vae", "denoise", "vae"),
+             _edge("prompt", "conditioning", "denoise", "positive_text_conditioning")]
+    if len(references) > 1:
+        raise ValueError("this double has no collect node: one reference image")
+    for index, name in enumerate(references):
+        nodes[f"reference_{index}"] = {"type": "flux_kontext", "image": {"image_name": name}}
+        edges.append(_edge(f"reference_{index}", "kontext_cond", "denoise", "kontext_conditioning"))
     return _graph(nodes, edges, use_cache)
 
 

@@ -4,7 +4,8 @@ What runs attention is real code: diffusers' ``UNet2DConditionModel`` (default `
 ``AutoencoderKL`` (mid-block attention) for SD1.5; InvokeAI's own FLUX.1 transformer
 (``invokeai.backend.flux.model.Flux``, the installed release's file, whose blocks call
 ``invokeai.backend.flux.math.attention`` through ``custom_block_processor``); diffusers'
-``QwenImageTransformer2DModel`` (its processors call ``dispatch_attention_fn``) for Qwen Image. Only the
+``QwenImageTransformer2DModel`` (its processors call ``dispatch_attention_fn``) for Qwen Image;
+diffusers' ``Flux2Transformer2DModel`` and ``AutoencoderKLFlux2`` for FLUX.2. Only the
 sizes are tiny. The text encoders are stand-ins: an embedding table over the prompt's bytes (text encoders
 are not part of what an attention router serves).
 """
@@ -94,6 +95,24 @@ def _qwen_transformer() -> torch.nn.Module:
                                        axes_dims_rope=(4, 6, 6))
 
 
+def _flux2_transformer() -> torch.nn.Module:
+    from diffusers import Flux2Transformer2DModel
+
+    # The VAE's 8 latent channels packed 2x2 -> 32 inputs; head dim 16 = sum(axes_dims_rope), 4D positions.
+    return Flux2Transformer2DModel(patch_size=1, in_channels=32, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=TEXT_DIM,
+                                   timestep_guidance_channels=16, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
+
+
+def _flux2_vae() -> torch.nn.Module:
+    from diffusers import AutoencoderKLFlux2
+
+    # Mid-block attention in the encoder and the decoder (diffusers' Attention, AttnProcessor2_0), as FLUX.2's.
+    return AutoencoderKLFlux2(block_out_channels=(32, 32), down_block_types=("DownEncoderBlock2D",) * 2,
+                              up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=8,
+                              norm_num_groups=32, sample_size=32)
+
+
 #: (base, submodel) -> builder. A main model's submodels; a DiT main model has a transformer.
 BUILDERS: dict[tuple[BaseModelType, Optional[SubModelType]], Callable[[], object]] = {
     (BaseModelType.StableDiffusion1, SubModelType.UNet): _sd_unet,
@@ -102,6 +121,9 @@ BUILDERS: dict[tuple[BaseModelType, Optional[SubModelType]], Callable[[], object
     (BaseModelType.StableDiffusion1, SubModelType.TextEncoder): ByteTextEncoder,
     (BaseModelType.Flux, SubModelType.Transformer): _flux_transformer,
     (BaseModelType.Flux, SubModelType.TextEncoder): ByteTextEncoder,
+    (BaseModelType.Flux2, SubModelType.Transformer): _flux2_transformer,
+    (BaseModelType.Flux2, SubModelType.VAE): _flux2_vae,
+    (BaseModelType.Flux2, SubModelType.TextEncoder): ByteTextEncoder,
     (BaseModelType.QwenImage, SubModelType.Transformer): _qwen_transformer,
     (BaseModelType.QwenImage, SubModelType.TextEncoder): ByteTextEncoder,
 }
@@ -123,6 +145,7 @@ class ModelConfig:
 INSTALLED = (
     ModelConfig(key="tiny-sd15-key", hash="blake3:tiny-sd15", name="tiny-sd15", base=BaseModelType.StableDiffusion1),
     ModelConfig(key="tiny-flux-key", hash="blake3:tiny-flux", name="tiny-flux", base=BaseModelType.Flux),
+    ModelConfig(key="tiny-flux2-key", hash="blake3:tiny-flux2", name="tiny-flux2", base=BaseModelType.Flux2),
     ModelConfig(key="tiny-qwen-image-key", hash="blake3:tiny-qwen-image", name="tiny-qwen-image",
                 base=BaseModelType.QwenImage),
 )

@@ -109,6 +109,10 @@ class FluxConditioningField(BaseModel):
     mask: Optional[TensorField] = Field(default=None, description="Region the conditioning applies to")
 
 
+class FluxKontextConditioningField(BaseModel):
+    image: ImageField = Field(description="The reference image")
+
+
 class QwenImageConditioningField(BaseModel):
     conditioning_name: str = Field(description="Name of the conditioning")
 
