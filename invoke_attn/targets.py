@@ -18,8 +18,9 @@ encoder, a session nothing routes) goes to the original exactly as made and is n
 only VAEs run (an ``autoencoder`` module) counts as the VAE whichever node runs it, and so do the
 attention modules of a VAE model that diffusers' shared processors serve (``vae_calls``).
 
-A module is examined once, the first time it is found loaded: ``route()`` runs when a routed node
-starts and again after it loads a model (diffusers imports a model's module only then). What reaches
+A module is examined once, the first time it is found fully imported (one another thread is still
+importing is left for a later scan): ``route()`` runs when a routed node starts and again after it
+loads a model (diffusers imports a model's module only then). What reaches
 SDPA through ``torch.nn.functional`` spelled out in full (the XLabs and InstantX FLUX IP-Adapter's
 extra attention) cannot be reached this way and stays on PyTorch's SDPA, uncounted. ``undo()`` puts
 every replaced name back.
@@ -141,11 +142,19 @@ def _examine(name: str, module, originals: dict) -> list[str]:
     return routed
 
 
+def _importing(module) -> bool:
+    """Whether ``module`` is still being imported (in another thread: a session on another GPU loading its
+    model): its names are not all bound yet, so it is examined at a later ``route()``, once they are.
+    The import system marks a module's spec ``_initializing`` while it runs the module's code."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
 def route() -> list[str]:
     """Put the stand-ins into every loaded module not examined yet; returns what it routed now."""
     with _lock:
         fresh = [(name, module) for name, module in list(sys.modules.items())
-                 if name.startswith(PREFIXES) and name not in _examined and module is not None]
+                 if name.startswith(PREFIXES) and name not in _examined and module is not None
+                 and not _importing(module)]
         if not fresh:
             return []
         originals = _originals()

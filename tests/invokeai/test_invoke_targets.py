@@ -185,3 +185,58 @@ def test_undo_puts_back_exactly_what_was_there():
     assert targets.undo() == len(changed)
     after = snapshot()
     assert all(after[name][attr] is before[name][attr] for name, attr in changed)
+
+
+SLOW_MODULE = '''
+import threading
+import torch
+
+started.set()       # the import has begun: its names are not bound yet
+proceed.wait(30)    # another thread scans now
+
+import torch.nn.functional as F
+
+
+def attend(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v)
+'''
+
+
+def test_a_module_another_thread_is_importing_is_routed_once_imported(tmp_path, monkeypatch):
+    """A session on one GPU imports a model module (diffusers imports them lazily when a model loads) while
+    a session on another GPU scans: the half-built module is left, and the next scan routes it."""
+    import builtins
+    import importlib
+    import sys
+    import threading
+
+    import invokeai.backend as backend
+
+    name = "invokeai.backend.slow_attention_module"
+    (tmp_path / "slow_attention_module.py").write_text(SLOW_MODULE)
+    monkeypatch.setattr(backend, "__path__", [*backend.__path__, str(tmp_path)])
+    started, proceed = threading.Event(), threading.Event()
+    monkeypatch.setattr(builtins, "started", started, raising=False)
+    monkeypatch.setattr(builtins, "proceed", proceed, raising=False)
+    imported = []
+    importer = threading.Thread(target=lambda: imported.append(importlib.import_module(name)),
+                                name="session_processor_0")
+    try:
+        importer.start()
+        assert started.wait(30)
+        scanned = []
+        scanner = threading.Thread(target=lambda: scanned.append(targets.route()), name="session_processor_1")
+        scanner.start()
+        scanner.join(30)
+        assert name in sys.modules and not any(w.startswith(name) for w in scanned[0])
+        proceed.set()
+        importer.join(30)
+        assert targets.route() == [f"{name}.F"]
+        q = torch.randn(1, 2, 8, 16)
+        with work.running("dit"), lib_attn.recording() as rec:
+            imported[0].attend(q, q, q)
+        assert rec.total("dit") == 1
+    finally:
+        proceed.set()
+        importer.join(30)
+        sys.modules.pop(name, None)
