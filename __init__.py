@@ -29,8 +29,16 @@ def _package(name: str):
 IN_INVOKEAI = "invokeai.app.invocations.baseinvocation" in sys.modules
 
 if IN_INVOKEAI:
+    # An update through InvokeAI's Custom Node Manager runs this file again in the same process: this
+    # copy's code replaces what an earlier copy loaded (invoke_attn/source.py, loaded here by path).
+    _spec = importlib.util.spec_from_file_location(f"{__name__}._source",
+                                                   os.path.join(_HERE, "invoke_attn", "source.py"))
+    _source = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_source)
+    _source.replace_earlier(_HERE)
     for _name in ("lib_attn", "host_attn", "invoke_attn"):
         _package(_name)
+    _source.record_operator(_HERE)
     from invoke_attn import startup as _invoke_startup  # noqa: E402
 
     _invoke_startup.start(__name__)

@@ -7,3 +7,10 @@ node runs through (``hook``), and puts the engine's stand-ins where the models f
 (``targets``) the first time a session asks for it. Every ``invokeai`` import is in ``nodes`` and
 ``hook``; the rest works on what those hand it.
 """
+import os as _os
+
+from .source import fingerprint as _fingerprint
+
+#: The digest of the code this package (with lib_attn and host_attn beside it) was loaded from: an update
+#: through InvokeAI's Custom Node Manager replaces the packages when it differs (``source``).
+SOURCE = _fingerprint(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))

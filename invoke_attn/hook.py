@@ -26,8 +26,7 @@ _patches = Patches("InvokeAI node hook")
 def install(node_type: str, nodes_module: str) -> None:
     """Hook ``invoke_internal``; sessions are found by their Attention backend nodes of ``node_type``;
     ``nodes_module`` is the nodes' module, gone from ``sys.modules`` once the pack is uninstalled."""
-    if _patches.active:
-        return
+    remove()  # a copy loaded again (an update, another folder name): the hook follows its nodes' module
     original = BaseInvocation.invoke_internal
 
     def invoke_internal(self, context, services):

@@ -160,6 +160,10 @@ SIGNATURES = [
     ("invokeai.app.services.session_processor.session_processor_default", "DefaultSessionRunner", "start"),
     ("invokeai.app.services.session_processor.session_processor_default", "DefaultSessionRunner", "run_node"),
     ("invokeai.app.invocations.load_custom_nodes", None, "load_custom_nodes"),
+    ("invokeai.app.api.routers.custom_nodes", None, "_install_pack"),
+    ("invokeai.app.api.routers.custom_nodes", None, "_uninstall_pack"),
+    ("invokeai.app.api.routers.custom_nodes", None, "_purge_pack_modules"),
+    ("invokeai.app.api.routers.custom_nodes", None, "_load_node_pack"),
 ]
 
 
@@ -589,3 +593,34 @@ class Checked(BaseInvocation):
     def invoke(self, context: InvocationContext) -> StringOutput:
         return StringOutput(value=self.text)
 '''
+
+
+def _calls(fn: ast.FunctionDef, names: set) -> list:
+    """The calls of ``fn`` to any of ``names`` (a function or a method's last name), in source order."""
+    found = []
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            if name in names:
+                found.append((node.lineno, node.col_offset, name))
+    return [name for *_, name in sorted(found)]
+
+
+def test_the_custom_node_manager_uninstalls_and_loads_as_the_release():
+    """Uninstall: the folder deleted, the pack's nodes unregistered, then its modules purged; install: refused
+    over an existing folder, then the pack loaded (skipped when its name is in sys.modules)."""
+    import invokeai.app.api.routers.custom_nodes as double
+
+    module = "invokeai.app.api.routers.custom_nodes"
+    steps = {"_uninstall_pack": {"exists", "rmtree", "unregister_pack", "_purge_pack_modules"},
+             "_install_pack": {"_load_node_pack"}, "_load_node_pack": {"exists", "exec_module"}}
+    for name, wanted in steps.items():
+        real = next(n for n in release_tree(module).body if isinstance(n, ast.FunctionDef) and n.name == name)
+        mine = ast.parse(__import__("textwrap").dedent(inspect.getsource(getattr(double, name)))).body[0]
+        assert _calls(mine, wanted) == _calls(real, wanted), name
+        assert _calls(mine, {"exists"})[:1] == _calls(real, {"exists"})[:1] == ["exists"], name  # checked first
+    loader = next(n for n in release_tree(module).body if isinstance(n, ast.FunctionDef) and n.name == "_load_node_pack")
+    assert "if pack_name in sys.modules" in ast.unparse(loader)
+    purge = next(n for n in release_tree(module).body if isinstance(n, ast.FunctionDef)
+                 and n.name == "_purge_pack_modules")
+    assert 'name == pack_name or name.startswith(prefix)' in ast.unparse(purge)

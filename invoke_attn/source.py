@@ -1,0 +1,85 @@
+"""Which copy of the pack's code runs: an update through InvokeAI's Custom Node Manager without a restart.
+
+The manager cannot install over a pack: an update is an uninstall (the folder deleted, the pack's nodes
+unregistered, the modules named after the pack's folder dropped from ``sys.modules``) and an install (the
+new folder cloned and its ``__init__.py`` run), in one process. The project's own packages (``lib_attn``,
+``host_attn``, ``invoke_attn``) are not named after the folder, so they outlive the uninstall. When the
+root ``__init__.py`` of a copy runs while packages loaded from other code are in ``sys.modules``
+(``SOURCE``, the digest of the code they were loaded from, differs from this copy's), ``replace_earlier``
+takes the earlier copy's hook and stand-ins off and drops its modules, so that this copy's are imported;
+the same code under another folder name keeps its modules (and the hook is bound to the new name).
+
+One module stays: ``lib_attn.graph_op``, whose operator torch registers once per process under its
+name; the new engine hands it its attention as it is imported. Where that file itself changed (or it
+is not known what it was loaded from), a model compiled with torch.compile keeps the earlier operator
+until InvokeAI restarts, and the log says so.
+
+This file is loaded by path by the root ``__init__.py`` before any package, and by ``invoke_attn`` for
+its ``SOURCE``: it imports nothing of the project.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+
+PACKAGES = ("lib_attn", "host_attn", "invoke_attn")
+#: Modules kept across a replacement (see above).
+KEEP = ("lib_attn.graph_op",)
+
+
+def _files(root: str):
+    for package in PACKAGES:
+        for folder, dirs, files in os.walk(os.path.join(root, package)):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    yield os.path.relpath(path, root).replace(os.sep, "/"), path
+
+
+def fingerprint(root: str, only: str | None = None) -> str:
+    """The digest of the packages' Python files under ``root`` (or of the one file ``only``), by content
+    and relative path: the same code has the same digest in any folder."""
+    digest = hashlib.sha256()
+    for relative, path in _files(root):
+        if only is None or relative == only:
+            with open(path, "rb") as f:
+                digest.update(relative.encode() + b"\0" + f.read() + b"\0")
+    return digest.hexdigest()
+
+
+def _take_off(old) -> None:
+    """The earlier copy's hook, stand-ins and sessions, through its own modules (any version of them)."""
+    for module, function in (("hook", "remove"), ("targets", "undo"), ("sessions", "reset")):
+        undo = getattr(sys.modules.get(f"{old.__name__}.{module}"), function, None)
+        if undo is not None:
+            undo()
+
+
+def replace_earlier(root: str, log=print) -> str | None:
+    """Take off and drop the project's packages when they were loaded from other code than this copy's
+    (under ``root``); returns the folder they came from, or None when nothing was replaced."""
+    old = sys.modules.get("invoke_attn")
+    if old is None or getattr(old, "SOURCE", None) == fingerprint(root):
+        return None
+    came_from = os.path.dirname(os.path.dirname(os.path.abspath(old.__file__ or "")))
+    kept_operator = sys.modules.get(KEEP[0])
+    _take_off(old)
+    for name in [n for n in sys.modules if n.split(".")[0] in PACKAGES and n not in KEEP]:
+        del sys.modules[name]
+    said = f"InvokeAI: this copy of the pack ({root}) replaces the code loaded from {came_from}, without a restart"
+    if kept_operator is not None and getattr(kept_operator, "_pack_source", None) != fingerprint(
+            root, "lib_attn/graph_op.py"):
+        said += ("; its torch.compile operator may differ from the one registered first: a model compiled with "
+                 "torch.compile keeps that one until InvokeAI restarts")
+    log(f"[flash-attention] {said}")
+    return came_from
+
+
+def record_operator(root: str) -> None:
+    """Note what the registered operator's module was loaded from (once: the module is kept)."""
+    module = sys.modules.get(KEEP[0])
+    if module is not None and not hasattr(module, "_pack_source"):
+        here = os.path.dirname(os.path.abspath(module.__file__ or "")) == os.path.join(root, "lib_attn")
+        module._pack_source = fingerprint(root, "lib_attn/graph_op.py") if here else None
