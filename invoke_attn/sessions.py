@@ -12,8 +12,9 @@ context's image saving, so that every image the session saves records the attent
 
 InvokeAI's step callbacks report the steps done: SD, SD3, CogView4, Qwen-Image and Krea-2 call it
 with step 0 before their first step, then after each step; FLUX.1, FLUX.2, Z-Image, Wan and Anima
-only after each. A node starts at step 0 of the ``steps`` (or ``num_steps``) it asks for, and each
-callback moves it to the step after the ones done, of the total the sampler reports. The sigma is
+only after each; Ideogram-4 has none, and signals its progress after each step as the fraction done.
+A node starts at step 0 of the ``steps`` (or ``num_steps``) it asks for (a denoiser that leaves them to
+a preset, at the run's start), and each callback or fraction moves it to the step after the ones done. The sigma is
 not reported: sigma rules do not hold in InvokeAI. Nor are the denoiser's blocks: block rules do not
 hold either.
 """
@@ -98,21 +99,27 @@ class Session:
                       f"{attention_type} processor, not through this extension (attention_type torch-sdp or auto "
                       f"routes it)")
         targets.route()
-        _watch_steps(context)
+        told = _watch_steps(context)
         _watch_loads(context)
         with contextlib.ExitStack() as stack:
             config = stack.enter_context(lib_attn.use(**choice.config))
             stack.enter_context(lib_attn.recording(into=self.recording))
             stack.enter_context(work.running(role))
-            schedule.at_step(0, _steps_asked(invocation))
+            # A denoiser starts at step 0 even when it leaves its step count to a preset (Ideogram-4).
+            schedule.at_step(0, _steps_asked(invocation) or (FRACTION if role in choices.DENOISERS else None))
             # What chose the configuration is said once its node made calls (a LoRA loader makes none).
             self.running = (choice, self.recording.total())
             keyed_services, cache = node_cache.keyed(services, config.token)
+            before = self.recording.total()
             try:
                 return call(keyed_services)
             finally:
                 if cache.hit:
                     self.cached.append(invocation.get_type())
+                elif (role in choices.DENOISERS and not told and self.recording.total() > before
+                      and config.schedule is not None and config.schedule.asks_step):
+                    self.note(f"{invocation.get_type()} told InvokeAI no step: the schedule's step rules took all "
+                              f"its calls as its first step")
                 self.touched = time.perf_counter()
                 self.said, self.running = self._said(), None
 
@@ -130,19 +137,39 @@ def _steps_asked(invocation) -> int | None:
     return None
 
 
-def _watch_steps(context) -> None:
-    """This node's step callbacks tell the schedule the step after the ones done."""
+#: The denominator of a position told as a fraction of the run (the progress InvokeAI is signalled).
+FRACTION = 1_000_000
+
+
+def _watch_steps(context) -> list:
+    """This node's step callbacks tell the schedule the step after the ones done. A node that has none
+    (Ideogram-4) signals its progress after each step as the fraction of its steps done, which is where
+    the next step starts; it is used until the node makes a step callback (whose own progress signal is
+    then ignored). Returns a list that holds True once the node told a step."""
     util = context.util
+    stepped, told = [], []
     for name in [n for n in dir(type(util)) if n.endswith("step_callback")]:
         real = getattr(util, name)
 
         def callback(intermediate_state, *args, _real=real, **kwargs):
+            stepped.append(True)
             done, total = getattr(intermediate_state, "step", None), getattr(intermediate_state, "total_steps", None)
             if isinstance(done, int) and isinstance(total, int) and total > 0:
                 schedule.at_step(min(done, total - 1), total)
+                told.append(True)
             return _real(intermediate_state, *args, **kwargs)
 
         setattr(util, name, callback)
+    real_progress = util.signal_progress
+
+    def signal_progress(message, percentage=None, *args, **kwargs):
+        if percentage is not None and not stepped and 0 <= percentage < 1:
+            schedule.at_step(round(percentage * FRACTION), FRACTION)
+            told.append(True)
+        return real_progress(message, percentage, *args, **kwargs)
+
+    util.signal_progress = signal_progress
+    return told
 
 
 def _watch_loads(context) -> None:

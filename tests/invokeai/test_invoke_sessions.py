@@ -531,3 +531,43 @@ def test_a_vae_hook_changes_nothing_where_no_node_is_routed():
     with work.running("dit"):
         vae.encode(torch.zeros(1, 3, 16, 16))
     assert seen[-1] == "dit"  # unhooked: the node's role again
+
+
+# --- A family without step callbacks ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps", [None, 4], ids=["preset-steps", "steps-set"])
+def test_ideogram4_is_told_its_steps_from_its_progress(host, steps):
+    """Ideogram-4 has no step callback and by default no ``steps``: it signals the fraction of its steps done
+    after each step. A two-rule schedule splits its calls at half the run (12 preset steps or 4 set ones,
+    two transformer calls per step), with no note that steps were unknown."""
+    from invokeai_host import ideogram4_graph
+
+    graph = _with_nodes(ideogram4_graph(steps=steps), _attention(schedule="0-50%: sdpa; 50-100%: sdpa-math"),
+                        report_after=None)
+    item = host.run_graph(graph)
+    assert item.status == "completed", item.error_traceback
+    session = sessions._sessions[item.session_id]
+    total = 2 * (steps or 12)
+    assert _rules(session) == {("0-50%", "dit", "sdpa"): total // 2, ("50-100%", "dit", "sdpa-math"): total // 2}
+    assert not any("no step" in note for note in session.notes)
+    progress = [e["percentage"] for e in host.events.events
+                if e["event"] == "invocation_progress" and e["percentage"] is not None]
+    assert progress[-1] == 1.0 and len(progress) == (steps or 12)  # the node's own signals, passed on
+
+
+def test_a_denoiser_that_tells_no_step_is_said_in_the_report(host, monkeypatch):
+    """A node that signals no progress (Ideogram-4's loop without its callback): every call is the first
+    step's, and the report says so."""
+    import invokeai.app.invocations.ideogram4_denoise as ideogram4
+    from invokeai_host import ideogram4_graph
+
+    loop = ideogram4.run_ideogram4_denoise
+    monkeypatch.setattr(ideogram4, "run_ideogram4_denoise", lambda **kwargs: loop(**{**kwargs, "step_callback": None}))
+    graph = _with_nodes(ideogram4_graph(steps=2), _attention(schedule="0-50%: sdpa; 50-100%: sdpa-math"),
+                        report_after=None)
+    item = host.run_graph(graph)
+    session = sessions._sessions[item.session_id]
+    assert _rules(session) == {("0-50%", "dit", "sdpa"): 4}
+    assert "ideogram4_denoise told InvokeAI no step: the schedule's step rules took all its calls as its first " \
+           "step" in session.notes

@@ -44,7 +44,7 @@ from invokeai.app.services.shared.graph import Edge, EdgeConnection, Graph, Grap
 from invokeai.backend.model_manager.taxonomy import ModelType
 from invokeai_tiny_models import INSTALLED, ModelConfig, ModelManager
 
-CORE_NODE_MODULES = ("compel", "denoise_latents", "flux2_denoise", "flux_denoise", "latents_to_image", "metadata", "noise",
+CORE_NODE_MODULES = ("compel", "denoise_latents", "flux2_denoise", "flux_denoise", "ideogram4_denoise", "latents_to_image", "metadata", "noise",
                      "qwen_image_denoise")
 # Importing a node module registers its nodes; the release imports all of its core node modules at startup.
 for _module in CORE_NODE_MODULES:
@@ -305,6 +305,24 @@ def flux2_graph(seed: int = 0, steps: int = 2, width: int = 32, height: int = 32
     for index, name in enumerate(references):
         nodes[f"reference_{index}"] = {"type": "flux_kontext", "image": {"image_name": name}}
         edges.append(_edge(f"reference_{index}", "kontext_cond", "denoise", "kontext_conditioning"))
+    return _graph(nodes, edges, use_cache)
+
+
+def ideogram4_graph(seed: int = 0, steps: Optional[int] = None, preset: str = "V4_TURBO_12", width: int = 32,
+                    height: int = 32, prompt: str = "a lighthouse", use_cache: bool = False) -> Graph:
+    """model_loader -> prompt (ideogram4_text_encoder) -> denoise (ideogram4_denoise; ``steps`` None: the
+    preset's, as the release's default)."""
+    denoise = {"type": "ideogram4_denoise", "sampler_preset": preset, "width": width, "height": height, "seed": seed}
+    if steps is not None:
+        denoise["steps"] = steps
+    nodes = {
+        "model_loader": {"type": "transformer_model_loader",
+                         "model": model_identifier("tiny-ideogram4").model_dump(mode="json")},
+        "prompt": {"type": "ideogram4_text_encoder", "prompt": prompt},
+        "denoise": denoise,
+    }
+    edges = [_edge("model_loader", "transformer", "denoise", "transformer"),
+             _edge("prompt", "conditioning", "denoise", "positive_conditioning")]
     return _graph(nodes, edges, use_cache)
 
 

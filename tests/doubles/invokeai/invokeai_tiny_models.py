@@ -5,7 +5,8 @@ What runs attention is real code: diffusers' ``UNet2DConditionModel`` (default `
 (``invokeai.backend.flux.model.Flux``, the installed release's file, whose blocks call
 ``invokeai.backend.flux.math.attention`` through ``custom_block_processor``); diffusers'
 ``QwenImageTransformer2DModel`` (its processors call ``dispatch_attention_fn``) for Qwen Image;
-diffusers' ``Flux2Transformer2DModel`` and ``AutoencoderKLFlux2`` for FLUX.2. Only the
+diffusers' ``Flux2Transformer2DModel`` and ``AutoencoderKLFlux2`` for FLUX.2; InvokeAI's own
+``Ideogram4Transformer`` pair for Ideogram 4. Only the
 sizes are tiny. The text encoders are stand-ins: an embedding table over the prompt's bytes (text encoders
 are not part of what an attention router serves).
 """
@@ -113,6 +114,16 @@ def _flux2_vae() -> torch.nn.Module:
                               norm_num_groups=32, sample_size=32)
 
 
+def _ideogram4_pair() -> torch.nn.Module:
+    from invokeai.backend.ideogram4.modeling_ideogram4 import Ideogram4Config, Ideogram4Transformer
+    from invokeai.backend.ideogram4.transformer_pair import Ideogram4TransformerPair
+
+    # Text features TEXT_DIM wide; head dim 16 (2 x sum(mrope_section)).
+    config = Ideogram4Config(emb_dim=32, num_layers=1, num_heads=2, intermediate_size=64, adanln_dim=16,
+                             llm_features_dim=TEXT_DIM, mrope_section=(4, 2, 2))
+    return Ideogram4TransformerPair(Ideogram4Transformer(config), Ideogram4Transformer(config))
+
+
 #: (base, submodel) -> builder. A main model's submodels; a DiT main model has a transformer.
 BUILDERS: dict[tuple[BaseModelType, Optional[SubModelType]], Callable[[], object]] = {
     (BaseModelType.StableDiffusion1, SubModelType.UNet): _sd_unet,
@@ -124,6 +135,8 @@ BUILDERS: dict[tuple[BaseModelType, Optional[SubModelType]], Callable[[], object
     (BaseModelType.Flux2, SubModelType.Transformer): _flux2_transformer,
     (BaseModelType.Flux2, SubModelType.VAE): _flux2_vae,
     (BaseModelType.Flux2, SubModelType.TextEncoder): ByteTextEncoder,
+    (BaseModelType.Ideogram4, SubModelType.Transformer): _ideogram4_pair,
+    (BaseModelType.Ideogram4, SubModelType.TextEncoder): ByteTextEncoder,
     (BaseModelType.QwenImage, SubModelType.Transformer): _qwen_transformer,
     (BaseModelType.QwenImage, SubModelType.TextEncoder): ByteTextEncoder,
 }
@@ -146,6 +159,8 @@ INSTALLED = (
     ModelConfig(key="tiny-sd15-key", hash="blake3:tiny-sd15", name="tiny-sd15", base=BaseModelType.StableDiffusion1),
     ModelConfig(key="tiny-flux-key", hash="blake3:tiny-flux", name="tiny-flux", base=BaseModelType.Flux),
     ModelConfig(key="tiny-flux2-key", hash="blake3:tiny-flux2", name="tiny-flux2", base=BaseModelType.Flux2),
+    ModelConfig(key="tiny-ideogram4-key", hash="blake3:tiny-ideogram4", name="tiny-ideogram4",
+                base=BaseModelType.Ideogram4),
     ModelConfig(key="tiny-qwen-image-key", hash="blake3:tiny-qwen-image", name="tiny-qwen-image",
                 base=BaseModelType.QwenImage),
 )

@@ -113,6 +113,10 @@ class FluxKontextConditioningField(BaseModel):
     image: ImageField = Field(description="The reference image")
 
 
+class Ideogram4ConditioningField(BaseModel):
+    conditioning_name: str = Field(description="The name of conditioning tensor")
+
+
 class QwenImageConditioningField(BaseModel):
     conditioning_name: str = Field(description="Name of the conditioning")
 

@@ -18,6 +18,7 @@ class BaseModelType(str, Enum):
     Anima = "anima"
     Krea2 = "krea-2"
     Wan = "wan"
+    Ideogram4 = "ideogram-4"
 
 
 class ModelType(str, Enum):
