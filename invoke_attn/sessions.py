@@ -32,16 +32,13 @@ from lib_attn.report import Report, VramProbe
 
 from host_attn import readout
 
-from . import choices, node_cache, targets, vae_calls, work
+from . import choices, model_hooks, node_cache, targets, work
 
 METADATA_KEY = "attention"
 #: What ran attention in a session whose calls none went through the engine.
 OWN_ATTENTION = "InvokeAI's own attention"
 #: Sessions kept for their reports (the newest; a report node reads its own session's).
 KEEP = 32
-#: InvokeAI's ``attention_type`` values under which its SD1.5/SDXL UNet uses a processor of its own
-#: that does not reach SDPA.
-OTHER_PROCESSORS = ("xformers", "sliced")
 LOADERS = ("load", "load_by_attrs", "load_by_key")
 
 
@@ -81,6 +78,15 @@ class Session:
                 said.append(choice)
         return said
 
+    def _note_bypassed(self, bypassed, services) -> None:
+        """Calls a model's own processor made without SDPA (InvokeAI's attention_type sliced, or xformers
+        where InvokeAI uses it), said with the processor that ran them."""
+        attention_type = getattr(getattr(services, "configuration", None), "attention_type", None)
+        for (role, processor), n in sorted(bypassed.items(), key=lambda item: -item[1]):
+            setting = f" (InvokeAI's attention_type is {attention_type!r})" if role == "unet" and attention_type else ""
+            self.note(f"{readout.ROLE_NAMES.get(role, role)}: {n} attention calls ran on InvokeAI's {processor}"
+                      f"{setting}, not through this extension (attention_type torch-sdp or auto routes them)")
+
     def note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
@@ -93,18 +99,14 @@ class Session:
         choice = self.choices.get(context._data.source_invocation_id, invocation.id) if role else None
         if choice is None:
             return call(services)
-        attention_type = getattr(getattr(services, "configuration", None), "attention_type", None)
-        if role == "unet" and attention_type in OTHER_PROCESSORS:
-            self.note(f"InvokeAI's attention_type is {attention_type!r}: its SD1.5/SDXL UNet attention runs on its "
-                      f"{attention_type} processor, not through this extension (attention_type torch-sdp or auto "
-                      f"routes it)")
         targets.route()
         told = _watch_steps(context)
         _watch_loads(context)
         with contextlib.ExitStack() as stack:
             config = stack.enter_context(lib_attn.use(**choice.config))
             stack.enter_context(lib_attn.recording(into=self.recording))
-            stack.enter_context(work.running(role))
+            bypassed = collections.Counter()
+            stack.enter_context(work.running(role, bypassed))
             # A denoiser starts at step 0 even when it leaves its step count to a preset (Ideogram-4).
             schedule.at_step(0, _steps_asked(invocation) or (FRACTION if role in choices.DENOISERS else None))
             # What chose the configuration is said once its node made calls (a LoRA loader makes none).
@@ -114,6 +116,7 @@ class Session:
             try:
                 return call(keyed_services)
             finally:
+                self._note_bypassed(bypassed, services)
                 if cache.hit:
                     self.cached.append(invocation.get_type())
                 elif (role in choices.DENOISERS and not told and self.recording.total() > before
@@ -174,7 +177,7 @@ def _watch_steps(context) -> list:
 
 def _watch_loads(context) -> None:
     """After this node loads a model, route the model modules diffusers imported for it, and hook a VAE's
-    attention modules (``vae_calls``)."""
+    attention modules (``model_hooks``)."""
     models = context.models
     for name in LOADERS:
         real = getattr(models, name, None)
@@ -184,7 +187,7 @@ def _watch_loads(context) -> None:
         def load(*args, _real=real, **kwargs):
             loaded = _real(*args, **kwargs)
             targets.route()
-            vae_calls.mark(getattr(loaded, "model", None))
+            model_hooks.mark(getattr(loaded, "model", None))
             return loaded
 
         setattr(models, name, load)

@@ -16,7 +16,7 @@ name in its module's globals, which is where the stand-ins go (the code itself i
 Every stand-in asks ``work.role()`` at each call: a call made while no routed node runs (a text
 encoder, a session nothing routes) goes to the original exactly as made and is not counted. Code
 only VAEs run (an ``autoencoder`` module) counts as the VAE whichever node runs it, and so do the
-attention modules of a VAE model that diffusers' shared processors serve (``vae_calls``).
+attention modules of a VAE model that diffusers' shared processors serve (``model_hooks``).
 
 A module is examined once, the first time it is found fully imported (one another thread is still
 importing is left for a later scan): ``route()`` runs when a routed node starts and again after it
@@ -38,7 +38,7 @@ from host_attn import voice
 from host_attn.patching import Patches
 from lib_attn.integrations.diffusers import served_dispatch, served_functional, served_sdpa
 
-from . import flux_attention, vae_calls, work
+from . import flux_attention, model_hooks, work
 
 PREFIXES = ("diffusers.models.", "invokeai.backend.")
 SDPA = "scaled_dot_product_attention"
@@ -65,11 +65,12 @@ def _codes(value):
             yield from _codes(member)
 
 
-def _names_used(code: types.CodeType) -> set:
+def names_used(code: types.CodeType) -> set:
+    """Every name ``code`` (and the functions defined in it) looks up."""
     names = set(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _names_used(const)
+            names |= names_used(const)
     return names
 
 
@@ -79,7 +80,7 @@ def _module_names(module) -> set:
     for value in list(vars(module).values()):
         if getattr(value, "__module__", None) == module.__name__:
             for code in _codes(value):
-                names |= _names_used(code)
+                names |= names_used(code)
     return names
 
 
@@ -124,7 +125,7 @@ def _examine(name: str, module, originals: dict) -> list[str]:
     namespace = getattr(module, "__dict__", None)
     if name in SOURCES or not isinstance(namespace, dict):
         return []
-    role = work.vae_role if vae_calls.is_vae(name) else work.role
+    role = work.vae_role if model_hooks.is_vae(name) else work.role
     routed, used = [], None
     for attr, value in list(namespace.items()):
         hit = originals.get(id(value))
@@ -177,7 +178,7 @@ def routed() -> list[str]:
 def undo() -> int:
     """Put every replaced name back and take the VAE hooks off; the next ``route()`` examines every
     module again. Returns how many names it put back."""
-    vae_calls.undo()
+    model_hooks.undo()
     with _lock:
         _examined.clear()
         return _patches.undo()

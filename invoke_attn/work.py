@@ -8,6 +8,7 @@ import contextlib
 from contextvars import ContextVar
 
 _role: ContextVar = ContextVar("invoke_attn_role", default=None)
+_bypassed: ContextVar = ContextVar("invoke_attn_bypassed", default=None)
 
 #: The role of every call made now: "unet", "dit", "vae", or None.
 role = _role.get
@@ -16,6 +17,12 @@ role = _role.get
 def vae_role() -> str | None:
     """For code that only a VAE runs (an autoencoder's module): "vae" whenever a node is routed."""
     return "vae" if _role.get() is not None else None
+
+
+def bypassed():
+    """The running node's count of attention calls its models' processors made without SDPA or diffusers'
+    dispatcher, {(role, processor class name): n}; None when no node is routed."""
+    return _bypassed.get() if _role.get() is not None else None
 
 
 def enter_vae():
@@ -29,9 +36,11 @@ def leave(token) -> None:
 
 
 @contextlib.contextmanager
-def running(node_role: str):
-    token = _role.set(node_role)
+def running(node_role: str, bypassed=None):
+    """``node_role`` in force; ``bypassed``: where to count the calls ``model_hooks`` sees bypass the engine."""
+    token, counted = _role.set(node_role), _bypassed.set(bypassed)
     try:
         yield
     finally:
+        _bypassed.reset(counted)
         _role.reset(token)

@@ -256,10 +256,29 @@ def test_the_report_without_anything_routed_says_so(host):
     assert "InvokeAI's own attention, not through this extension" in text and "ATTN_INVOKE_ROUTE" in text
 
 
-def test_attention_type_sliced_is_said_in_the_report(host):
-    host.configuration.attention_type = "sliced"
+@pytest.mark.parametrize("attention_type", ["sliced", "xformers", "torch-sdp", "auto"])
+def test_the_attention_type_note_is_where_invokeai_s_processor_ran(host, attention_type):
+    """``sliced`` gives the UNet diffusers' sliced processor, which never calls SDPA: its calls are said with
+    the processor that ran them, and only the VAE is routed. ``xformers`` is used only with xformers on a
+    GPU of compute capability 7 or lower: here the UNet keeps its SDPA processor and is routed, and no
+    note says otherwise."""
+    host.configuration.attention_type = attention_type
     item = host.run_graph(_with_nodes(txt2img_graph(seed=13), _attention()))
-    assert "InvokeAI's attention_type is 'sliced'" in host.output(item, "report").report
+    assert item.status == "completed", item.error_traceback
+    session = sessions._sessions[item.session_id]
+    report = host.output(item, "report").report
+    if attention_type == "sliced":
+        assert session.recording.total("unet") == 0 and session.recording.total("vae") == 1
+        (note,) = [n for n in session.notes if "SlicedAttnProcessor" in n]
+        assert note.startswith("UNet: ") and "(InvokeAI's attention_type is 'sliced'), not through this" in note
+        from invokeai_host import InvokeHost
+
+        with _sdpa_calls() as counted:  # the UNet's attention calls, on its SDPA processor
+            InvokeHost().run_graph(txt2img_graph(seed=13))
+        assert int(note.split()[1]) == counted[0] - 1 and note in report
+    else:
+        assert session.recording.total("unet") > 0 and not session.notes
+        assert "attention_type" not in report
 
 
 def test_the_hook_comes_off_exactly():
@@ -502,11 +521,11 @@ def test_a_vae_hook_changes_nothing_where_no_node_is_routed():
     node's role comes back after the VAE's call, an error included."""
     from diffusers import AutoencoderKL
 
-    from invoke_attn import vae_calls, work
+    from invoke_attn import model_hooks, work
 
     vae = AutoencoderKL(block_out_channels=(32,), norm_num_groups=32, latent_channels=4).eval()
     attention = next(m for m in vae.modules() if hasattr(m, "processor"))
-    assert vae_calls.mark(vae) == 2 and vae_calls.mark(vae) == 0
+    assert model_hooks.mark(vae) == 2 and model_hooks.mark(vae) == 0
     seen, fail = [], []
 
     def inside(module, args):  # runs inside the attention module's call, after the hook that sets the role
@@ -526,7 +545,7 @@ def test_a_vae_hook_changes_nothing_where_no_node_is_routed():
             assert work.role() == "dit"
         assert seen == [None, "vae", "vae"]
     finally:
-        vae_calls.undo()
+        model_hooks.undo()
     fail.clear()
     with work.running("dit"):
         vae.encode(torch.zeros(1, 3, 16, 16))

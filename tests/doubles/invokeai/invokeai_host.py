@@ -60,6 +60,7 @@ class AppConfig:
     node_cache_size: int = 512
     multiuser: bool = False
     attention_type: str = "auto"  # auto, normal, xformers, sliced, torch-sdp (config_default.py)
+    attention_slice_size: str = "auto"  # auto, balanced, max, or 1-8
 
 
 @dataclass

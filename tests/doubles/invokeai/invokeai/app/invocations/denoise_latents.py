@@ -6,10 +6,16 @@ call on the batch [negative, positive]) over the scheduler's timesteps. The step
 pipeline calls it: once before the loop with the initial latents (step 0, the scheduler's ``order``,
 ``total_steps=len(timesteps)``, ``timestep=num_train_timesteps``), then after each step i with ``step=i+1``,
 ``timestep=int(t)``, the new latents and the scheduler's ``pred_original_sample``; each goes to
-``context.util.sd_step_callback(state, base)`` with the UNet model's base. The output latents are saved and
-returned as ``LatentsOutput`` (seed None, as the release). Not kept: img2img, masks, ControlNet, IP-Adapter,
+``context.util.sd_step_callback(state, base)`` with the UNet model's base. Before the loop the UNet's attention
+is set up from the app config as the release's pipeline does it (``_adjust_memory_efficient_attention``):
+``xformers`` only with xformers installed and a CUDA GPU of compute capability 7 or lower (else on to
+``auto``), ``sliced`` the sliced processor (``attention_slice_size``: ``auto`` as the release detects it on
+a CPU with the memory to spare, i.e. diffusers' "auto"), ``normal`` slicing off, ``torch-sdp`` the model as
+it is, ``auto`` on a CPU slicing off (the release slices at "max" only when free memory is short). The
+output latents are saved and returned as ``LatentsOutput`` (seed None, as the release). Not kept: img2img, masks, ControlNet, IP-Adapter,
 LoRA, denoising_start/end other than 0 and 1, the scheduler list beyond euler and ddim.
 """
+import importlib.util
 from typing import Literal, Optional
 
 import torch
@@ -22,6 +28,23 @@ from invokeai.app.services.shared.invocation_context import InvocationContext
 from invokeai.backend.stable_diffusion.diffusers_pipeline import PipelineIntermediateState
 
 SCHEDULER_NAME_VALUES = Literal["ddim", "euler"]
+
+
+def _adjust_memory_efficient_attention(unet: torch.nn.Module, config: object) -> None:
+    try:
+        prefer_xformers = torch.cuda.is_available() and torch.cuda.get_device_properties("cuda").major <= 7
+    except Exception:
+        prefer_xformers = False
+    attention_type = config.attention_type
+    if attention_type == "xformers" and prefer_xformers and importlib.util.find_spec("xformers") is not None:
+        unet.enable_xformers_memory_efficient_attention()
+    elif attention_type == "sliced":
+        size = config.attention_slice_size
+        unet.set_attention_slice("auto" if size in ("auto", "balanced") else size)
+    elif attention_type == "normal":
+        unet.set_attention_slice(None)
+    elif attention_type != "torch-sdp" and unet.device.type == "cpu":
+        unet.set_attention_slice(None)
 
 
 def _make_scheduler(loaded: object, name: str) -> object:
@@ -71,6 +94,7 @@ class DenoiseLatentsInvocation(BaseInvocation):
             context.util.sd_step_callback(state, unet_config.base)
 
         with context.models.load(self.unet.unet) as unet:
+            _adjust_memory_efficient_attention(unet, context.config.get())
             step_callback(PipelineIntermediateState(step=0, order=scheduler.order, total_steps=len(timesteps),
                                                     timestep=scheduler.config.num_train_timesteps, latents=latents))
             for i, t in enumerate(timesteps):
