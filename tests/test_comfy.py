@@ -383,6 +383,70 @@ def test_chained_vae_nodes_the_last_wins_with_one_segment_per_decode(comfy_facto
     assert rec.calls == {("vae", "math"): 1}
 
 
+class _ModelLoader:
+    """A checkpoint loader as a user's graph has one: the same model object for the same name."""
+    loaded = {}
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"ckpt_name": (["tiny.safetensors"],)}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "load"
+
+    def load(self, ckpt_name):
+        if ckpt_name not in self.loaded:
+            self.loaded[ckpt_name] = unet_patcher()
+        return (self.loaded[ckpt_name],)
+
+
+class _Sampler:
+    """KSampler's place in the graph: a model in, latents out, each run recorded."""
+    runs = []
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "steps": ("INT", {"default": 2})}}
+
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "run"
+
+    def run(self, model, steps):
+        with lib_attn.recording() as rec:
+            latent = sample(model, steps=steps)
+        self.runs.append(dict(rec.calls))
+        return (latent,)
+
+
+def test_a_changed_backend_node_runs_the_sampler_again_and_an_unchanged_graph_comes_from_the_cache(
+        comfy_factory, monkeypatch):
+    """ComfyUI keys each node's cached outputs on its inputs and on those of every node before it: a
+    changed input of the Attention backend node changes the sampler's key, so the sampler runs again on
+    the new kernels; the same graph again is served from the cache, nothing running."""
+    _, nodes = loaded(comfy_factory)
+    import execution
+    monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, "TestCheckpointLoader", _ModelLoader)
+    monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, "TestSampler", _Sampler)
+    monkeypatch.setattr(_Sampler, "runs", [])
+    monkeypatch.setattr(_ModelLoader, "loaded", {})
+
+    def prompt(**backend):
+        return {"4": {"class_type": "TestCheckpointLoader", "inputs": {"ckpt_name": "tiny.safetensors"}},
+                "10": {"class_type": "FlashAttentionBackend",
+                       "inputs": {"model": ["4", 0], **BACKEND, "tune": "auto", **backend}},
+                "3": {"class_type": "TestSampler", "inputs": {"model": ["10", 0], "steps": 2}}}
+
+    cache = {}
+    first, ran = execution.run_prompt(prompt(backend="sdpa-math"), cache)
+    assert ran == ["4", "10", "3"] and _Sampler.runs[-1] == {("unet", "sdpa-math"): 4}
+    second, ran = execution.run_prompt(prompt(backend="sdpa"), cache)
+    assert ran == ["10", "3"] and _Sampler.runs[-1] == {("unet", "sdpa"): 4}       # the loader from the cache
+    third, ran = execution.run_prompt(prompt(backend="sdpa", schedule="0-50%: sdpa-math"), cache)
+    assert ran == ["10", "3"] and _Sampler.runs[-1] == {("unet", "sdpa-math"): 2, ("unet", "sdpa"): 2}
+    again, ran = execution.run_prompt(prompt(backend="sdpa"), cache)
+    assert ran == [] and len(_Sampler.runs) == 3 and again["3"][0] is second["3"][0]
+
+
 # --- the report ---------------------------------------------------------------------------------------------
 
 def test_report_of_a_run_and_of_a_run_without_routed_calls(comfy_factory):

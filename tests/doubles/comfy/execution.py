@@ -50,3 +50,34 @@ def execute(node_cls, inputs, prompt_id="prompt-1", node_id="1", client_id="clie
         PromptServer.instance.client_id = client_id
     with CurrentNodeContext(prompt_id, node_id):
         return getattr(node_cls(), node_cls.FUNCTION)(**inputs)
+
+
+def run_prompt(prompt, outputs_cache, prompt_id="prompt-1"):
+    """Runs a whole prompt (node id -> {"class_type", "inputs"}; a linked input is ``[node id, output slot]``)
+    as ComfyUI's executor does with its output cache: each node's key from ``comfy_execution.caching``, a
+    node whose key ``outputs_cache`` holds is not run and gives the stored outputs, the others run (their
+    parents first) and are stored. Returns ({node id: outputs}, [the ids of the nodes that ran, in order])."""
+    import nodes
+    from comfy_execution.caching import CacheKeySetInputSignature, DynamicPrompt, IsChangedCache, is_link
+
+    dynprompt = DynamicPrompt(prompt)
+    keys = CacheKeySetInputSignature(dynprompt, list(prompt), IsChangedCache(dynprompt))
+    outputs, ran = {}, []
+
+    def run(node_id):
+        if node_id in outputs:
+            return outputs[node_id]
+        key = keys.get_data_key(node_id)
+        if key in outputs_cache:
+            outputs[node_id] = outputs_cache[key]
+            return outputs[node_id]
+        node = prompt[node_id]
+        inputs = {name: run(value[0])[value[1]] if is_link(value) else value for name, value in node["inputs"].items()}
+        outputs[node_id] = execute(nodes.NODE_CLASS_MAPPINGS[node["class_type"]], inputs, prompt_id, node_id)
+        ran.append(node_id)
+        outputs_cache[key] = outputs[node_id]
+        return outputs[node_id]
+
+    for node_id in prompt:
+        run(node_id)
+    return outputs, ran
