@@ -24,6 +24,7 @@ import weakref
 import torch
 
 from . import work
+from .code_names import names_used
 
 _hooked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its hooks' handles
 _lock = threading.Lock()
@@ -40,8 +41,6 @@ def is_vae(name: str) -> bool:
 def reaches_attention(processor_class: type) -> bool:
     """Whether a processor's call looks up SDPA or diffusers' dispatcher (where the stand-ins are)."""
     if processor_class not in _reaches:
-        from .targets import names_used  # targets imports this module
-
         code = getattr(getattr(processor_class, "__call__", None), "__code__", None)
         _reaches[processor_class] = code is None or bool(names_used(code) & ATTENTION_NAMES)
     return _reaches[processor_class]

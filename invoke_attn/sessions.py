@@ -100,7 +100,7 @@ class Session:
         if choice is None:
             return call(services)
         targets.route()
-        told = _watch_steps(context)
+        told = _watch_steps(context, role in choices.DENOISERS)
         _watch_loads(context)
         with contextlib.ExitStack() as stack:
             config = stack.enter_context(lib_attn.use(**choice.config))
@@ -144,11 +144,12 @@ def _steps_asked(invocation) -> int | None:
 FRACTION = 1_000_000
 
 
-def _watch_steps(context) -> list:
+def _watch_steps(context, denoiser: bool) -> list:
     """This node's step callbacks tell the schedule the step after the ones done. A node that has none
     (Ideogram-4) signals its progress after each step as the fraction of its steps done, which is where
     the next step starts; it is used until the node makes a step callback (whose own progress signal is
-    then ignored). Returns a list that holds True once the node told a step."""
+    then ignored; a VAE node's progress, a tiled decode's, is no step). Returns a list that holds True once
+    the node told a step."""
     util = context.util
     stepped, told = [], []
     for name in [n for n in dir(type(util)) if n.endswith("step_callback")]:
@@ -166,7 +167,7 @@ def _watch_steps(context) -> list:
     real_progress = util.signal_progress
 
     def signal_progress(message, percentage=None, *args, **kwargs):
-        if percentage is not None and not stepped and 0 <= percentage < 1:
+        if denoiser and percentage is not None and not stepped and 0 <= percentage < 1:
             schedule.at_step(round(percentage * FRACTION), FRACTION)
             told.append(True)
         return real_progress(message, percentage, *args, **kwargs)

@@ -39,6 +39,7 @@ from host_attn.patching import Patches
 from lib_attn.integrations.diffusers import served_dispatch, served_functional, served_sdpa
 
 from . import flux_attention, model_hooks, work
+from .code_names import names_used
 
 PREFIXES = ("diffusers.models.", "invokeai.backend.")
 SDPA = "scaled_dot_product_attention"
@@ -63,15 +64,6 @@ def _codes(value):
     elif isinstance(value, type):
         for member in vars(value).values():
             yield from _codes(member)
-
-
-def names_used(code: types.CodeType) -> set:
-    """Every name ``code`` (and the functions defined in it) looks up."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= names_used(const)
-    return names
 
 
 def _module_names(module) -> set:
