@@ -5,21 +5,26 @@ from the node's own fields (``invocation_cache.create_key``). An Attention backe
 on unchanged, so without more a denoise or decode node routed under one configuration has the key it
 had under another, or under none, and InvokeAI would hand back that run's output. A routed node sees
 the services through ``keyed``: the same services, whose cache's keys add the configuration the node
-runs under (``Config.token``, which equal configurations share), so equal configurations still share
-outputs and no other does; and a hit is noted, so that the report can say the output came from the
-cache rather than from attention that ran.
+runs under (``Config.canonical``, which equal configurations share, and the engine's version), so equal
+configurations still share outputs and no other does, also after the pack's code was replaced in the same
+process; and a hit is noted, so that the report can say the output came from the cache rather than from
+attention that ran.
 """
 from __future__ import annotations
+
+import hashlib
+
+import lib_attn
 
 
 class _KeyedCache:
     """The invocation cache with the configuration in every key; ``hit`` once it answered."""
 
-    def __init__(self, cache, token: int):
-        self._cache, self._token, self.hit = cache, token, False
+    def __init__(self, cache, configuration: str):
+        self._cache, self._configuration, self.hit = cache, configuration, False
 
     def create_key(self, invocation):
-        return f"{self._cache.create_key(invocation)}|attention configuration {self._token}"
+        return f"{self._cache.create_key(invocation)}|attention {self._configuration}"
 
     def get(self, key):
         found = self._cache.get(key)
@@ -41,7 +46,9 @@ class _Services:
         return getattr(self._services, name)
 
 
-def keyed(services, token: int) -> tuple:
-    """(the services to run a node with under the configuration ``token``, its cache: ``.hit`` after)."""
-    cache = _KeyedCache(services.invocation_cache, token)
+def keyed(services, config) -> tuple:
+    """(the services to run a node with under ``config`` (a ``lib_attn`` configuration), its cache: ``.hit``
+    after)."""
+    said = repr((lib_attn.__version__, config.canonical)).encode()
+    cache = _KeyedCache(services.invocation_cache, hashlib.sha256(said).hexdigest()[:32])
     return _Services(services, cache), cache

@@ -28,7 +28,8 @@ class Config:
     ``avoid``: backend ids the default chains leave out (a chain the user names may still hold them);
     ``schedule``: a ``lib_attn.schedule.Schedule`` whose rules choose the chain for the calls they take, or None.
     ``sparse``: ``lib_attn.sparse.Sparse`` settings, or None (no sparse attention).
-    ``token``: a small number that equal configurations share (the dispatcher keys decisions on it)."""
+    ``token``: a small number that equal configurations share (the dispatcher keys decisions on it), in this
+    process; ``canonical``: what makes two configurations equal, in any process (a host's cache keys)."""
 
     preference: dict = field(default_factory=lambda: {role: None for role in ROLES})
     fp32: str = "cast"
@@ -39,11 +40,13 @@ class Config:
     schedule: _schedule.Schedule | None = None
     sparse: _sparse.Sparse | None = None
     token: int = field(default=0, init=False, compare=False, repr=False)
+    canonical: tuple = field(default=(), init=False, compare=False, repr=False)
 
     def __post_init__(self):
         canonical = (tuple(sorted(self.preference.items())), self.fp32, self.strict, self.tune, self.avoid,
                      self.guard, None if self.schedule is None else self.schedule.text,
                      None if self.sparse is None else self.sparse.text)
+        object.__setattr__(self, "canonical", canonical)
         object.__setattr__(self, "token", _TOKENS.setdefault(canonical, len(_TOKENS)))
 
     @functools.cached_property

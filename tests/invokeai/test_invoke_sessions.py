@@ -590,3 +590,28 @@ def test_a_denoiser_that_tells_no_step_is_said_in_the_report(host, monkeypatch):
     assert _rules(session) == {("0-50%", "dit", "sdpa"): 4}
     assert "ideogram4_denoise told InvokeAI no step: the schedule's step rules took all its calls as its first " \
            "step" in session.notes
+
+
+def test_the_cache_key_holds_the_configuration_itself_not_a_number_of_this_process(host):
+    """After an update replaced the engine in the same process, its configurations are numbered anew:
+    the key says what the configuration is (and the engine's version), so a new number never meets an
+    output made under another configuration."""
+    from invoke_attn import node_cache
+
+    def key(**config):
+        with lib_attn.use(**config) as made:
+            services, _ = node_cache.keyed(host.services, made)
+        return services.invocation_cache.create_key(_validated({"type": "noise", "id": "n"}))
+
+    import sys
+
+    math, sdpa = key(preference={"unet": ("sdpa-math",)}), key(preference={"unet": ("sdpa",)})
+    numbers = sys.modules["lib_attn.config"]._TOKENS
+    kept = dict(numbers)
+    numbers.clear()  # the numbers of a fresh engine module: sdpa now gets the number sdpa-math had
+    try:
+        assert key(preference={"unet": ("sdpa",)}) == sdpa and key(preference={"unet": ("sdpa-math",)}) == math
+    finally:
+        numbers.clear()
+        numbers.update(kept)
+    assert math != sdpa
