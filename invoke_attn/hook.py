@@ -18,7 +18,7 @@ except Exception:  # noqa: BLE001 - an older release: VRAM measured on the curre
 from host_attn import voice
 from host_attn.patching import Patches
 
-from . import sessions, targets
+from . import node_cache, sessions, targets
 
 _patches = Patches("InvokeAI node hook")
 
@@ -35,6 +35,8 @@ def install(node_type: str, nodes_module: str) -> None:
             sessions.reset()
             voice.log(f"InvokeAI: the pack was uninstalled; {removed} replaced names put back")
             return original(self, context, services)
+        if type(self).__module__ == nodes_module:
+            services = node_cache.keyed(services, node_cache.of_class(type(self)))[0]
         session = sessions.of(context, node_type, session_device)
         if session is None:
             return original(self, context, services)

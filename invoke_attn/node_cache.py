@@ -8,7 +8,7 @@ the services through ``keyed``: the same services, whose cache's keys add the co
 runs under (``Config.canonical``, which equal configurations share, and the engine's version), so equal
 configurations still share outputs and no other does, also after the pack's code was replaced in the same
 process; and a hit is noted, so that the report can say the output came from the cache rather than from
-attention that ran.
+attention that ran. The pack's own nodes are keyed by their class (``of_class``).
 """
 from __future__ import annotations
 
@@ -46,9 +46,19 @@ class _Services:
         return getattr(self._services, name)
 
 
-def keyed(services, config) -> tuple:
-    """(the services to run a node with under ``config`` (a ``lib_attn`` configuration), its cache: ``.hit``
-    after)."""
-    said = repr((lib_attn.__version__, config.canonical)).encode()
-    cache = _KeyedCache(services.invocation_cache, hashlib.sha256(said).hexdigest()[:32])
+def configuration(config) -> str:
+    """What a routed node's key adds: ``config`` (a ``lib_attn`` configuration) and the engine's version."""
+    return hashlib.sha256(repr((lib_attn.__version__, config.canonical)).encode()).hexdigest()[:32]
+
+
+def of_class(cls) -> str:
+    """What the key of one of the pack's own nodes adds: its very class. InvokeAI's cache holds outputs as
+    objects; after an update (the nodes' module run again) an output of the earlier class fails InvokeAI's
+    check of the node's result, so a node of the new class never takes one."""
+    return f"class {id(cls)}"
+
+
+def keyed(services, what: str) -> tuple:
+    """(the services to run a node with, their keys holding ``what``; its cache: ``.hit`` after)."""
+    cache = _KeyedCache(services.invocation_cache, what)
     return _Services(services, cache), cache

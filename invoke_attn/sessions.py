@@ -111,7 +111,7 @@ class Session:
             schedule.at_step(0, _steps_asked(invocation) or (FRACTION if role in choices.DENOISERS else None))
             # What chose the configuration is said once its node made calls (a LoRA loader makes none).
             self.running = (choice, self.recording.total())
-            keyed_services, cache = node_cache.keyed(services, config)
+            keyed_services, cache = node_cache.keyed(services, node_cache.configuration(config))
             before = self.recording.total()
             try:
                 return call(keyed_services)

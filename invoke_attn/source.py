@@ -4,10 +4,11 @@ The manager cannot install over a pack: an update is an uninstall (the folder de
 unregistered, the modules named after the pack's folder dropped from ``sys.modules``) and an install (the
 new folder cloned and its ``__init__.py`` run), in one process. The project's own packages (``lib_attn``,
 ``host_attn``, ``invoke_attn``) are not named after the folder, so they outlive the uninstall. When the
-root ``__init__.py`` of a copy runs while packages loaded from other code are in ``sys.modules``
-(``SOURCE``, the digest of the code they were loaded from, differs from this copy's), ``replace_earlier``
-takes the earlier copy's hook and stand-ins off and drops its modules, so that this copy's are imported;
-the same code under another folder name keeps its modules (and the hook is bound to the new name).
+root ``__init__.py`` of a copy runs while packages loaded from another folder or from other code are in
+``sys.modules`` (``SOURCE``, the digest of the code they were loaded from, differs from this copy's),
+``replace_earlier`` takes the earlier copy's hook and stand-ins off and drops its modules, so that this
+copy's are imported; the same folder with the same code keeps them (the hook is bound to the nodes'
+module again).
 
 One module stays: ``lib_attn.graph_op``, whose operator torch registers once per process under its
 name; the new engine hands it its attention as it is imported. Where that file itself changed (or it
@@ -58,12 +59,15 @@ def _take_off(old) -> None:
 
 
 def replace_earlier(root: str, log=print) -> str | None:
-    """Take off and drop the project's packages when they were loaded from other code than this copy's
-    (under ``root``); returns the folder they came from, or None when nothing was replaced."""
+    """Take off and drop the project's packages when they were loaded from another folder (which an
+    uninstall deleted: the packages read files beside them) or from other code than this copy's (under
+    ``root``); returns the folder they came from, or None when nothing was replaced."""
     old = sys.modules.get("invoke_attn")
-    if old is None or getattr(old, "SOURCE", None) == fingerprint(root):
+    if old is None:
         return None
     came_from = os.path.dirname(os.path.dirname(os.path.abspath(old.__file__ or "")))
+    if os.path.realpath(came_from) == os.path.realpath(root) and getattr(old, "SOURCE", None) == fingerprint(root):
+        return None
     kept_operator = sys.modules.get(KEEP[0])
     _take_off(old)
     for name in [n for n in sys.modules if n.split(".")[0] in PACKAGES and n not in KEEP]:

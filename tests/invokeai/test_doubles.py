@@ -624,3 +624,23 @@ def test_the_custom_node_manager_uninstalls_and_loads_as_the_release():
     purge = next(n for n in release_tree(module).body if isinstance(n, ast.FunctionDef)
                  and n.name == "_purge_pack_modules")
     assert 'name == pack_name or name.startswith(prefix)' in ast.unparse(purge)
+
+
+def test_a_node_s_result_is_checked_against_the_registered_outputs_as_the_release():
+    """The release's InvocationCompleteEvent types its result AnyInvocationOutput, validated through the
+    registry's output union: an output of a class no longer registered (a pack reinstalled) fails the node."""
+    real = release_class("invokeai.app.services.events.events_common", "InvocationCompleteEvent")
+    assert {n.target.id: ast.unparse(n.annotation) for n in real.body if isinstance(n, ast.AnnAssign)}["result"] == \
+        "AnyInvocationOutput"
+    from invokeai_host import EventLog
+
+    import typing
+
+    class Stale(BaseInvocationOutput):  # what an earlier copy of a pack registered under the same type
+        type: typing.Literal["string_output"] = "string_output"
+        value: str
+
+    stale = Stale(value="x")
+    with pytest.raises(ValidationError):
+        EventLog().emit_invocation_complete(types.SimpleNamespace(session_id="s"), types.SimpleNamespace(
+            id="n", get_type=lambda: "string"), stale)

@@ -44,10 +44,11 @@ def process():
 
 
 def _routed_calls(host):
-    """Runs a graph with the Attention backend node (sdpa-math) and returns the calls the live engine counted."""
+    """Runs a graph with the Attention backend node (sdpa-math; InvokeAI may answer it from its cache) and
+    returns the calls the live engine counted."""
     graph = txt2img_graph(seed=31)
     node = InvocationRegistry.get_invocation_typeadapter().validate_python(
-        {"type": "flash_attention_backend", "id": "attn", "backend": "sdpa-math", "use_cache": False})
+        {"type": "flash_attention_backend", "id": "attn", "backend": "sdpa-math"})  # use_cache on, as by default
     graph.add_node(node)
     item = host.run_graph(graph)
     assert item.status == "completed", item.error_traceback

@@ -174,6 +174,9 @@ class EventLog:
         self._emit("invocation_started", queue_item, invocation)
 
     def emit_invocation_complete(self, queue_item: Any, invocation: Any, output: Any) -> None:
+        # As the release's InvocationCompleteEvent: its result is checked against the registered output classes
+        # (a pydantic ValidationError here fails the node).
+        InvocationRegistry.get_output_typeadapter().validate_python(output)
         self._emit("invocation_complete", queue_item, invocation, output=output)
 
     def emit_invocation_error(self, queue_item: Any, invocation: Any, error_type: str, error_message: str,
