@@ -231,3 +231,39 @@ def _custom_op():
 #: operator under torch.compile. Older torch has no custom_op with a fake implementation; there the
 #: engine runs outside the graph.
 CUSTOM_OP = _custom_op()
+
+
+# --- FlexAttention (block-sparse attention from a block mask) ---------------------------------
+
+def _flex():
+    """(flex_attention, BlockMask) from torch 2.5, where ``BlockMask.from_kv_blocks`` and compiled
+    block skipping on CPU and CUDA arrived; (None, None) before."""
+    if TORCH_VERSION < (2, 5):
+        return None, None
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    except ImportError:
+        return None, None
+    return flex_attention, BlockMask
+
+
+FLEX_ATTENTION, FLEX_BLOCK_MASK = _flex()
+
+
+def _flex_lse_arguments() -> dict:
+    """The keyword that makes flex_attention return its log-sum-exp: ``return_aux=AuxRequest(lse=True)``
+    where it exists (``return_lse`` is deprecated there), else ``return_lse=True``."""
+    if FLEX_ATTENTION is None:
+        return {}
+    from torch.nn.attention import flex_attention as module
+
+    request = getattr(module, "AuxRequest", None)
+    return {"return_aux": request(lse=True)} if request is not None else {"return_lse": True}
+
+
+FLEX_LSE_ARGUMENTS = _flex_lse_arguments()
+#: ``BlockMask.from_kv_blocks`` can skip the transposed (query-side) tables a backward pass needs.
+FLEX_SKIPS_Q_BLOCKS = FLEX_BLOCK_MASK is not None and "compute_q_blocks" in inspect.signature(
+    FLEX_BLOCK_MASK.from_kv_blocks).parameters
+FLEX_TAKES_SEQ_LENGTHS = FLEX_BLOCK_MASK is not None and "seq_lengths" in inspect.signature(
+    FLEX_BLOCK_MASK.from_kv_blocks).parameters

@@ -152,6 +152,7 @@ def _sparse_decision(q, k, v, mask, scale, key, cfg, spec: CallSpec) -> Decision
         return _call(dense_key, found, q, k, v, mask, scale)
 
     plan = _sparse_plan.Plan(cfg, bare, reason, None if reason else sparse_id, cast, dense)
+    plan.dense_key = dense_key
     rejected = [(cfg.sparse.method, [reason])] if reason else []
     return Decision(sparse_id if not reason else inner.backend, rejected, spec=bare, source=inner.source,
                     countdown=0, plan=plan)

@@ -6,6 +6,7 @@ against a float64 reference computed here from the whole inputs (the same on eve
     python tests/parallel_cases.py fault SEED HOW  # rank 1 raises before the call (raise), inside a ring
                                                    # step (step), or sleeps past the timeout (stall)
     python tests/parallel_cases.py nccl SEED HOW   # on GPUs: large ring blocks (cases), a stall (stall)
+    python tests/parallel_cases.py sparse SEED     # sparse attention on: Ulysses runs it, ring steps dense
 """
 import os
 import sys
@@ -327,10 +328,37 @@ def nccl(seed: int, how: str):
     launch.finish()
 
 
+def sparse(seed: int):
+    """One self-attention call with local structure under Ulysses and under ring, sparse attention on:
+    this rank's error against float64, and what the readout counted."""
+    from lib_attn.commands.bench.inputs import local_inputs
+
+    rank, world, _ = launch.init(timeout=60)
+    lib_attn.configure(sparse="block-sparse, min_tokens=512, dense=none, budget=0.2")
+    n, heads = 2048, 2 * world
+    q, k, v = local_inputs(1, heads, (n,), 32, torch.float32, torch.device("cpu"), seed=seed, strength=0.6)
+    want = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 32 ** 0.5, dim=-1) @ v.double()
+    start, stop = parallel.bounds(n, world, rank)
+    out = {"rank": rank}
+    for name, par in (("ulysses", parallel.Parallel(ulysses=world, timeout=60)),
+                      ("ring", parallel.Parallel(ring=world, timeout=60))):
+        with lib_attn.recording() as rec:
+            got = parallel.attention(*(x[:, :, start:stop] for x in (q, k, v)), kind="self", role="dit", parallel=par)
+        report = rec.sparse
+        out[name] = {"err": rel(got, want[:, :, start:stop]), "calls": [list(key) for key in rec.calls],
+                     "fallbacks": [list(key) for key in rec.fallbacks],
+                     "sparse_calls": report.calls if report else 0,
+                     "error_max": report.error_max() if report else None}
+    launch.report(out)
+    launch.finish()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "cases":
         cases(int(sys.argv[2]))
     elif sys.argv[1] == "nccl":
         nccl(int(sys.argv[2]), sys.argv[3])
+    elif sys.argv[1] == "sparse":
+        sparse(int(sys.argv[2]))
     else:
         fault(int(sys.argv[2]), sys.argv[3])

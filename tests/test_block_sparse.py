@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lib_attn.kernels import REGISTRY
-from lib_attn.kernels.block_sparse import gather
+from lib_attn.kernels.block_sparse import flex, gather
 from lib_attn.kernels.block_sparse.routing import blocks, route
 from lib_attn.kernels.sparse import Knob
 from tests.engine_helpers import make_qkv, reference, rel_err
@@ -83,3 +83,33 @@ def test_backend_runs_bshd_views_and_half_inputs_via_its_contract():
     assert half.dtype == torch.bfloat16 and rel_err(half, reference(qb, kb, vb)) < 4e-2
     with pytest.raises(NotImplementedError, match="no mask"):
         backend.run(q, k, v, torch.ones(300, 300, dtype=torch.bool), None)
+
+
+@pytest.mark.skipif(not flex.available(), reason="FlexAttention arrived in torch 2.5")
+def test_flex_design_computes_the_routed_attention():
+    n, block = 600, 128  # a last block of 88 tokens
+    q, k, v = make_qkv(1, 2, n, n, 32, torch.float32, seed=4)
+    for knob in (Knob("topk", 0.4), Knob("threshold", 0.7), Knob("topk", 1.0)):
+        routing = route(q, k, 0.25, block, knob.name, knob.value)
+        with torch.no_grad():
+            out, lse = flex.run(q, k, v, 0.25, routing, block)
+        assert lse is None  # compiled FlexAttention on a CPU returns none
+        assert rel_err(out, reference(q, k, v, mask=routed_mask(routing, n, n, block), scale=0.25)) < 1e-5
+    backend = REGISTRY["block-sparse"]
+    assert backend.design("cpu") == "flex" and backend.design("mps") == "gather"
+    assert rel_err(backend.run_sparse(q, k, v, 0.25, Knob("topk", 1.0)).out, reference(q, k, v, scale=0.25)) < 1e-5
+
+
+def test_a_compiler_that_fails_leaves_the_gather_design(monkeypatch, caplog):
+    backend = type(REGISTRY["block-sparse"])()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("C++ compile error: no compiler")
+
+    monkeypatch.setattr(flex, "available", lambda: True)
+    monkeypatch.setattr(flex, "run", broken)
+    q, k, v = make_qkv(1, 2, 300, 300, 16, torch.float64, seed=2)
+    out = backend.run_sparse(q, k, v, None, Knob("topk", 1.0)).out
+    assert rel_err(out, reference(q, k, v)) < 1e-12
+    assert backend.design("cpu") == "gather" and "no compiler" in backend.flex_failed
+    assert "gather design serves" in caplog.text

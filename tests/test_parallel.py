@@ -172,3 +172,18 @@ def test_the_text_of_a_joint_call_is_the_same_bytes_on_every_rank_in_ring_modes(
         for row in rows:
             assert row["identical"], (seed, row)
             assert row["err"] <= bounds[row["dtype"]], (seed, row)
+
+
+def test_sparse_attention_runs_under_ulysses_and_says_why_ring_steps_run_dense():
+    ranks = launch.run_ranks(2, [CASES, "sparse", "11"], timeout=240)
+    for r in ranks:
+        assert r["returncode"] == 0 and r["result"], r["output"]
+        res = r["result"]
+        ulysses, ring = res["ulysses"], res["ring"]
+        # Ulysses: each rank attends over the whole sequence for its heads, sparse, within the budget
+        assert ulysses["sparse_calls"] == 1 and ["dit", "block-sparse"] in ulysses["calls"]
+        assert ulysses["error_max"] <= 0.2 and 0 < ulysses["err"] <= 0.2
+        # ring: the steps run dense, each counted as a fallback from the sparse backend with the reason
+        assert ring["sparse_calls"] == 0 and ring["err"] < 1e-5
+        reasons = [reason for role, backend, reason in ring["fallbacks"] if backend == "block-sparse"]
+        assert reasons and all("runs under Ulysses only" in reason for reason in reasons)

@@ -11,11 +11,13 @@ from typing import List, Optional
 
 import torch
 
+import lib_attn.sparse
 from lib_attn import schedule as lib_schedule
 from lib_attn import shapes
 from lib_attn import tuning_file
 
 from . import bench, doctor
+from .bench import sparse as sparse_bench
 from . import parallel as parallel_command
 from . import tune as tune_command
 from .dtypes import dtype_name, parse_dtype
@@ -74,6 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tune", choices=("on", "off"), default="on",
                    help="the auto column with tuning on (default: it runs what tuning ranks fastest) or off "
                         "(the fixed order)")
+    b.add_argument("--sparse", action="store_true",
+                   help="dense against sparse attention on the models' long self-attention calls (video models)")
+    b.add_argument("--sparse-call", default=None, metavar="BxNxHxD",
+                   help="with --sparse: one call of B items, N tokens (a sequence with local attention), H heads, "
+                        "head dim D instead of the models' calls")
+    b.add_argument("--sparse-topk", type=float, default=0.2, metavar="F",
+                   help="with --sparse: the keep fraction of the kernel column (default 0.2)")
+    b.add_argument("--sparse-settings", default=None, metavar="TEXT",
+                   help="with --sparse: the sparse settings of the engine column (default: "
+                        f"'{sparse_bench.DEFAULT_SETTINGS}')")
+    b.add_argument("--sparse-rounds", type=int, default=5, metavar="N",
+                   help="with --sparse: interleaved timed rounds (default 5)")
 
     t = sub.add_parser("tune", help="measure each call kind's backends and store the fastest correct one")
     _add_workload(t, "tune")
@@ -174,7 +188,42 @@ def _doctor(args, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _sparse_bench(args, parser: argparse.ArgumentParser) -> int:
+    device = _device(args.device, parser)
+    dtypes = _dtypes(args.dtype, parser) or [torch.float32 if device.type == "cpu" else torch.bfloat16]
+    factor = args.video_scale or (8 if device.type == "cpu" else 1)
+    if factor < 1:
+        parser.error(f"--video-scale {factor}: must be a whole number of 1 or more")
+    if not 0 < args.sparse_topk <= 1:
+        parser.error(f"--sparse-topk {args.sparse_topk}: must be in (0, 1]")
+    settings = args.sparse_settings or sparse_bench.DEFAULT_SETTINGS
+    try:
+        lib_attn.sparse.parse(settings)
+    except ValueError as exc:
+        parser.error(f"--sparse-settings: {exc}")
+    if args.sparse_call:
+        try:
+            b, n, h, d = (int(x) for x in args.sparse_call.lower().split("x"))
+        except ValueError:
+            parser.error(f"--sparse-call {args.sparse_call!r}: write BxNxHxD, e.g. 1x16384x4x128")
+        calls = [(f"{b}x{n}x{h}x{d}", b, h, d, (n,))]
+    else:
+        models = [args.model] if args.model and args.model != "all" else list(shapes.VIDEO_MODELS)
+        calls = sparse_bench.calls_for(models, args.res, factor)
+        if not calls:
+            parser.error(f"--sparse: {', '.join(models)} has no long self-attention call; use a video model "
+                         f"({', '.join(shapes.VIDEO_MODELS)}) or --sparse-call")
+    doc = sparse_bench.run(calls, dtypes[0], device, max(1, args.sparse_rounds), args.sparse_topk, settings)
+    _print(sparse_bench.render(doc))
+    if args.json_path:
+        _save_json(doc, args.json_path)
+        _print(f"\nJSON written to {args.json_path}")
+    return 0
+
+
 def _bench(args, parser: argparse.ArgumentParser) -> int:
+    if args.sparse:
+        return _sparse_bench(args, parser)
     if args.plot:
         missing = bench.matplotlib_missing()
         if missing:

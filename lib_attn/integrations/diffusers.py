@@ -446,7 +446,8 @@ class Routing:
 
 
 @contextlib.contextmanager
-def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: str | None = None, parallel=None):
+def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: str | None = None, parallel=None,
+          sparse=None):
     """Route every attention call of a diffusers model or pipeline through ``lib_attn`` in the scope.
 
     A pipeline routes its denoiser (``unet`` as role "unet"; ``transformer``, ``prior``, ``decoder`` as
@@ -461,6 +462,10 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
     the denoiser's block (``lib_attn.schedule.blocks``); ``pass_name`` (base, hires, refiner) names the
     pass the pipeline's steps belong to, e.g. "refiner" for an SDXL refiner pipeline.
 
+    ``sparse`` (sparse settings as ``lib_attn.configure(sparse=...)`` takes them: text, a dict, True, a
+    ``lib_attn.Sparse``, or "off") is put in force for the scope; bad ones raise ``SparseError`` before
+    anything changes. Its dense windows, like a schedule, make the scope tell the step and the block.
+
     ``parallel`` (a ``lib_attn.parallel.Parallel``, every rank running the same pipeline) splits the
     denoiser's sequence over the ranks and puts the configuration in force for the scope
     (``diffusers_parallel``); a denoiser whose split is not known, an attention module on a rank's share
@@ -474,6 +479,10 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
         raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
     if pass_name is not None and pass_name not in _schedule.PASSES:
         raise ValueError(f"pass {pass_name!r} is not one of {', '.join(_schedule.PASSES)}")
+    if sparse is not None:
+        from .. import sparse as _sparse
+
+        sparse = _sparse.parse(sparse) or "off"
     routing = Routing()
     plan, seen = [], set()
     models = _models(model_or_pipeline, role)
@@ -506,9 +515,9 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
     with contextlib.ExitStack() as scope:
         if parallel is not None:
             _split.split(scope, models, parallel)
-        if schedule is not None:
-            scope.enter_context(_use_config(schedule=schedule))
-        if _current_config().schedule is not None:
+        if schedule is not None or sparse is not None:
+            scope.enter_context(_use_config(schedule=schedule, sparse=sparse))
+        if _current_config().positional is not None:
             _follow_sampling(scope, model_or_pipeline, models, pass_name)
         try:
             if registry is not None:

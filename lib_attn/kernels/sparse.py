@@ -12,7 +12,8 @@ dense one:
 * ``ladder(knob)``: the settings calibration may try for a call kind, from ``knob`` (the sparsest the
   user allows) toward denser ones, ending at the densest still worth running sparse.
 * ``run_sparse(q, k, v, scale, knob)``: one call at that setting; a ``SparseResult`` with the output,
-  the log-sum-exp when ``returns_lse`` (else None) and the share of key blocks it computed.
+  the log-sum-exp where ``gives_lse(spec)`` (``returns_lse`` unless the backend says per call; else
+  None) and the share of key blocks it computed.
 * ``reasons(spec)`` as for every backend: the head dims, dtypes and devices it takes. Whether a call
   may go sparse at all (self-attention, no mask, enough tokens, outside the dense windows) is the
   engine's question, not the backend's (``lib_attn.sparse.eligibility``).
@@ -127,6 +128,10 @@ class SparseBackend(Backend):
             denser = (lambda x: x > knob.value) if self.threshold_denser else (lambda x: x < knob.value)
             values = [x for x in steps if denser(x)]
         return (knob,) + tuple(Knob(knob.name, x) for x in values)
+
+    def gives_lse(self, spec) -> bool:
+        """Whether ``run_sparse`` returns the log-sum-exp for calls like ``spec`` (ring steps need it)."""
+        return self.returns_lse
 
     def threshold_problem(self, value: float) -> str:
         """Why ``value`` is no threshold for this backend ("" when it is one)."""

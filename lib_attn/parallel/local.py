@@ -39,6 +39,7 @@ from ..check import bound
 from ..decision import decide
 from ..kernels import REGISTRY
 from ..kernels.base import default_scale, last_dim_contiguous
+from ..sparse import plan as _sparse_plan
 from ..spec import spec_of
 
 log = logging.getLogger("lib_attn")
@@ -205,10 +206,17 @@ def _plan(key, q, k, v, scale, role: str):
         dec = _dispatch._decide_call(q, k, v, None, "bhsd", role, None, None, scale, key)
         if dec.final:
             _dispatch._cache[key] = dec
+    sparse = dec.plan
+    if sparse is not None:  # sparse attention is on: a ring step runs the call's dense decision
+        dec = _dispatch._dense_decision(sparse.dense_key, q, k, v, None, scale)
     failed = _failed.get(key) or None
     bad = {**_bad_lse.get(key, {}), **{bid: entry[0] for bid, entry in (failed or {}).items()}}
     why = NO_LSE if not can_return_lse(dec.backend) else bad.get(dec.backend)
     plan = (dec, RUNNERS.get(dec.backend), None, failed)
+    if sparse is not None and sparse.backend is not None and not why:
+        # say so for ring: the dense decision serves, counted as a fallback from the sparse backend
+        reason = _sparse_plan.ring_reason(sparse.kernel, dec.spec)
+        plan = (dec, RUNNERS[dec.backend], (sparse.spec.role, sparse.backend, reason), failed)
     if why:
         cfg = _dispatch._for_rule(_current_config(), dec.spec)
         chain, explicit = chain_for(role, dec.spec.device, None, cfg, dec.spec)

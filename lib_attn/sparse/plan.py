@@ -68,6 +68,13 @@ def kind_label(block, band) -> str:
     return ", ".join(parts) or "any"
 
 
+def ring_reason(backend, spec) -> str:
+    """Why a ring step of a call that would go sparse runs dense (context parallelism)."""
+    if not backend.gives_lse(spec):
+        return "returns no log-sum-exp (needed by ring steps): sparse attention runs under Ulysses only"
+    return "held to its budget on whole calls: ring steps run dense, Ulysses runs it sparse"
+
+
 def over_budget(error: float, budget: float) -> str:
     return f"{OVER_BUDGET}: {error:.2f} > {budget:g}" if math.isfinite(error) else f"{OVER_BUDGET}: no finite error"
 
@@ -141,7 +148,10 @@ def forget() -> None:
 class Plan:
     """One signature's sparse plan (see the module). ``reason``: why every call of it stays dense ("":
     it may go sparse); ``backend``: the sparse backend's id; ``dense``: ``dense(q, k, v, mask, scale)``
-    runs a call on the dense chain (the dispatcher's)."""
+    runs a call on the dense chain (the dispatcher's), whose decision the dispatcher keeps under
+    ``dense_key``."""
+
+    dense_key = None
 
     def __init__(self, cfg, spec, reason: str, backend: str | None, cast, dense):
         self.settings = cfg.sparse

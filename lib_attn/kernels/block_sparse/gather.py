@@ -34,31 +34,36 @@ def run(q, k, v, scale: float, routing: Routing, block: int) -> torch.Tensor:
             q2, k2, v2 = q[bi, hi], k[bi, hi], v[bi, hi]
             idx = routing.indices[bi, hi]
             counts = routing.counts[bi, hi] if routing.counts is not None else None
+            if not ragged:  # whole blocks: copied block by block, not row by row
+                k_blocks, v_blocks = k2.unflatten(0, (kv // block, block)), v2.unflatten(0, (kv // block, block))
             for start in range(0, nq, chunk):
                 stop = min(nq, start + chunk)
-                tokens = (idx[start:stop, :, None] * block + offsets).flatten(1)  # (c, width * block)
                 mask = None
                 if ragged:
+                    tokens = (idx[start:stop, :, None] * block + offsets).flatten(1)  # (c, width * block)
                     valid = tokens < kv
                     if counts is not None:
                         valid &= (slots[None, :] < counts[start:stop, None]).repeat_interleave(block, dim=1)
-                    mask = valid[:, None, :]
-                    tokens = tokens.clamp(max=kv - 1)
-                flat = tokens.flatten()
-                keys = k2.index_select(0, flat).view(stop - start, -1, d)
-                values = v2.index_select(0, flat).view(stop - start, -1, v2.shape[-1])
+                    mask = valid[:, None, None, :]
+                    flat = tokens.clamp(max=kv - 1).flatten()
+                    # (chunk, 1, keys, d): PyTorch's fused CPU kernel takes 4-D inputs (3-D ones run its math path)
+                    keys = k2.index_select(0, flat).view(stop - start, 1, -1, d)
+                    values = v2.index_select(0, flat).view(stop - start, 1, -1, v2.shape[-1])
+                else:
+                    keys = k_blocks[idx[start:stop]].flatten(1, 2)[:, None]
+                    values = v_blocks[idx[start:stop]].flatten(1, 2)[:, None]
                 whole = min(stop, full_blocks)
                 if whole > start:  # query blocks of ``block`` rows, as a batch
-                    rows = q2[start * block:whole * block].unflatten(0, (whole - start, block))
+                    rows = q2[start * block:whole * block].unflatten(0, (whole - start, 1, block))
                     part = F.scaled_dot_product_attention(rows, keys[:whole - start], values[:whole - start],
                                                           attn_mask=None if mask is None else mask[:whole - start],
                                                           scale=scale)
-                    out[bi, hi, start * block:whole * block] = part.flatten(0, 1)
+                    out[bi, hi, start * block:whole * block] = part.flatten(0, 2)
                 if stop > whole:  # the last query block, shorter than ``block``
-                    rows = q2[whole * block:][None]
+                    rows = q2[whole * block:][None, None]
                     j = whole - start
                     part = F.scaled_dot_product_attention(rows, keys[j:j + 1], values[j:j + 1],
                                                           attn_mask=None if mask is None else mask[j:j + 1],
                                                           scale=scale)
-                    out[bi, hi, whole * block:] = part[0]
+                    out[bi, hi, whole * block:] = part[0, 0]
     return out

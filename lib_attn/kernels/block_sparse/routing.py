@@ -2,7 +2,8 @@
 
 Queries and keys are mean-pooled per block of ``block`` tokens (the last block may be shorter); the
 pooled scores (one per query block and key block, scaled as the call is) rank the key blocks for each
-query block. ``topk`` keeps a fixed number of them, ``threshold`` the fewest whose share of the pooled
+query block. ``topk`` keeps a fixed number of them (the fraction of the key blocks, rounded down: at
+most that share, but never fewer than the blocks always kept), ``threshold the fewest whose share of the pooled
 softmax mass (each key block weighted by its token count) reaches the threshold. The first key block
 (a sink: conditioning tokens and the first frame hold mass in most models) and, for self-attention,
 the query block's own block (the diagonal: local structure) are always kept.
@@ -56,7 +57,7 @@ def route(q, k, scale: float, block: int, knob_name: str, value: float) -> Routi
     nk = s.shape[-1]
     forced = _forced(s)
     if knob_name == "topk":
-        width = min(nk, max(int(forced.sum(-1).max()), math.ceil(value * nk - 1e-9)))
+        width = min(nk, max(int(forced.sum(-1).max()), math.floor(value * nk + 1e-9)))
         ranked = s.masked_fill(forced, float("inf"))
         return Routing(ranked.topk(width, dim=-1, sorted=False).indices, None, nk, block)
     # threshold: the fewest blocks, by pooled mass, whose mass reaches ``value``

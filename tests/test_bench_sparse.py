@@ -1,0 +1,59 @@
+"""``python -m lib_attn bench --sparse``: the comparison it prints and records, its errors against float64 on
+local and diffuse inputs, and the arguments it refuses."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lib_attn.commands.bench import sparse as sparse_bench
+from lib_attn.kernels.block_sparse import flex
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_one_call_compared_on_local_and_diffuse_inputs(monkeypatch):
+    monkeypatch.setattr(flex, "available", lambda: False)  # the gather design: no compile in a test
+    calls = [("1x2048x2x32", 1, 2, 32, (8, 16, 16))]
+    doc = sparse_bench.run(calls, torch.float32, torch.device("cpu"), 2, 0.2, sparse_bench.DEFAULT_SETTINGS)
+    (res,) = doc["results"]
+    local, diffuse = res["inputs"]["local"], res["inputs"]["diffuse"]
+    assert res["design"] == "gather" and res["shape"] == [1, 2048, 2, 32]
+    for entry in (local, diffuse):
+        assert set(entry["median_s"]) == {"dense", "kernel", "engine"} and all(entry["median_s"].values())
+        assert entry["error"]["dense"] < 1e-5 and 0 < entry["kept"] <= 0.2
+    # local attention: the kernel's error is small and the engine ran it sparse within its budget
+    assert local["error"]["kernel"] < diffuse["error"]["kernel"] / 2
+    assert local["engine"]["sparse_calls"] >= 1 and local["engine"]["reported_error"] <= 0.15
+    assert local["error"]["engine"] <= 0.15
+    # diffuse attention: the engine kept it dense, over budget, with the dense output
+    assert diffuse["engine"]["sparse_calls"] == 0
+    assert any(reason.startswith("over budget") for reason in diffuse["engine"]["dense"])
+    assert diffuse["error"]["engine"] < 1e-5
+    text = sparse_bench.render(doc)
+    assert "1x2048x2x32" in text and "kept" in text and "over budget" in text
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--sparse-call", "1x100"], "write BxNxHxD"),
+    (["--sparse-topk", "0"], "must be in (0, 1]"),
+    (["--sparse-settings", "block-sparse, budget=3"], "budget '3'"),
+    (["--model", "sdxl"], "no long self-attention call"),
+])
+def test_bad_arguments_are_refused_naming_them(args, words):
+    done = subprocess.run([sys.executable, "-m", "lib_attn", "bench", "--sparse", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 2 and words in done.stderr, done.stderr
+
+
+def test_video_calls_are_scaled_on_their_grid():
+    calls = sparse_bench.calls_for(["wan"], 720, 8)
+    (label, b, heads, head_dim, grid), = calls
+    assert label == "wan self 720p ÷8" and (b, heads, head_dim) == (1, 5, 128)
+    frames, h, w = grid
+    assert frames == 21 and abs(frames * h * w - 75600 / 8) / (75600 / 8) < 0.1
+    assert json.dumps(calls)  # plain data, for --json
