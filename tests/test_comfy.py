@@ -1226,3 +1226,18 @@ def test_a_sparse_call_through_the_node_is_taken_and_the_report_node_shows_its_r
     assert f"blocks kept {rec.sparse.kept_share():.0%}" in head and f"error max {rec.sparse.error_max():.1e}" in head
     assert "against budget 1.5e-01" in head
     assert any(line.startswith("sparse DiT block-sparse ") and "error max" in line for line in text), text
+
+
+def test_below_min_tokens_the_report_counts_the_dense_calls_by_reason_and_the_image_is_unchanged(comfy_factory):
+    comfy, nodes = loaded(comfy_factory)
+    (short,) = node(nodes, "FlashAttentionBackend", prompt_id="s2", model=flux_patcher(), tune="auto",
+                    sparse="block-sparse, min_tokens=4096", **BACKEND)
+    same = sample(short, prompt_id="s2", steps=2)
+    text = node(nodes, "FlashAttentionReport", prompt_id="s2", images=torch.zeros(1, 8, 8, 3))["ui"]["text"]
+    assert "dense while sparse was on: DiT ×2 below min_tokens: 64 < 4096" in text, text
+    event, data, _ = comfy.server.sent[-1]
+    assert data["sparse"]["calls"] == 0 and data["sparse"]["dense"] == [
+        {"role": "dit", "reason": "below min_tokens: 64 < 4096", "count": 2}]
+    (dense,) = node(nodes, "FlashAttentionBackend", prompt_id="s3", model=flux_patcher(), tune="auto", sparse="off",
+                    **BACKEND)
+    assert torch.equal(same, sample(dense, prompt_id="s3", steps=2))           # the image without sparse

@@ -1,6 +1,7 @@
 """Sparse attention's flag, setting and layers in the webuis (A1111 1.10 and the Forge lines share them):
 ``--attn-sparse``, ``flash_attn_sparse``, the ``generation`` layer over both; bad values named and not
 applied."""
+import html
 import types
 
 import torch
@@ -76,7 +77,7 @@ gr = pytest.importorskip("gradio")
 from tests.doubles.fixtures import webui_factory  # noqa: E402,F401
 from tests.test_generation import prefixed  # noqa: E402
 from tests.test_webui_schedule import MODES, generate, launch  # noqa: E402
-from webui_attn.ui import readout  # noqa: E402
+from webui_attn.ui import components, readout  # noqa: E402
 from webui_attn.ui.readout import parse_infotext  # noqa: E402
 
 LONG_ONLY = "block-sparse, budget=0.2, min_tokens=100000"   # every call of the small model is shorter
@@ -144,3 +145,17 @@ def test_the_readout_says_what_sparse_attention_did():
     head = next(line for line in lines if line.startswith("sparse ×1 (block-sparse, budget=0.15"))
     assert f"blocks kept {sparse.kept_share():.0%}" in head and f"error max {sparse.error_max():.1e}" in head
     assert any(line.startswith("sparse UNet block-sparse any at ") for line in lines), lines
+
+
+@pytest.mark.parametrize("mode", ("a1111", "reforge"))
+def test_the_readout_counts_what_stayed_dense_and_why(webui_factory, mode):
+    runner = launch(webui_factory, mode)
+    processed, _, _ = generate(runner, mode, ["use setting", "use setting", "", LONG_ONLY])
+    report = readout.last_report()
+    assert report.sparse is not None and report.sparse.calls == 0
+    dense = dict(report.sparse.dense_items())
+    assert dense and all(reason.startswith("below min_tokens: ") or reason in ("cross-attention", "vae calls stay dense")
+                         for (_, reason) in dense)
+    (line,) = [x for x in readout.lines(report) if x.startswith("dense while sparse was on: ")]
+    assert "below min_tokens: " in line and line in processed.comments
+    assert "dense while sparse was on" in html.unescape(components.report_html(report))

@@ -237,6 +237,21 @@ def sol_case(release: str, root: str) -> None:
         assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v))), f"{name}: the call wrote to q, k or v"
         print(f"{name}: same output as comfy_kitchen.sol_attn({', '.join(f'{a}={b}' for a, b in direct_args.items())})")
 
+    # Through the engine with sparse attention on: the call goes to sol (named, so its eager reference runs
+    # on this CPU), at the setting given, and gives sol_attn's own output.
+    import lib_attn
+
+    q, k, v = _local((2, 16, 16), 2, seed=3)
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))       # as a host passes them: (b, h, s, d) views
+    direct = comfy_kitchen.sol_attn(q, k, v, tau=1.0)
+    with lib_attn.use(sparse="sol, budget=1, min_tokens=256, threshold=1.0, dense=none, calibrate=off"):
+        with lib_attn.recording() as rec:
+            out = lib_attn.attention(qh, kh, vh, role="dit")
+    report = lib_attn.Report.from_recording(rec)
+    assert report.sparse is not None and report.sparse.calls == 1, report.sparse
+    assert torch.allclose(out.transpose(1, 2), direct, rtol=0, atol=1e-6), "the engine's sparse call is not sol_attn's"
+    print(f"through lib_attn.attention: sol at tau 1.0, {report.sparse.calls} sparse call, same output as sol_attn")
+
     # The share of blocks the engine reports is the package's routing: with the pooled tail off, sol_attn's
     # output is exact attention over the blocks it routes, which the engine's routing must reproduce.
     q, k, v = _local((3, 20, 21), 2, seed=5)

@@ -13,7 +13,7 @@ from lib_attn.config import GUARD_MODES
 from lib_attn.schedule import EXAMPLE as SCHEDULE_EXAMPLE
 from lib_attn.sparse import EXAMPLE as SPARSE_EXAMPLE
 
-from host_attn.readout import guard_lines
+from host_attn.readout import guard_lines, sparse_lines
 
 from ..settings.choices import USE_SETTING, override_choices, unavailable_ids
 from . import api
@@ -61,6 +61,9 @@ def report_html(report) -> str:
         parts.append(f"<ul class='flash-attn-fallbacks'>{items}</ul>")
     if report.rules:
         parts.append(f"<p class='flash-attn-schedule'>Schedule: {_e(schedule_text(report))}</p>")
+    sparse = sparse_lines(report)
+    if sparse:
+        parts.append("<ul class='flash-attn-sparse'>" + "".join(f"<li>{_e(line)}</li>" for line in sparse) + "</ul>")
     guard = guard_lines(report)
     if guard:
         parts.append("<ul class='flash-attn-guard'>" + "".join(f"<li>{_e(line)}</li>" for line in guard) + "</ul>")
