@@ -140,6 +140,18 @@ class Recording:
             self._final = {kind: self._now(kind) for kind in _TABLES}
             self.finished = time.perf_counter()
 
+    def mark(self) -> dict:
+        """The counts so far, to take a part of the work with ``since`` (one batch of a generation)."""
+        return {kind: self._now(kind) for kind in _TABLES}
+
+    def since(self, start: dict, end: dict | None = None) -> "Recording":
+        """The counts added between the marks ``start`` and ``end`` (None: now), as a finished Recording."""
+        end = self.mark() if end is None else end
+        part = Recording(here=True)
+        part._final = {kind: end[kind] - start.get(kind, Counter()) for kind in _TABLES}
+        part.started, part.finished = self.started, self.finished or time.perf_counter()
+        return part
+
     def _ruled(self) -> Counter:
         return self._now("calls")
 

@@ -48,8 +48,17 @@ class FlashAttentionScript(scripts.Script):
     def ui(self, is_img2img):
         return panel.ui(self, is_img2img)
 
+    def before_process(self, p, *args):
+        panel.before_process(p, *args)
+
     def process(self, p, *args):
         panel.process(p, *args)
+
+    def before_process_batch(self, p, *args, **kwargs):
+        panel.before_process_batch(p, kwargs.get("batch_number"))
+
+    def postprocess_batch(self, p, *args, **kwargs):
+        panel.postprocess_batch(p, kwargs.get("batch_number"))
 
     def postprocess(self, p, processed, *args):
         panel.postprocess(p, processed, *args)

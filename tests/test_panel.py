@@ -222,24 +222,35 @@ def test_generation_that_raised_does_not_leak_into_the_next(webui_factory):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_paste_back_restores_the_override(webui_factory, mode):
+def test_paste_back_restores_what_was_chosen_never_what_ran(webui_factory, mode):
     _, script = _load(webui_factory, mode)
     _settings_registered()
     with gr.Blocks():
         components = script.ui(False)
-    override = components[0]
+    override, guard, schedule, sparse = components
     assert isinstance(override, gr.Dropdown) and override.value == "use setting"
-    (field, reader), (schedule_field, schedule_reader), (sparse_field, sparse_reader) = script.infotext_fields
-    assert field is override and schedule_field is components[2] and sparse_field is components[3]
-    assert schedule_reader is readout.schedule_from_infotext and sparse_reader is readout.sparse_from_infotext
-    assert script.paste_field_names == ["Attention", "Attention schedule", "Sparse attention"]
+    assert script.infotext_fields == list(zip(components, panel.PASTE_READERS))
+    assert script.paste_field_names == list(panel.PASTE_READERS)   # "Send to" matches fields by these
+    assert panel.PASTE_READERS[3] is readout.sparse_from_infotext
+    read_override, read_guard, read_schedule = panel.PASTE_READERS[:3]
 
-    _, _, infotext = _generate(script, "sdpa-math")
-    pasted = reader(parse_infotext(infotext))
-    assert pasted == "sdpa-math"
-    _generate(script, pasted)
+    _, _, infotext = _generate(script, "sdpa-math", "full")
+    params = parse_infotext(infotext)
+    assert params["Attention"].startswith("sdpa-math") and params["Attention override"] == "sdpa-math"
+    assert params["Attention guard override"] == "full"
+    assert (read_override(params), read_guard(params), read_schedule(params)) == ("sdpa-math", "full", "")
+    _generate(script, read_override(params))
     assert readout.last_report().backends("unet") == [("sdpa-math", 6)]
-    assert reader(parse_infotext("a dog\nSteps: 20, Sampler: Euler a")) is None   # leaves the dropdown alone
+
+    # left to the setting: what ran is recorded, nothing is chosen, and pasting pins nothing
+    _, _, infotext = _generate(script, "use setting")
+    params = parse_infotext(infotext)
+    assert params["Attention"] and "Attention override" not in params and "Attention guard override" not in params
+    assert (read_override(params), read_guard(params), read_schedule(params)) == ("use setting", "use setting", "")
+    # an infotext of another tool, or of an earlier version (only what ran), pins nothing either
+    for text in ("a dog\nSteps: 20, Sampler: Euler a, Seed: 1", "a dog\nSteps: 20, Seed: 1, Attention: sdpa"):
+        assert read_override(parse_infotext(text)) == read_guard(parse_infotext(text)) == "use setting"
+    assert read_override({"Attention override": "fastest"}) == "use setting"     # names no backend
 
 
 def test_vram_is_the_host_monitors_when_it_runs(webui_factory):

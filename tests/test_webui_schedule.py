@@ -98,13 +98,13 @@ def test_paste_back_restores_the_schedule_and_runs_it_again(webui_factory, mode)
     processed, _, _ = generate(runner, mode, ["use setting", "use setting", typed])
     first = by_rule(readout.last_report())
     script = runner.alwayson_scripts[0]
-    field, reader = script.infotext_fields[1]
-    assert field is script.controls[2] and "Attention schedule" in script.paste_field_names
+    field, reader = script.infotext_fields[2]
+    assert field is script.controls[2] and reader in script.paste_field_names
     pasted = reader(parse_infotext(processed.info))
     assert pasted == "0-30%: sdpa; 30-100%: math"
-    # The backend field is left as it is: the schedule's rules chose the backends the infotext lists.
+    # The backend field gets what was chosen (nothing): the schedule's rules chose the backends that ran.
     backend_field, backend_reader = script.infotext_fields[0]
-    assert backend_field is script.controls[0] and backend_reader(parse_infotext(processed.info)) is None
+    assert backend_field is script.controls[0] and backend_reader(parse_infotext(processed.info)) == "use setting"
     generate(runner, mode, ["use setting", "use setting", pasted])
     assert by_rule(readout.last_report()) == first
     assert first["0-30%"] == {("unet", "sdpa"): 3 * CALLS_PER_MODEL_CALL}

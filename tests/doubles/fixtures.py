@@ -115,6 +115,7 @@ def webui_double(mode: str = "a1111", argv=()):
             initialize_forge()
         from modules import paths_internal
         paths_internal.extensions_dir = extensions_dir
+        paths_internal.data_path = tmp.name   # params.txt and the like: written where the test can see them
         import modules.shared  # noqa: F401  (runs preload.py and parses argv)
         import modules.sd_hijack  # noqa: F401
         # scripts load from the repository itself, so ``webui_attn`` is one package for every test

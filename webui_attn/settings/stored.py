@@ -136,10 +136,10 @@ def layer_from(values: dict) -> dict | None:
     return layer or None
 
 
-def apply_settings(opts=None) -> dict:
-    """Push the stored settings to the engine (each ignored value logged once); returns the merged
-    configuration now in force."""
-    values = read(opts)
+def apply_settings(opts=None, values: dict | None = None) -> dict:
+    """Push the stored settings (or ``values``, as ``read`` gives them) to the engine, each ignored value
+    logged once; returns the merged configuration now in force."""
+    values = read(opts) if values is None else values
     for message in problems(values):
         voice.log_once(("setting", message), message)
     return layers.set_layer("settings", layer_from(values))

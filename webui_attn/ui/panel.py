@@ -4,6 +4,8 @@ The entry script's ``Script`` delegates here. One generation runs from ``process
 (both on the thread that generates, Forge's worker thread included); its counters are a
 ``lib_attn.recording()`` opened in ``process`` and closed in ``postprocess``, so they hold the calls
 that thread makes for the generation (a live preview that another thread decodes is not among them).
+Each batch (``before_process_batch`` to ``postprocess_batch``) is marked in them, so that each image's
+infotext counts the calls of its own batch.
 """
 from __future__ import annotations
 
@@ -22,13 +24,16 @@ from ..settings import layers, stored
 from ..settings.choices import USE_SETTING, backend_from_choice
 from ..settings.flags import DENOISER_ROLES, schedule_problem, sparse_problem
 from . import readout, settings_page
-from .readout import (INFOTEXT_FALLBACKS_KEY, INFOTEXT_GUARD_KEY, INFOTEXT_KEY, INFOTEXT_KEYS, INFOTEXT_NOTE_KEY,
-                      INFOTEXT_SCHEDULE_KEY, INFOTEXT_SPARSE_KEY)
+from .readout import (INFOTEXT_FALLBACKS_KEY, INFOTEXT_GUARD_KEY, INFOTEXT_GUARD_OVERRIDE_KEY, INFOTEXT_KEY,
+                      INFOTEXT_KEYS, INFOTEXT_NOTE_KEY, INFOTEXT_OVERRIDE_KEY, INFOTEXT_SCHEDULE_KEY,
+                      INFOTEXT_SPARSE_KEY)
 
 TITLE = "Flash Attention"
 
 _lock = threading.Lock()
 _open: list = []
+#: (p, the extension's settings before the webui applied p's ``override_settings``), from ``before_process``.
+_before_override: list = []
 
 
 @dataclass
@@ -42,12 +47,25 @@ class _Generation:
     notes: tuple
     routing: voice.Routing
     follower: sampling.Follower | None = None
+    #: batch number -> [mark at its start, mark at its end or None]
+    batches: dict = dataclasses.field(default_factory=dict)
+    #: the settings the request's ``override_settings`` replaced, put back when it ends (or None)
+    restore: dict | None = None
+
+    def part(self, p=None, use_main_prompt: bool = False):
+        """The calls of the batch ``p`` is in (``p.iteration``), or of the whole job for the grid
+        (``use_main_prompt``) or where the batch was not marked."""
+        marks = None if use_main_prompt else self.batches.get(getattr(p, "iteration", None))
+        return self.rec if marks is None else self.rec.since(*marks)
 
     def close(self) -> None:
         if self.follower is not None:
             self.follower.close()
         self.context.__exit__(None, None, None)
         layers.set_layer("generation", self.previous_layer)
+        if self.restore is not None:
+            # the webui puts the options back with setattr, which runs no onchange: follow it here
+            stored.apply_settings(values={**stored.read(), **self.restore})
 
 
 def title() -> str:
@@ -134,15 +152,31 @@ def generation_layer(override: str | None, guard: str | None = None, schedule: s
     return layer or None
 
 
-def override_from_params(params: dict) -> str | None:
-    """Paste-back: the backend that ran the denoiser in a pasted infotext, None (the field is left as it
-    is) when it names none, or when it recorded a schedule: the schedule's rules chose those backends,
-    and the schedule field restores them."""
-    report = readout.from_infotext(params or {})
-    if report is None or readout.schedule_from_infotext(params) is not None:
-        return None
-    backend = report.main_backend()
-    return backend if backend in lib_attn.BACKEND_IDS else None
+def override_from_params(params: dict) -> str:
+    """Paste-back of the backend field: the backend chosen for that generation (``Attention override``),
+    else "use setting". What ran (``Attention``) is never put there: it may be a fallback, and pinning it
+    would set aside the settings, the optimizer entry and the flags from then on."""
+    return backend_from_choice((params or {}).get(INFOTEXT_OVERRIDE_KEY)) or USE_SETTING
+
+
+def guard_from_params(params: dict) -> str:
+    """Paste-back of the guard field: the guard chosen for that generation, else "use setting"."""
+    value = str((params or {}).get(INFOTEXT_GUARD_OVERRIDE_KEY) or "").strip()
+    return value if value in GUARD_MODES else USE_SETTING
+
+
+def schedule_from_params(params: dict) -> str | None:
+    """Paste-back of the schedule field: the schedule that generation ran under, empty (the setting's)
+    when it ran under none, and None (the field is left as it is) when its text cannot be read here."""
+    if not str((params or {}).get(INFOTEXT_SCHEDULE_KEY) or "").strip():
+        return ""
+    return readout.schedule_from_infotext(params)
+
+
+#: The paste-back readers, one per field in the order of ``ui``'s components. The webui's "Send to
+#: txt2img/img2img" copies a field whose reader is in ``paste_field_names``: each reader is one function
+#: object, the same in both tabs, so the fields of the two tabs match up.
+PASTE_READERS = (override_from_params, guard_from_params, schedule_from_params, readout.sparse_from_infotext)
 
 
 #: The webui's element updated at the end of every generation (the comments and time under the image),
@@ -159,11 +193,10 @@ def ui(script, is_img2img):
         tab = "img2img" if is_img2img else "txt2img"
         hook(lambda on: components.follow(on.component, parts["readout"]),
              elem_id=OUTPUT_ELEM.format(tab=tab))
-    script.infotext_fields = [(parts["override"], override_from_params),
-                              (parts["schedule"], readout.schedule_from_infotext),
-                              (parts["sparse"], readout.sparse_from_infotext)]
-    script.paste_field_names = [INFOTEXT_KEY, INFOTEXT_SCHEDULE_KEY, INFOTEXT_SPARSE_KEY]
-    return [parts["override"], parts["guard"], parts["schedule"], parts["sparse"]]
+    fields = [parts["override"], parts["guard"], parts["schedule"], parts["sparse"]]
+    script.infotext_fields = list(zip(fields, PASTE_READERS))
+    script.paste_field_names = list(PASTE_READERS)
+    return fields
 
 
 def _shared():
@@ -179,11 +212,12 @@ def _job(shared):
     return getattr(state, "job_timestamp", None)
 
 
-def _infotext_entry(rec, key: str):
-    """An ``extra_generation_params`` value: the webui calls it when it writes each image's infotext,
-    by which time that image's sampling and decoding have run."""
-    def value(**_):
-        return readout.to_infotext(Report.from_recording(rec)).get(key)
+def _infotext_entry(gen: _Generation, key: str):
+    """An ``extra_generation_params`` value: the webui calls it when it writes each image's infotext
+    (with that ``p`` and the webui's ``use_main_prompt`` for the grid), by which time that image's batch
+    has been sampled and decoded: it counts that batch's calls (the grid's, the whole job's)."""
+    def value(p=None, use_main_prompt=False, **_):
+        return readout.to_infotext(Report.from_recording(gen.part(p, use_main_prompt))).get(key)
 
     return value
 
@@ -205,6 +239,24 @@ def _notes(override: str | None, problem: str | None, route: voice.Routing, opts
     if override and not route.routed:
         notes.append(f"override {override!r} not applied: attention runs on {route.ran_on}")
     return tuple(notes)
+
+
+def before_process(p, *args):
+    """Before the webui applies ``p.override_settings``: keep the settings they may replace."""
+    with _lock:
+        _before_override[:] = [(p, stored.read(getattr(_shared(), "opts", None)))]
+
+
+def _restore_after(p) -> dict | None:
+    """The extension's settings a request's ``override_settings`` replace for this generation, at the
+    values the webui puts back when it ends; None when it replaces none or keeps them
+    (``override_settings_restore_afterwards`` off)."""
+    keys = [key for key in (getattr(p, "override_settings", None) or {}) if key in stored.DEFAULTS]
+    before = next((values for owner, values in _before_override if owner is p), None)
+    _before_override.clear()
+    if not keys or before is None or not getattr(p, "override_settings_restore_afterwards", True):
+        return None
+    return {key: before[key] for key in keys}
 
 
 def process(p, *args):
@@ -230,6 +282,7 @@ def process(p, *args):
         refusal = stored.setting_sparse_problem(stored.read(opts))
     with _lock:
         _close_stale(job)
+        restore = _restore_after(p)
         stored.apply_settings(opts)
         previous = layers.get_layer("generation")
         if refusal is None:
@@ -254,17 +307,26 @@ def process(p, *args):
             probe = VramProbe(getattr(shared, "device", None)).start()
         if refusal is not None:
             notes = (*(n for n in notes if n != refusal), f"generation refused: {refusal}")
-        _open.append(_Generation(p, job, context, rec, probe, previous, notes, route, follower))
+        gen = _Generation(p, job, context, rec, probe, previous, notes, route, follower, restore=restore)
+        _open.append(gen)
     if refusal is not None:
         refuse(p, shared, notes[-1])
     params = getattr(p, "extra_generation_params", None)
     if params is not None:
-        for key in (INFOTEXT_KEY, INFOTEXT_FALLBACKS_KEY, INFOTEXT_GUARD_KEY, INFOTEXT_SCHEDULE_KEY):
-            params[key] = _infotext_entry(rec, key)
+        for key in (INFOTEXT_KEY, INFOTEXT_FALLBACKS_KEY, INFOTEXT_GUARD_KEY):
+            params[key] = _infotext_entry(gen, key)
+        if follower is not None:
+            # configuration, known now: params.txt (written before sampling) carries it too
+            params[INFOTEXT_SCHEDULE_KEY] = in_force.text
         if notes:
             params[INFOTEXT_NOTE_KEY] = readout.to_infotext(Report(notes=notes))[INFOTEXT_NOTE_KEY]
         if sparse_in_force is not None:
             params[INFOTEXT_SPARSE_KEY] = sparse_in_force.text
+        if refusal is None:
+            # what the user chose, apart from what ran: paste-back restores these
+            for key, chosen in ((INFOTEXT_OVERRIDE_KEY, override), (INFOTEXT_GUARD_OVERRIDE_KEY, guard)):
+                if chosen is not None:
+                    params[key] = chosen
 
 
 def refuse(p, shared, message: str) -> None:
@@ -287,6 +349,25 @@ def on_cfg_denoiser(params) -> None:
     follower = _open[-1].follower if _open else None
     if follower is not None:
         follower.step(params)
+
+
+def _generation_of(p) -> _Generation | None:
+    return next((gen for gen in reversed(_open) if gen.p is p), None)
+
+
+def before_process_batch(p, batch_number=None) -> None:
+    """A batch starts: mark the counters, so that its images' infotexts count its calls alone."""
+    gen = _generation_of(p)
+    if gen is not None and batch_number is not None:
+        gen.batches[batch_number] = [gen.rec.mark(), None]
+
+
+def postprocess_batch(p, batch_number=None) -> None:
+    """A batch is sampled and decoded; its images' infotexts are written next."""
+    gen = _generation_of(p)
+    marks = gen.batches.get(batch_number) if gen is not None else None
+    if marks is not None:
+        marks[1] = gen.rec.mark()
 
 
 def _take(p) -> _Generation | None:

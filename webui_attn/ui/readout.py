@@ -32,6 +32,10 @@ INFOTEXT_KEYS = (INFOTEXT_KEY, INFOTEXT_FALLBACKS_KEY, INFOTEXT_GUARD_KEY, INFOT
 #: The sparse settings a generation ran under (their one-line text, known when it starts), which
 #: paste-back restores; not among the report's entries above.
 INFOTEXT_SPARSE_KEY = "Sparse attention"
+#: What the user chose for that generation in the accordion (or the API's script arguments), apart from
+#: what ran: the backend and the guard. Paste-back restores these, never the backend that ran.
+INFOTEXT_OVERRIDE_KEY = "Attention override"
+INFOTEXT_GUARD_OVERRIDE_KEY = "Attention guard override"
 
 
 def _mib_up(n: int) -> int:

@@ -109,6 +109,20 @@ class Options:
                 return False
         return True
 
+    def cast_value(self, key, value):
+        """``value`` (an infotext's text) as the type of the option's default."""
+        if value is None:
+            return None
+        default_value = self.data_labels[key].default
+        if default_value is None:
+            default_value = getattr(self, key, None)
+        if default_value is None:
+            return None
+        expected_type = type(default_value)
+        if expected_type == bool and value == "False":
+            return False
+        return expected_type(value)
+
     def get_default(self, key):
         info = self.data_labels.get(key)
         return None if info is None else info.default

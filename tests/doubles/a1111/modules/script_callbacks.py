@@ -100,6 +100,10 @@ def before_reload_callback():
     _run("callbacks_before_reload")
 
 
+def infotext_pasted_callback(infotext, params):
+    _run("callbacks_infotext_pasted", infotext, params)
+
+
 def script_unloaded_callback():
     for c in reversed(callback_map["callbacks_script_unloaded"]):
         try:

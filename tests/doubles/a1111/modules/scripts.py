@@ -7,8 +7,8 @@ while it loads. Calling it again is what "Reload UI" does.
 ``ScriptRunner`` (``scripts_txt2img`` / ``scripts_img2img``) does what A1111's does for always-on scripts:
 ``initialize_scripts`` makes one instance per script, ``setup_ui`` builds their UI (inside a gr.Blocks)
 and gives each its ``args_from``/``args_to``, ``after_component`` runs the callbacks scripts registered
-with ``on_after_component`` for that elem_id, and ``process``/``postprocess`` call each script with its
-slice of ``p.script_args``, catching and reporting (``errors.report``) each script's exception and going on.
+with ``on_after_component`` for that elem_id, and ``before_process``, ``process``, ``before_process_batch``,
+``process_batch``, ``postprocess_batch`` and ``postprocess`` call each script with its slice of ``p.script_args``, catching and reporting (``errors.report``) each script's exception and going on.
 """
 import os
 import sys
@@ -174,8 +174,11 @@ class ScriptRunner:
 
     def setup_ui(self):
         """Build every script's UI in the current gr.Blocks; the callbacks registered meanwhile apply to
-        the components created after this (the output panel)."""
+        the components created after this (the output panel). Each script's ``infotext_fields`` and
+        ``paste_field_names`` are gathered, in the scripts' order, as A1111's runner gathers them."""
         self.inputs = [None]
+        self.infotext_fields = []
+        self.paste_field_names = []
         for script in self.scripts:
             script.args_from = script.args_to = len(self.inputs)
             try:
@@ -189,6 +192,10 @@ class ScriptRunner:
             script.name = script.title().lower()
             self.inputs.extend(controls)
             script.args_to = len(self.inputs)
+            if script.infotext_fields is not None:
+                self.infotext_fields += script.infotext_fields
+            if script.paste_field_names is not None:
+                self.paste_field_names += script.paste_field_names
         self.apply_on_before_component_callbacks()
         return self.inputs
 
@@ -199,12 +206,27 @@ class ScriptRunner:
             except Exception:
                 errors.report(f"Error running on_after_component: {script.filename}", exc_info=True)
 
-    def process(self, p):
+    def _each(self, hook, p, *args, **kwargs):
         for script in self.alwayson_scripts:
             try:
-                script.process(p, *p.script_args[script.args_from:script.args_to])
+                getattr(script, hook)(p, *args, *p.script_args[script.args_from:script.args_to], **kwargs)
             except Exception:
-                errors.report(f"Error running process: {script.filename}", exc_info=True)
+                errors.report(f"Error running {hook}: {script.filename}", exc_info=True)
+
+    def before_process(self, p):
+        self._each("before_process", p)
+
+    def process(self, p):
+        self._each("process", p)
+
+    def before_process_batch(self, p, **kwargs):
+        self._each("before_process_batch", p, **kwargs)
+
+    def process_batch(self, p, **kwargs):
+        self._each("process_batch", p, **kwargs)
+
+    def postprocess_batch(self, p, images, **kwargs):
+        self._each("postprocess_batch", p, images=images, **kwargs)
 
     def postprocess(self, p, processed):
         for script in self.alwayson_scripts:

@@ -17,6 +17,11 @@ opts = options.Options({
     "memmon_poll_rate": OptionInfo(8, "VRAM usage polls per second during generation.", section=("system", "System")),
     "training_xattention_optimizations": OptionInfo(False, "Use cross attention optimizations while training",
                                                     section=("training", "Training")),
+    "send_seed": OptionInfo(True, "Send seed when sending prompt or image to other interface", section=("ui", "User interface")),
+    "infotext_skip_pasting": OptionInfo([], "Disregard fields from pasted infotext", section=("ui", "User interface")),
+    "return_grid": OptionInfo(True, "Show grid in gallery", section=("saving-images", "Saving images/grids")),
+    "grid_only_if_multiple": OptionInfo(True, "Do not save grids consisting of one picture",
+                                        section=("saving-images", "Saving images/grids")),
 })
 
 device = torch.device("cpu")

@@ -51,6 +51,7 @@ def txt2img(script_runner, alwayson_scripts=None, sd_model=None, **kwargs):
     args = init_script_args(alwayson_scripts, init_default_script_args(script_runner), script_runner)
     p = processing.StableDiffusionProcessingTxt2Img(sd_model=sd_model, **kwargs)
     p.is_api = True
+    p.do_not_save_grid = True   # not save_images (the request's default)
     p.scripts = script_runner
     p.script_args = tuple(args)
     shared.state.begin(job="scripts_txt2img")
