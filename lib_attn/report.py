@@ -9,6 +9,7 @@ by ``VramProbe`` on a CUDA device.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass, field
 
 from .schedule import OTHERWISE, parse
@@ -55,19 +56,32 @@ class Vram:
 
 
 class VramProbe:
-    """VRAM of one generation measured without resetting anything: snapshots at start, ``poll`` and stop.
+    """VRAM of one generation: torch's peak counters and the least free device memory seen.
 
-    torch's peak counters are cumulative; when they rise during the generation the new peak is this
-    generation's, otherwise the old peak only bounds it (``Vram.peaks_bounded``). Sys is total minus
-    the least free memory seen at the snapshots. On a non-CUDA device every method is a no-op and
-    ``stop`` returns None.
+    By default nothing is reset: snapshots at start, ``poll`` and stop. torch's peak counters are
+    cumulative; when they rise during the generation the new peak is this generation's, otherwise the old
+    peak only bounds it (``Vram.peaks_bounded``). Sys is total minus the least free memory seen.
+
+    As a webui's own memory monitor measures (A1111's ``MemUsageMonitor``): ``reset`` resets torch's peak
+    counters at ``start``, so the peaks are this generation's; ``poll_hz`` samples free memory (every
+    process on the device) from a thread that many times a second until ``stop``, so Sys is the
+    device-wide peak over the generation. That thread also keeps the highest peak counters it saw, so a
+    reset made by someone else meanwhile (the webui's monitor starting for a queued request) loses at
+    most what rose in the last interval. On a non-CUDA device every method is a no-op and ``stop``
+    returns None.
     """
 
-    def __init__(self, device=None):
+    def __init__(self, device=None, reset: bool = False, poll_hz: float | None = None):
         self.device = device
+        self.reset = reset
+        self.poll_hz = poll_hz if poll_hz and poll_hz > 0 else None
         self._start: dict | None = None
         self._min_free: int | None = None
+        self._peaks = {"active_peak": 0, "reserved_peak": 0}
         self._total = 0
+        self._lock = threading.Lock()
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def _cuda(self):
         import torch
@@ -85,37 +99,61 @@ class VramProbe:
         device = torch.device(self.device) if self.device is not None else None
         return device.index if device is not None and device.index is not None else cuda.current_device()
 
+    def _peaks_now(self, cuda) -> dict:
+        stats = cuda.memory_stats(self._index(cuda))
+        return {"active_peak": stats.get("active_bytes.all.peak", 0),
+                "reserved_peak": stats.get("reserved_bytes.all.peak", 0)}
+
     def start(self) -> "VramProbe":
         cuda = self._cuda()
         if cuda is None:
             return self
-        index = self._index(cuda)
-        stats = cuda.memory_stats(index)
-        self._start = {"active_peak": stats.get("active_bytes.all.peak", 0),
-                       "reserved_peak": stats.get("reserved_bytes.all.peak", 0)}
+        if self.reset:
+            cuda.reset_peak_memory_stats(self._index(cuda))
+        self._start = self._peaks_now(cuda)
+        self._peaks = dict(self._start)
         self._min_free = None
         self.poll()
+        if self.poll_hz is not None:
+            self._thread = threading.Thread(target=self._run, name="lib_attn VRAM poll", daemon=True)
+            self._thread.start()
         return self
 
+    def _run(self) -> None:
+        while not self._halt.wait(1 / self.poll_hz):
+            try:
+                self.poll()
+            except Exception:  # the device went away: stop's own reading says what it can
+                return
+
     def poll(self) -> None:
-        """Take one free-memory sample (cheap: one driver query)."""
+        """Take one free-memory sample (one driver query) and, when polling, the peak counters."""
         if self._start is None:
             return
         cuda = self._cuda()
         free, total = cuda.mem_get_info(self._index(cuda))
-        self._total = total
-        self._min_free = free if self._min_free is None else min(self._min_free, free)
+        peaks = self._peaks_now(cuda) if self.poll_hz is not None else None
+        with self._lock:
+            self._total = total
+            self._min_free = free if self._min_free is None else min(self._min_free, free)
+            if peaks is not None:
+                self._peaks = {k: max(v, peaks[k]) for k, v in self._peaks.items()}
 
     def stop(self) -> Vram | None:
         if self._start is None:
             return None
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
         self.poll()
         cuda = self._cuda()
-        stats = cuda.memory_stats(self._index(cuda))
-        active = stats.get("active_bytes.all.peak", 0)
-        reserved = stats.get("reserved_bytes.all.peak", 0)
-        rose = active > self._start["active_peak"] or reserved > self._start["reserved_peak"]
-        return Vram(active, reserved, self._total - self._min_free, self._total, "own", not rose)
+        last = self._peaks_now(cuda)
+        active = max(last["active_peak"], self._peaks["active_peak"])
+        reserved = max(last["reserved_peak"], self._peaks["reserved_peak"])
+        self._start, start = None, self._start
+        rose = active > start["active_peak"] or reserved > start["reserved_peak"]
+        return Vram(active, reserved, self._total - self._min_free, self._total, "own", not (self.reset or rose))
 
 
 def role_rank(role: str) -> int:

@@ -44,9 +44,11 @@ def start(webui_factory, mode="a1111", argv=(), optimization=None):
     the settings page and the txt2img tab (script UI, then the output panel)."""
     webui = webui_factory(mode, argv=list(argv))
     webui.load_scripts()
-    from modules import script_callbacks, scripts, sd_hijack, ui_common
+    from modules import script_callbacks, scripts, sd_hijack, shared, ui_common
     if mode == "a1111":
-        sd_hijack.model_hijack.apply_optimizations(optimization)   # what loading the model does
+        if optimization is not None:   # chosen in Settings → Optimizations, where A1111 reads it
+            shared.opts.cross_attention_optimization = optimization
+        sd_hijack.model_hijack.apply_optimizations()   # what loading the model does
     script_callbacks.ui_settings_callback()
     runner = scripts.scripts_txt2img
     scripts.scripts_current = runner
@@ -402,3 +404,60 @@ def test_the_guard_over_the_api_and_a_bad_value(webui_factory, mode):
         assert note.startswith("guard 'sometimes' ignored, the setting used; valid: use setting, on, full, off")
     finally:
         faulty_backends.unregister()
+
+
+# --- A1111's own attention flags: what they do to the extension's part -----------------------------------
+
+SDP_FLAG = "--opt-sdp-attention"
+
+
+def test_a1111_flag_keeps_its_optimizer_and_startup_line_says_so(webui_factory, capsys):
+    runner, _, _ = start(webui_factory, argv=[SDP_FLAG])
+    from modules import sd_hijack
+    assert sd_hijack.current_optimizer.name == "sdp"                 # A1111 takes the flag's optimizer first
+    line = next(x for x in prefixed(capsys.readouterr().out) if SDP_FLAG in x)
+    assert f"{SDP_FLAG} (A1111): with Cross attention optimization \"Automatic\"" in line
+    assert f"{SDP_FLAG} picks sdp" in line and "only in generations that ask for it" in line
+    assert AUTO_TITLE in line and "--opt-flash-attention" in line
+    txt2img(runner)                                                  # asks for nothing: A1111's sdp runs
+    report = readout.last_report()
+    assert report.calls == {} and report.ran_on == "A1111's sdp optimizer"
+
+
+@pytest.mark.parametrize("asked", ["override", "setting"])
+def test_a1111_flag_yields_to_a_generation_that_asks_for_the_engine(webui_factory, asked):
+    runner, _, _ = start(webui_factory, argv=[SDP_FLAG])
+    import ldm.modules.attention as ldm_attention
+    from modules import sd_hijack_optimizations as sho
+    from modules import shared
+    if asked == "setting":
+        shared.opts.set(stored.KEY_BACKEND, "sdpa-math")
+    processed, info = txt2img(runner, ["sdpa-math"] if asked == "override" else None)
+    report = readout.last_report()
+    assert report.backends("unet") == [("sdpa-math", 3)] and report.ran_on is None
+    note = next(n for n in report.notes if n.startswith("this generation went through this extension"))
+    assert "A1111's sdp optimizer that \"Automatic\" applied (from --opt-sdp-attention)" in note
+    assert ldm_attention.CrossAttention.forward is sho.scaled_dot_product_attention_forward   # sdp's again
+    assert not a1111.patches.active and detect.routing().routed is False
+
+
+def test_an_a1111_entry_chosen_by_name_stays(webui_factory):
+    runner, _, _ = start(webui_factory, argv=[SDP_FLAG], optimization="sdp - scaled dot product")
+    txt2img(runner, ["sdpa-math"])
+    report = readout.last_report()
+    assert report.calls == {} and "override 'sdpa-math' not applied: attention runs on A1111's sdp" in report.notes[0]
+
+
+def test_own_flag_beside_an_a1111_flag_routes_every_generation(webui_factory, capsys):
+    runner, _, _ = start(webui_factory, argv=[SDP_FLAG, "--opt-flash-attention"])
+    from modules import sd_hijack
+    assert sd_hijack.current_optimizer.name == "flash-attn"
+    line = next(x for x in prefixed(capsys.readouterr().out) if SDP_FLAG in x)
+    assert "this extension's own flag is given too and ranks first" in line
+
+
+def test_disabled_optimizations_stay_disabled(webui_factory, capsys):
+    runner, _, _ = start(webui_factory, argv=["--disable-opt-split-attention"])
+    assert any("--disable-opt-split-attention (A1111)" in x for x in prefixed(capsys.readouterr().out))
+    txt2img(runner, ["sdpa-math"])
+    assert readout.last_report().calls == {}

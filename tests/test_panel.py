@@ -17,7 +17,7 @@ from tests.doubles.fixtures import webui_factory  # noqa: E402,F401
 from webui_attn.settings import layers, stored  # noqa: E402
 from webui_attn.ui import panel, settings_page  # noqa: E402
 from webui_attn.ui import readout  # noqa: E402
-from webui_attn.ui.readout import lines, parse_infotext, to_infotext, vram_text  # noqa: E402
+from webui_attn.ui.readout import lines, parse_infotext, to_infotext  # noqa: E402
 
 MODES = ("a1111", "forge")
 
@@ -251,30 +251,6 @@ def test_paste_back_restores_what_was_chosen_never_what_ran(webui_factory, mode)
     for text in ("a dog\nSteps: 20, Sampler: Euler a, Seed: 1", "a dog\nSteps: 20, Seed: 1, Attention: sdpa"):
         assert read_override(parse_infotext(text)) == read_guard(parse_infotext(text)) == "use setting"
     assert read_override({"Attention override": "fastest"}) == "use setting"     # names no backend
-
-
-def test_vram_is_the_host_monitors_when_it_runs(webui_factory):
-    """A UI generation: the webui's monitor runs, and the readout shows its numbers, rounded as the
-    webui's own line under the image rounds them."""
-    _, script = _load(webui_factory, "a1111")
-    _settings_registered()
-    from modules import call_queue, memmon, shared
-    monitor = memmon.MemUsageMonitor("MemMon", shared.device, shared.opts)
-    if not hasattr(monitor, "run_flag"):
-        pytest.skip("the memmon double has no run_flag (A1111's MemUsageMonitor sets it in monitor())")
-    gib = 1024 ** 3
-    monitor.inject({"min_free": 70 * gib, "free": 75 * gib, "total": 80 * gib + 123, "active": 1,
-                    "active_peak": 3 * gib + 5, "reserved_peak": 4 * gib, "reserved": 1, "system_peak": 0})
-    shared.mem_mon = monitor
-
-    def job():
-        _, processed, _ = _generate(script, "use setting")
-        return [processed.comments]
-
-    html_out = call_queue.wrap_gradio_call_no_job(job, add_stats=True)()[-1]
-    vram = readout.last_report().vram
-    assert vram is not None and vram.source == "host"
-    assert vram_text(vram).split("A: ")[1].split(",")[0] in html_out
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -222,6 +222,8 @@ def _sgm_attnblock_restore(sgm_model) -> dict:
 
 def uninstall() -> int:
     """Restore every patched object and clear the optimizer layer; safe to call again."""
+    global _lent
+    _lent = False
     count = patches.undo()
     layers.set_layer("optimizer", None)
     return count
@@ -312,10 +314,104 @@ def route_hint() -> str:
             f"of its entries) in {SETTING_PATH}, or start the webui with one of {flags_text} or --attn-backend")
 
 
+# --- A1111's own attention flags ------------------------------------------------------------------------
+
+#: A1111's attention flags (dest, spelling, the optimizer "Automatic" then applies). ``apply_optimizations``
+#: takes, under "Automatic", the first optimizer (by priority) whose flag is given, before it looks at
+#: priorities at all; ``--disable-opt-split-attention`` makes "Automatic" apply none.
+A1111_FLAGS = (
+    ("xformers", "--xformers", "xformers (listed only when xformers imports and the GPU's compute capability "
+                               "is 6.0 to 9.0; otherwise the flag picks nothing)"),
+    ("force_enable_xformers", "--force-enable-xformers", "xformers only with --xformers (it lists xformers "
+                                                         "whatever the GPU)"),
+    ("opt_sdp_no_mem_attention", "--opt-sdp-no-mem-attention", "sdp-no-mem"),
+    ("opt_sdp_attention", "--opt-sdp-attention", "sdp"),
+    ("opt_split_attention", "--opt-split-attention", "Doggettx"),
+    ("opt_sub_quad_attention", "--opt-sub-quad-attention", "sub-quadratic"),
+    ("opt_split_attention_v1", "--opt-split-attention-v1", "V1"),
+    ("opt_split_attention_invokeai", "--opt-split-attention-invokeai", "InvokeAI"),
+)
+
+
+def a1111_flags_given(cmd_opts) -> list[tuple[str, str]]:
+    """(spelling, the optimizer it makes "Automatic" apply) of each A1111 attention flag given."""
+    return [(spelling, picks) for dest, spelling, picks in A1111_FLAGS if getattr(cmd_opts, dest, False)]
+
+
+def a1111_flags_note(cmd_opts) -> str | None:
+    """One startup line on what the A1111 attention flags given do to this extension's part; None without
+    any."""
+    given = a1111_flags_given(cmd_opts)
+    disabled = getattr(cmd_opts, "disable_opt_split_attention", False)
+    if not given and not disabled:
+        return None
+    names = " ".join(spelling for spelling, _ in given) or "--disable-opt-split-attention"
+    if any(flag_given(entry) for entry in ENTRIES):
+        return (f"{names} (A1111): this extension's own flag is given too and ranks first, so with Cross attention "
+                f"optimization \"Automatic\" attention goes through this extension")
+    if disabled:
+        return ("--disable-opt-split-attention (A1111): with Cross attention optimization \"Automatic\" A1111 applies "
+                "no optimization and attention does not go through this extension; choose one of its entries in "
+                f"{SETTING_PATH} to route it here")
+    picks = "; ".join(f"{spelling} picks {what}" for spelling, what in given)
+    return (f"{names} (A1111): with Cross attention optimization \"Automatic\" A1111 applies the optimizer of the "
+            f"first such flag before it looks at priorities ({picks}), so attention goes through this extension "
+            f"only in generations that ask for it: a backend, VAE backend or schedule set in this extension's "
+            f"settings, or a backend or schedule chosen for the generation. To route every generation, "
+            f"{route_hint().removeprefix('to route attention through this extension, ')}")
+
+
+# --- a generation that asks for the engine while "Automatic" applied one of A1111's optimizers ----------
+
+_lent = False
+
+
+def may_lend(opts) -> bool:
+    """Whether a generation that asks for this extension's backends may put its forwards over A1111's
+    optimizer: Cross attention optimization is "Automatic" (not an A1111 entry chosen by name, nor "None",
+    nor ``--disable-opt-split-attention``) and A1111 applied one of its own optimizers."""
+    current = getattr(sys.modules.get("modules.sd_hijack"), "current_optimizer", None)
+    selection = getattr(opts, "cross_attention_optimization", "Automatic") if opts is not None else "Automatic"
+    return (selection == "Automatic" and current is not None and not is_ours(current)
+            and not getattr(_cmd_opts(), "disable_opt_split_attention", False) and not patches.active)
+
+
+def lend_for_generation(opts) -> bool:
+    """Put this extension's forwards over A1111's optimizer for one generation (``may_lend``); True when done.
+    ``end_generation`` puts A1111's back."""
+    global _lent
+    if not may_lend(opts):
+        return False
+    install()
+    _lent = True
+    return True
+
+
+def end_generation() -> None:
+    global _lent
+    if _lent:
+        _lent = False
+        patches.undo()
+
+
+def lent_note() -> str | None:
+    """What the readout says of a generation routed here over A1111's "Automatic" choice."""
+    current = getattr(sys.modules.get("modules.sd_hijack"), "current_optimizer", None)
+    if not _lent or current is None:
+        return None
+    flags_text = " ".join(spelling for spelling, _ in a1111_flags_given(_cmd_opts()))
+    why = f" (from {flags_text})" if flags_text else ""
+    return (f"this generation went through this extension, as its settings or the generation's choice ask, over "
+            f"A1111's {current.name} optimizer that \"Automatic\" applied{why}")
+
+
 def routing() -> voice.Routing:
     """Whether attention runs through the engine: A1111's applied optimizer is one of ours and the
-    forwards it patched are still in place. Otherwise what runs instead, and how to route it here."""
+    forwards it patched are still in place, or a generation asked for the engine over A1111's "Automatic"
+    choice (``lend_for_generation``). Otherwise what runs instead, and how to route it here."""
     current = getattr(sys.modules.get("modules.sd_hijack"), "current_optimizer", None)
+    if _lent and patches.active and patches.intact():
+        return voice.ROUTED
     if is_ours(current):
         if patches.active and patches.intact():
             return voice.ROUTED
@@ -338,6 +434,9 @@ def register(script_callbacks) -> None:
     """
     flags.apply(_cmd_opts())
     flags.say_startup(_cmd_opts())
+    note = a1111_flags_note(_cmd_opts())
+    if note:
+        voice.log_once(("a1111-flags", note), note)
     script_callbacks.on_list_optimizers(list_optimizers)
     script_callbacks.on_script_unloaded(uninstall)
     current = getattr(sys.modules.get("modules.sd_hijack"), "current_optimizer", None)

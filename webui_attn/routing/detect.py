@@ -102,3 +102,11 @@ def routing() -> voice.Routing:
     if routes is None:
         return voice.Routing(False, f"the webui's own attention ({running.name}: {UNRECOGNISED})")
     return routes.routing()
+
+
+def lend_for_generation(opts) -> bool:
+    """Route one generation that asks for the engine through it where the webui's own choice runs
+    attention now and the adapter can put its forwards over it (A1111 under "Automatic"); True when done.
+    The adapter's ``end_generation`` puts the webui's own back."""
+    lend = getattr(adapter(), "lend_for_generation", None)
+    return bool(lend(opts)) if lend is not None else False

@@ -51,6 +51,8 @@ class _Generation:
     batches: dict = dataclasses.field(default_factory=dict)
     #: the settings the request's ``override_settings`` replaced, put back when it ends (or None)
     restore: dict | None = None
+    #: the extension's forwards were put over the webui's own attention for this generation
+    lent: bool = False
 
     def part(self, p=None, use_main_prompt: bool = False):
         """The calls of the batch ``p`` is in (``p.iteration``), or of the whole job for the grid
@@ -62,6 +64,10 @@ class _Generation:
         if self.follower is not None:
             self.follower.close()
         self.context.__exit__(None, None, None)
+        if self.probe is not None:
+            self.probe.stop()   # its polling thread ends with the generation (a no-op once read)
+        if self.lent:
+            detect.adapter().end_generation()
         layers.set_layer("generation", self.previous_layer)
         if self.restore is not None:
             # the webui puts the options back with setattr, which runs no onchange: follow it here
@@ -229,6 +235,16 @@ def _close_stale(job) -> None:
         _open.pop().close()
 
 
+def asks_for_engine(override: str | None, values: dict) -> bool:
+    """Whether this generation asks for this extension's backends: one chosen for it, a schedule or sparse
+    settings in force (for it, from the settings or the flags), or a backend or VAE backend set in the
+    settings. Called once this generation's layer is in force."""
+    config = lib_attn.config()
+    return bool(override is not None or config.schedule is not None or config.sparse is not None
+                or backend_from_choice(values.get(stored.KEY_BACKEND))
+                or backend_from_choice(values.get(stored.KEY_VAE_BACKEND)))
+
+
 def _notes(override: str | None, problem: str | None, route: voice.Routing, opts) -> tuple:
     """What this generation's readout and infotext should say beside the calls."""
     notes = []
@@ -270,12 +286,7 @@ def process(p, *args):
     schedule, refusal = read_schedule(args)
     sparse, sparse_refusal = read_sparse(args)
     refusal = refusal or sparse_refusal
-    route = detect.routing()
     opts = getattr(shared, "opts", None)
-    notes = _notes(override, problem, route, opts)
-    if guard_problem:
-        voice.log(guard_problem)
-        notes = (*notes, guard_problem)
     if refusal is None and schedule is None:
         refusal = stored.setting_schedule_problem(stored.read(opts))
     if refusal is None and sparse is None:
@@ -290,6 +301,15 @@ def process(p, *args):
                 layers.set_layer("generation", generation_layer(override, guard, schedule, sparse))
             except ValueError as exc:  # set_layer has put the previous layer back
                 refusal = str(exc)
+        lent = (refusal is None and asks_for_engine(override, stored.read(opts))
+                and detect.lend_for_generation(opts))
+        route = detect.routing()
+        notes = _notes(override, problem, route, opts)
+        if guard_problem:
+            voice.log(guard_problem)
+            notes = (*notes, guard_problem)
+        if lent:
+            notes = (*notes, detect.adapter().lent_note())
         cfg = lib_attn.config() if refusal is None else None
         sparse_in_force = cfg.sparse if cfg is not None else None
         follower = None
@@ -302,12 +322,10 @@ def process(p, *args):
             follower = sampling.Follower(cfg.positional, shared)
         context = lib_attn.recording()
         rec = context.__enter__()
-        probe = None
-        if not readout.monitor_running(getattr(shared, "mem_mon", None)):
-            probe = VramProbe(getattr(shared, "device", None)).start()
+        probe = None if readout.host_measures(p, shared) else readout.own_probe(shared).start()
         if refusal is not None:
             notes = (*(n for n in notes if n != refusal), f"generation refused: {refusal}")
-        gen = _Generation(p, job, context, rec, probe, previous, notes, route, follower, restore=restore)
+        gen = _Generation(p, job, context, rec, probe, previous, notes, route, follower, restore=restore, lent=lent)
         _open.append(gen)
     if refusal is not None:
         refuse(p, shared, notes[-1])
@@ -315,9 +333,9 @@ def process(p, *args):
     if params is not None:
         for key in (INFOTEXT_KEY, INFOTEXT_FALLBACKS_KEY, INFOTEXT_GUARD_KEY):
             params[key] = _infotext_entry(gen, key)
-        if follower is not None:
+        if follower is not None and cfg.schedule is not None:
             # configuration, known now: params.txt (written before sampling) carries it too
-            params[INFOTEXT_SCHEDULE_KEY] = in_force.text
+            params[INFOTEXT_SCHEDULE_KEY] = cfg.schedule.text
         if notes:
             params[INFOTEXT_NOTE_KEY] = readout.to_infotext(Report(notes=notes))[INFOTEXT_NOTE_KEY]
         if sparse_in_force is not None:
@@ -386,8 +404,8 @@ def postprocess(p, processed, *args):
         gen = _take(p)
         if gen is None:
             return
+        vram = readout.host_vram(getattr(shared, "mem_mon", None)) if gen.probe is None else gen.probe.stop()
         gen.close()
-    vram = readout.host_vram(getattr(shared, "mem_mon", None)) if gen.probe is None else gen.probe.stop()
     report = dataclasses.replace(Report.from_recording(gen.rec, vram=vram), notes=gen.notes,
                                  ran_on=gen.routing.ran_on, hint=gen.routing.hint)
     readout.set_last_report(report)

@@ -2,8 +2,10 @@
 parsing, the reading of the webui's own memory monitor, and the last generation's report (the
 status route's). Each part's text is ``host_attn.readout``'s; the layout and A1111's terms are here.
 
-The VRAM figures follow the webui's readout (peak active bytes, peak reserved bytes, device-wide
-used/total), rounded the same way, so that the two lines under an image compare number for number.
+The VRAM figures are the webui's own monitor's when it measures the generation, and otherwise measured
+the way it measures (peak active bytes and peak reserved bytes since the generation started, the
+device-wide used memory polled over it, out of the total), rounded the same way, so that the two lines
+under an image compare number for number.
 Infotext written by every earlier version of the extension parses with ``from_infotext``.
 """
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import re
 import threading
 
-from lib_attn.report import MIB, Report, Vram
+from lib_attn.report import MIB, Report, Vram, VramProbe
 from lib_attn.schedule import parse
 from lib_attn.sparse import parse as parse_sparse
 
@@ -74,6 +76,28 @@ def monitor_running(mem_mon) -> bool:
         return False
     run_flag = getattr(mem_mon, "run_flag", None)
     return run_flag is not None and run_flag.is_set()
+
+
+#: A1111's ``memmon_poll_rate`` default: the rate the extension polls at when the webui's is 0.
+DEFAULT_POLL_HZ = 8
+
+
+def host_measures(p, shared) -> bool:
+    """Whether the webui's own monitor measures this generation, so that its numbers are the ones to show.
+
+    It runs for a generation started from the UI (``wrap_gradio_call_no_job`` starts it before taking the
+    queue lock, with ``memmon_poll_rate`` above 0 and CUDA), never for one of the API (``p.is_api``). A UI
+    request queued behind a UI generation finds it stopped by the one before it (A1111 clears the flag
+    when that one ends): the monitor then does not run, and the extension measures itself."""
+    return not getattr(p, "is_api", False) and monitor_running(getattr(shared, "mem_mon", None))
+
+
+def own_probe(shared) -> VramProbe:
+    """A probe that measures as the webui's monitor does: torch's peaks reset when the generation starts,
+    free device memory polled at the webui's rate (``memmon_poll_rate``; 8 when that is 0)."""
+    rate = getattr(getattr(shared, "opts", None), "memmon_poll_rate", 0) or 0
+    return VramProbe(getattr(shared, "device", None), reset=True,
+                     poll_hz=rate if rate > 0 else DEFAULT_POLL_HZ)
 
 
 def host_vram(mem_mon) -> Vram | None:

@@ -1,9 +1,11 @@
-"""Double of modules/call_queue.py: the queue lock and the "Time taken / A / R / Sys" readout (A7)."""
+"""Double of modules/call_queue.py: the queue lock, the UI's generation wrappers and the "Time taken /
+A / R / Sys" readout (A7), in A1111 1.10.1's order: the memory monitor starts before the queue lock is
+taken and stops after it is released and ``torch_gc`` ran."""
 import html
 import threading
 import time
 
-from modules import shared
+from modules import devices, shared
 
 queue_lock = threading.Lock()
 
@@ -14,6 +16,33 @@ def wrap_queued_call(func):
             res = func(*args, **kwargs)
         return res
     return f
+
+
+def wrap_gradio_gpu_call(func, extra_outputs=None):
+    """A UI generation: the job runs under the queue lock; the memory monitor was started before it
+    (``wrap_gradio_call_no_job``), so a request that waits for the lock is already being measured."""
+    def f(*args, **kwargs):
+        with queue_lock:
+            shared.state.begin(job="task(ui)")
+            try:
+                res = func(*args, **kwargs)
+            finally:
+                shared.state.end()
+        return res
+    return wrap_gradio_call(f, extra_outputs=extra_outputs, add_stats=True)
+
+
+def wrap_gradio_call(func, extra_outputs=None, add_stats=False):
+    def f(*args, **kwargs):
+        try:
+            res = func(*args, **kwargs)
+        finally:
+            shared.state.skipped = False
+            shared.state.interrupted = False
+            shared.state.job_count = 0
+            shared.state.job = ""
+        return res
+    return wrap_gradio_call_no_job(f, extra_outputs, add_stats)
 
 
 def wrap_gradio_call_no_job(func, extra_outputs=None, add_stats=False):
@@ -27,6 +56,7 @@ def wrap_gradio_call_no_job(func, extra_outputs=None, add_stats=False):
         except Exception as e:
             res = extra_outputs_array or [None, ""]
             res = list(res) + [f"<div class='error'>{html.escape(type(e).__name__ + ': ' + str(e))}</div>"]
+        devices.torch_gc()
         if not add_stats:
             return tuple(res)
         elapsed = time.perf_counter() - t

@@ -24,7 +24,9 @@ def cond_cast_float(input):
 
 
 def torch_gc():
-    pass
+    """Gives the allocator's cached blocks back to the device (CUDA only), as A1111's does."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def autocast(disable=False):

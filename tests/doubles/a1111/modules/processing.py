@@ -170,6 +170,8 @@ def process_images_inner(p):
     image of the batch with its infotext (``index`` in the batch, ``p.iteration`` the batch); the grid
     (more than one image, not over the API) with the main prompt's infotext first; ``Processed`` (with
     ``p``'s comments), scripts' ``postprocess``."""
+    from modules import devices
+    devices.torch_gc()
     if p.scripts is not None:
         p.scripts.process(p)
     infotexts = []

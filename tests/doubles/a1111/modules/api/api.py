@@ -54,9 +54,11 @@ def txt2img(script_runner, alwayson_scripts=None, sd_model=None, **kwargs):
     p.do_not_save_grid = True   # not save_images (the request's default)
     p.scripts = script_runner
     p.script_args = tuple(args)
-    shared.state.begin(job="scripts_txt2img")
-    try:
-        processed = processing.process_images(p)
-    finally:
-        shared.state.end()
+    from modules import call_queue
+    with call_queue.queue_lock:   # the webui's queue lock, shared with the UI's generations
+        shared.state.begin(job="scripts_txt2img")
+        try:
+            processed = processing.process_images(p)
+        finally:
+            shared.state.end()
     return processed, json.loads(processed.js())
