@@ -821,3 +821,35 @@ def test_a_comfy_kitchen_without_the_attention_kernels_is_named_and_left_alone(e
     code, out, commands = run_install(env.python, tmp_path, wheels)
     status = line_for(out, "comfy-kitchen")
     assert "0.2.8 is installed; its INT8 attention and Sol-Attn need 0.2.40 or later" in status, status
+
+
+def test_a_launch_with_the_hub_build_in_place_downloads_and_tests_nothing(env, wheels, tmp_path):
+    """ATTN_INSTALL=hub-* may stay set: once kernels and this torch's build are there, a launch reads the
+    cache as the engine does and stops (no pip, no hub, no self-test on the GPU)."""
+    env.add_torch("2.10.0+cu130", "13.0")
+    fetched = tmp_path / "fetched"
+    env.add_files("kernels", "0.19.1", {"kernels/__init__.py": (
+        "def install_kernel(repo_id, **kwargs):\n"
+        f"    open({str(fetched)!r}, 'w').write(repo_id)\n"
+        "    raise OSError('no network here')\n")})
+    cache = tmp_path / "hf-hub"
+    machine = platform.machine().lower().replace("amd64", "x86_64")
+    build = (cache / "kernels--kernels-community--flash-attn2" / "snapshots" / "0123abcd" / "build"
+             / f"torch210-cxx11-cu130-{machine}-{platform.system().lower()}")
+    build.mkdir(parents=True)
+
+    code, out, commands = run_install(env.python, tmp_path, wheels, ATTN_INSTALL="hub-flash-attn2",
+                                      HF_HUB_CACHE=str(cache))
+
+    assert code == 0, out
+    assert commands == [] and not fetched.exists(), out
+    lines = [line for line in out.splitlines() if line.startswith("[flash-attention] kernel hub flash-attn2:")]
+    assert lines == [f"[flash-attention] kernel hub flash-attn2: kernels 0.19.1 and kernels-community/flash-attn2's "
+                     f"build for torch 2.10.0+cu130 (CUDA 13.0), Python {sys.version_info[0]}.{sys.version_info[1]} "
+                     f"({build.name}) are installed; nothing to do"], out
+
+    # a build for another torch is not this one's: then the hub is asked (here: offline, said so)
+    build.rename(build.with_name(build.name.replace("torch210", "torch29")))
+    code, out, commands = run_install(env.python, tmp_path, wheels, ATTN_INSTALL="hub-flash-attn2",
+                                      HF_HUB_CACHE=str(cache))
+    assert fetched.exists() and "nothing to do" not in line_for(out, "kernel hub flash-attn2"), out

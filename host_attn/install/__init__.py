@@ -27,7 +27,10 @@ Every install runs pip with `--only-binary=:all:` (never a source build) and a c
 holding torch, torchvision and torchaudio at their installed versions, so pip either finds a
 wheel that fits the installed torch or changes nothing. The result is re-probed and reported, and
 a self-test call runs through the engine on the GPU (when there is one) with the backend installed.
-``install.py`` never exits with an error status for a backend that could not be installed.
+``install.py`` never exits with an error status for a backend that could not be installed. What is
+already installed is left alone, so ``ATTN_INSTALL`` may stay set: a launch that finds it (for the kernel
+hub, ``kernels`` and the hub's build for this torch in the local cache) runs no pip, no download and no
+self-test.
 """
 
 from __future__ import annotations

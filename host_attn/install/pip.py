@@ -12,8 +12,8 @@ import subprocess
 import sys
 import tempfile
 
-from .probe import (dist_version, flash_attn_choice, linux, linux_x86_64, python_tag, say, torch_requirement_mismatch,
-                    triton_installed)
+from .probe import (dist_version, flash_attn_choice, hub_build_cached, linux, linux_x86_64, python_tag, say,
+                    torch_requirement_mismatch, triton_installed)
 from .wheels import (BACKENDS, COMFY_KITCHEN_REQUIREMENT, ENGINE_ID, FA4_REQUIREMENT, FLASH_ATTN_WHEEL_URL, HUB_FETCH, HUB_REPOS, PYTORCH_INDEX,
                      SAGE_1_WARNING, SAGE_PYPI, XFORMERS_FOR_TORCH, XFORMERS_STABLE_ABI)
 
@@ -199,6 +199,12 @@ def install(backend, torch, host, dry_run):
         return
     before = dist_version(backend.dist)
     if before and backend.id in HUB_REPOS:
+        build = hub_build_cached(HUB_REPOS[backend.id], torch)
+        if build is not None:
+            # the variable may stay set: a launch with everything in place downloads and tests nothing
+            say(backend, f"kernels {before} and {HUB_REPOS[backend.id]}'s build for {torch.describe()} ({build.name}) "
+                         "are installed; nothing to do")
+            return
         fetch_from_hub(backend, torch, host, dry_run)
         return
     if before:

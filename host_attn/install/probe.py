@@ -83,6 +83,18 @@ def probe_torch():
                      None if hip in (None, "None") else hip, held)
 
 
+def hub_build_cached(repo, torch):
+    """The kernel hub's cached build of ``repo`` that fits ``torch`` (a ``TorchInfo``), or None: the
+    engine's own reading of the cache (``lib_attn/kernels/hub_cache.py``), loaded by its path, since
+    importing the lib_attn package would import torch."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location(
+        "_attn_install_hub_cache", os.path.join(root, "lib_attn", "kernels", "hub_cache.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.cached_build(repo, module.build_pattern(torch.version, torch.cuda, torch.hip))
+
+
 def python_tag():
     return f"cp{sys.version_info[0]}{sys.version_info[1]}"
 

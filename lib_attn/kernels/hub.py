@@ -11,13 +11,12 @@ offline machine behaves like any other. Nothing here touches CUDA: the build is 
 from __future__ import annotations
 
 import importlib.util
-import os
-import platform
 import sys
 from pathlib import Path
 
 import torch
 
+from . import hub_cache
 from .base import failure_text
 
 #: The hub repository of each kind of kernel the engine can take from the hub.
@@ -30,46 +29,14 @@ REPOS = {
 _loaded: dict[str, tuple] = {}
 
 
-def cache_roots() -> list[Path]:
-    """Where ``kernels`` keeps downloaded builds: ``KERNELS_CACHE``, else the Hugging Face hub cache."""
-    roots = []
-    if os.environ.get("KERNELS_CACHE"):
-        roots.append(Path(os.environ["KERNELS_CACHE"]))
-    hub = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
-    if hub:
-        roots.append(Path(hub))
-    else:
-        home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
-        roots.append(Path(home).expanduser() / "hub")
-    return roots
-
-
 def build_name() -> str:
     """The start and end of the build folder that fits this torch: ``torch29-*-cu130-x86_64-linux``."""
-    mm = "".join(torch.__version__.split("+")[0].split(".")[:2])
-    cuda = (torch.version.cuda or "").replace(".", "")
-    hip = getattr(torch.version, "hip", None)
-    runtime = f"cu{cuda}" if cuda else (f"rocm{''.join(hip.split('.')[:2])}" if hip else "cpu")
-    machine = platform.machine().lower().replace("amd64", "x86_64")
-    return f"torch{mm}-*-{runtime}-{machine}-{platform.system().lower()}"
-
-
-def _matches(folder: str, wanted: str) -> bool:
-    head, tail = wanted.split("-*-")
-    return folder.startswith(head + "-") and folder.endswith("-" + tail)
+    return hub_cache.build_pattern(torch.__version__, torch.version.cuda, getattr(torch.version, "hip", None))
 
 
 def cached_build(kind: str) -> Path | None:
     """The newest cached build folder of ``kind`` for this torch, or None."""
-    org, name = REPOS[kind].split("/")
-    wanted = build_name()
-    found = []
-    for root in cache_roots():
-        for prefix in ("kernels", "models"):  # kernels >= 0.13 stores kernel repos; older ones, model repos
-            snapshots = root / f"{prefix}--{org}--{name}" / "snapshots"
-            if snapshots.is_dir():
-                found += [b for b in snapshots.glob("*/build/*") if b.is_dir() and _matches(b.name, wanted)]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+    return hub_cache.cached_build(REPOS[kind], build_name())
 
 
 def _package_init(build: Path) -> Path | None:
