@@ -96,8 +96,8 @@ def test_sparse_for_one_generation_is_recorded_pasted_back_and_below_its_minimum
         assert torch.equal(plain[0][part], sparse[0][part])
     assert lib_attn.config().sparse is None                 # over with the generation
     script = runner.alwayson_scripts[0]
-    field, reader = script.infotext_fields[2]
-    assert field is script.controls[3] and "Sparse attention" in script.paste_field_names
+    field, reader = script.infotext_fields[3]
+    assert field is script.controls[3] and reader in script.paste_field_names   # "Send to" carries it
     assert reader(parse_infotext(processed.info)) == canonical
     assert reader(parse_infotext("a cat\nSteps: 10, Sparse attention: \"radial, budget=2\"")) is None
 
