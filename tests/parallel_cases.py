@@ -101,6 +101,7 @@ def cases(seed: int):
     extra["transient"] = _transient_case(gen)
     extra["text_identical"] = _text_identical_case(gen)
     extra["mismatch"] = _mismatch_case(par, gen, seed)
+    extra["groups"] = _groups_case(seed) if world == 4 else {}
     with lib_attn.recording() as rec:
         one_case(parallel.Parallel(timeout=30), "self", 4 * world, 4, torch.float32, gen)
     extra["report"] = lib_attn.Report.from_recording(rec).to_dict()
@@ -229,6 +230,31 @@ def _text_identical_case(gen) -> list:
     return rows
 
 
+def _groups_case(seed: int) -> dict:
+    """Groups made once per process: a second 2x2 configuration reuses the first one's grid groups (a
+    NCCL group is a communicator held until exit); a subgroup's group is made by its members alone
+    (local synchronisation, as a Parallel given that subgroup makes it on NCCL) and works."""
+    import datetime
+
+    import torch.distributed as dist
+    from lib_attn.parallel import mesh
+
+    first = parallel.Parallel(ulysses=2, ring=2, timeout=30)
+    second = parallel.Parallel(ulysses=2, ring=2, timeout=30)
+    err, _, _ = one_case(second, "self", 16, 4, torch.float64, torch.Generator().manual_seed(seed))
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every process makes both, in order
+    mine = (0, 1) if rank < 2 else (2, 3)
+    wait = datetime.timedelta(seconds=30)
+    made = mesh._group(dist, mine, wait, local=True)  # only the pair's members call this
+    again = mesh._group(dist, mine, wait, local=True)
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total, group=made)
+    del pairs
+    return {"grid_reused": first.ulysses_group is second.ulysses_group and first.ring_group is second.ring_group,
+            "err": err, "pair_reused": made is again, "pair_sum": float(total), "pair_want": float(sum(mine))}
+
+
 def _mismatch_case(par, gen, seed: int) -> dict:
     """Rank 1 makes a call with other heads than the others: every rank must raise the same error at
     once (from the shape exchange), and the group stays usable."""
@@ -279,10 +305,15 @@ def fault(seed: int, how: str):
     os._exit(1 if error else 0)  # leave at once: a broken group must not hold the process at exit
 
 
+#: How long rank 1 stalls in the NCCL stall case: far past the 5-second timeout and the test's margin.
+STALL_SECONDS = 60
+
+
 def nccl(seed: int, how: str):
     """On GPUs over NCCL (tests/gpu/test_gpu_parallel.py): ``cases``: ring and Ulysses calls whose ring
     blocks (128 MiB of keys and values) are far beyond NCCL's buffers, each rank's rows checked
-    against float64 on sampled query rows; ``stall``: rank 1 sleeps past the 5-second timeout."""
+    against float64 on sampled query rows; ``stall``: after a warm-up call, rank 1 stalls inside a ring step
+    past the 5-second timeout."""
     from lib_attn import check
 
     rank, world, backend = launch.init(timeout=120)
@@ -292,18 +323,31 @@ def nccl(seed: int, how: str):
     if how == "stall":
         par = parallel.Parallel(ring=world, timeout=5)
         q = torch.randn(1, 8, 4096, 128, device=device, dtype=torch.bfloat16, generator=gen)
+        whole = 4096 * world  # given: no exchange of lengths, a call's first operation is its ring step
+        # A warm-up call first: NCCL makes a group's communicator at its first operation, and a rank
+        # waiting there is bounded by no timeout of the group (docs/parallel.md).
+        parallel.attention(q, q, q, kind="self", seq_len=whole, parallel=par)
+        torch.cuda.synchronize()
+        if rank == 1:  # stall inside a ring step, after its send and receive were issued
+            real, stalled = modes.attention_lse, []
+
+            def stall(*args):
+                if not stalled:
+                    stalled.append(1)
+                    time.sleep(STALL_SECONDS)
+                return real(*args)
+            modes.attention_lse = stall
         start = time.monotonic()
         try:
-            if rank == 1:
-                time.sleep(20)
-            parallel.attention(q, q, q, kind="self", parallel=par)
-            torch.cuda.synchronize()
+            for _ in range(3):  # rank 0's second call waits on rank 1's ring step
+                parallel.attention(q, q, q, kind="self", seq_len=whole, parallel=par)
+                torch.cuda.synchronize()
             out["error"] = ""
         except Exception as exc:  # noqa: BLE001 - the test reads what each rank saw
             out["error"] = f"{type(exc).__name__}: {exc}"
         out["seconds"] = time.monotonic() - start
         launch.report(out)
-        os._exit(0)
+        os._exit(1 if out["error"] else 0)
     n, heads, text = 65536, 8, 512
     bound = check.bound(torch.bfloat16, "cuda", False)
     for u, r in ((world, 1), (1, world)):

@@ -89,6 +89,7 @@ def main(seed: int):
         out["refused"] = str(exc)
     out["processors"] = _processors(seed, world)
     out["refusals"] = _refusals(seed)
+    out["inside"] = _inside(seed, world)
     out["fault"] = _fault(seed)  # last: it leaves the group broken
     launch.report(out)
     sys.stdout.flush()
@@ -165,6 +166,75 @@ def _refusals(seed: int) -> dict:
             out[name] = {"error": str(exc), "ran": len(calls)}
         hook.remove()
     out["ip masks"] = _ip_masks(seed)
+    return out
+
+
+def _double(build, seed: int, batch: int = 1):
+    torch.manual_seed(seed)
+    model, inputs = build(torch.Generator().manual_seed(seed))
+    inputs = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+    if batch == 2:  # PAG's processors take (conditional, perturbed) halves
+        inputs["sample"] = torch.cat([inputs["sample"], inputs["sample"] * 0.5])
+        inputs["encoder_hidden_states"] = inputs["encoder_hidden_states"].repeat(2, 1, 1)
+    return model.double(), inputs
+
+
+def _inside(seed: int, world: int) -> dict:
+    """Processors and hooks set after route(parallel=) opened, as users and pipelines do: each either
+    gives the one-process output of the same setup or is refused on every rank before any exchange."""
+    from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+    from diffusers.hooks.smoothed_energy_guidance_utils import (SmoothedEnergyGuidanceConfig,
+                                                                _apply_smoothed_energy_guidance_hook)
+    from diffusers.models.attention_processor import AttnProcessor, XFormersAttnProcessor
+    from diffusers.pipelines.pag.pag_utils import PAGMixin
+
+    class Pag(PAGMixin):  # what StableDiffusionPAGPipeline.__call__ does with its UNet
+        def __init__(self, unet):
+            self.unet = unet
+            self.set_pag_applied_layers(["down"])
+
+        def __call__(self, model):
+            self._set_pag_attn_processor(pag_applied_layers=self.pag_applied_layers,
+                                         do_classifier_free_guidance=False)
+
+    seg = SmoothedEnergyGuidanceConfig(indices=[0], fqn="down_blocks.0.attentions.0.transformer_blocks")
+    first = "down_blocks.0.attentions.0.transformer_blocks.0"
+    cases = {  # name: (build, batch, setup(model))
+        "AttnProcessor": (_unet, 1, lambda m: m.set_attn_processor(AttnProcessor())),
+        "slicing": (_unet, 1, lambda m: m.set_attention_slice(1)),
+        "PAG": (_unet, 2, lambda m: Pag(m)(m)),
+        "own cross": (_unet, 1, lambda m: m.get_submodule(first + ".attn2").set_processor(_OwnProcessor())),
+        "own self": (_unet, 1, lambda m: m.get_submodule(first + ".attn1").set_processor(_OwnProcessor())),
+        "xformers": (_unet, 1, lambda m: m.set_attn_processor(XFormersAttnProcessor())),
+        "SEG": (_unet, 1, lambda m: _apply_smoothed_energy_guidance_hook(m, seg, 1.0, name="seg")),
+        "first block cache": (_flux, 1, lambda m: apply_first_block_cache(m, FirstBlockCacheConfig(threshold=0.05))),
+    }
+    out = {}
+    for name, (build, batch, setup) in cases.items():
+        row = {"error": "", "err": None, "blocks_ran": 0}
+        with torch.no_grad():
+            if name not in ("xformers", "SEG", "first block cache"):
+                model, inputs = _double(build, seed, batch)
+                setup(model)
+                want = model(**inputs)[0]
+            model, inputs = _double(build, seed, batch)
+            blocks = [m for m in model.modules() if type(m).__name__ in ("BasicTransformerBlock",
+                                                                         "FluxTransformerBlock")]
+            counts = [b.register_forward_pre_hook(lambda *a: row.__setitem__("blocks_ran", row["blocks_ran"] + 1))
+                      for b in blocks]
+            try:
+                with route(model, parallel=parallel.Parallel(ring=world, timeout=20)), lib_attn.recording() as rec:
+                    setup(model)
+                    got = model(**inputs)[0]
+                row["err"] = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
+                row["split"] = sum(n for n, _ in rec.parallel.values())
+            except Exception as exc:  # noqa: BLE001 - a stall's ParallelError is a finding too
+                row["error"] = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            for c in counts:
+                c.remove()
+        row["after"] = sorted({type(m.processor).__name__ for m in model.modules() if hasattr(m, "processor")
+                               and "_lib_attn_role" in type(m.processor).__dict__})
+        out[name] = row
     return out
 
 

@@ -646,3 +646,44 @@ def test_served_dispatch_hands_backend_arguments_and_context_parallel_back_to_di
     assert rec.calls == {("dit", "sdpa"): 2}
     assert rec.fallbacks == {("dit", "lib_attn", "backend arguments window_size: ran on diffusers' dispatcher"): 1,
                              ("dit", "lib_attn", "context parallel: ran on diffusers' dispatcher"): 1}
+
+
+def _layer_skip(scores: bool):
+    from diffusers.hooks import LayerSkipConfig
+
+    return LayerSkipConfig(indices=[0], fqn="down_blocks.0.attentions.0.transformer_blocks", skip_attention=not scores,
+                           skip_attention_scores=scores, skip_ff=False)
+
+
+def test_a_layer_skip_set_inside_the_scope_skips_as_it_does_outside():
+    # SkipLayerGuidance and AutoGuidance add their hooks at each step, inside the scope: diffusers looks the
+    # processor's class up in its registry, which must know the routed class.
+    from diffusers.hooks import apply_layer_skip
+
+    model, x = build("unet"), inputs("unet", torch.float32)
+    with torch.no_grad():
+        plain = model(**x).sample
+        apply_layer_skip(model, _layer_skip(False))
+        want = model(**x).sample
+        build_again = build("unet")
+        with route(build_again), lib_attn.recording() as rec:
+            apply_layer_skip(build_again, _layer_skip(False))
+            out = build_again(**x).sample
+    assert rel_err(want, plain) > 1e-3  # the skip changes the output
+    assert rel_err(out, want) < FP32_BOUND and sum(rec.calls.values()) > 0
+
+
+def test_a_guider_skipping_attention_scores_is_refused_naming_it():
+    # PerturbedAttentionGuidance catches F.scaled_dot_product_attention as it is called, which a routed
+    # processor does not call: refused as the model is called, not run without its perturbation.
+    from diffusers.hooks import apply_layer_skip
+
+    model, x = build("unet"), inputs("unet", torch.float32)
+    with torch.no_grad(), route(model):
+        apply_layer_skip(model, _layer_skip(True))
+        with pytest.raises(ValueError) as refused:
+            model(**x)
+    message = str(refused.value)
+    assert message.startswith("lib_attn route() cannot run UNet2DConditionModel")
+    assert "(AttentionProcessorSkipHook) on down_blocks.0.attentions.0.transformer_blocks.0.attn1" in message
+    assert "PerturbedAttentionGuidance" in message

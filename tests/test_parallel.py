@@ -187,3 +187,12 @@ def test_sparse_attention_runs_under_ulysses_and_says_why_ring_steps_run_dense()
         assert ring["sparse_calls"] == 0 and ring["err"] < 1e-5
         reasons = [reason for role, backend, reason in ring["fallbacks"] if backend == "block-sparse"]
         assert reasons and all("runs under Ulysses only" in reason for reason in reasons)
+
+
+def test_groups_are_made_once_per_process_and_a_subgroup_by_its_members_alone():
+    results, seed = _cases(4)
+    for res in results:
+        groups = res["groups"]
+        assert groups["grid_reused"] and groups["pair_reused"], (seed, groups)
+        assert groups["err"] <= BOUNDS["torch.float64"], (seed, groups)
+        assert groups["pair_sum"] == groups["pair_want"], (seed, groups)

@@ -87,7 +87,7 @@ def test_a_unet_with_matmul_processors_is_split_and_equals_one_process(processor
 
 
 @pytest.mark.parametrize("case, words", [
-    ("xformers", ["8 attention module(s) with XFormersAttnProcessor",
+    ("xformers", ["4 attention module(s) with XFormersAttnProcessor",
                   "down_blocks.0.attentions.0.transformer_blocks.0.attn1"]),
     ("own", ["1 attention module(s) with _OwnProcessor", "dispatcher): down_blocks.0.attentions.0.transformer_blocks.0.attn1",
              "neither through F.scaled_dot_product_attention nor through diffusers' attention dispatcher"]),
@@ -119,3 +119,36 @@ def test_ip_adapter_masks_on_a_split_unet_are_refused_on_every_rank():
     results, _ = _results()
     for res in results:
         assert res["refusals"]["ip masks"].startswith("route(parallel=...): IP-Adapter masks"), res["refusals"]
+
+
+@pytest.mark.parametrize("case", ["AttnProcessor", "slicing", "PAG", "own cross"])
+def test_a_processor_set_inside_the_scope_is_split_and_equals_one_process(case):
+    # Set after route(parallel=) opened (set_attn_processor, enable_attention_slicing, a PAG pipeline's own
+    # processors, a user's processor on cross-attention): routed at its module's first call, or left as it is
+    # where every rank holds every key; either way the one-process output of the same setup.
+    results, seed = _results()
+    for res in results:
+        row = res["inside"][case]
+        assert row["error"] == "" and row["err"] <= BOUND, (seed, res["rank"], row)
+        assert row["split"] > 0 and row["after"] == [], row  # split, and given back when the scope closed
+
+
+@pytest.mark.parametrize("case, words", [
+    ("own self", ["down_blocks.0.attentions.0.transformer_blocks.0.attn1 was given _OwnProcessor after the split opened"]),
+    ("xformers", ["down_blocks.0.attentions.0.transformer_blocks.0.attn1 was given XFormersAttnProcessor"]),
+    ("SEG", ["hook 'seg' (SmoothedEnergyGuidanceHook) on down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q",
+             "added after route() opened"]),
+    ("first block cache", ["'fbc_leader_block_hook' (FBCHeadBlockHook) on transformer_blocks.0",
+                           "added after route() opened"]),
+])
+def test_what_is_set_inside_the_scope_and_cannot_be_split_is_refused_on_every_rank(case, words):
+    results, _ = _results()
+    errors = set()
+    for res in results:
+        row = res["inside"][case]
+        for word in words:
+            assert word in row["error"], (word, row)
+        errors.add(row["error"])
+        # Hooks are refused as the denoiser is called, before any block (and so any exchange) runs.
+        assert case not in ("SEG", "first block cache") or row["blocks_ran"] == 0, row
+    assert len(errors) == 1  # the same refusal on every rank: none waits on another

@@ -296,7 +296,22 @@ def _routed_class(cls, kind: str, role: str):
         found = type(cls.__name__, (cls,), {"__call__": routed_call, "__module__": cls.__module__,
                                             "__qualname__": cls.__qualname__, "_lib_attn_role": role})
         _routed_classes[(cls, role)] = found
+        _register_for_layer_skip(cls, found)
     return found
+
+
+def _register_for_layer_skip(cls, routed) -> None:
+    """Give ``routed`` its base class's entry in diffusers' attention processor registry, which the
+    layer-skipping guiders (SkipLayerGuidance, AutoGuidance) look the processor's exact class up in."""
+    try:
+        from diffusers.hooks._helpers import AttentionProcessorRegistry
+    except ImportError:  # diffusers before 0.35 has no layer skipping
+        return
+    try:
+        metadata = AttentionProcessorRegistry.get(cls)
+    except ValueError:  # not registered: the guiders refuse the base class as well
+        return
+    AttentionProcessorRegistry.register(routed, metadata)
 
 
 def _sdpa_processor():
@@ -514,7 +529,11 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
     registry = _dispatcher_registry() if any(kind == DISPATCHER for _, kind, _ in plan) else None
     with contextlib.ExitStack() as scope:
         if parallel is not None:
-            _split.split(scope, models, parallel)
+            _split.split(scope, models, parallel, processor_kind, lambda model_role: _late_router(routing, model_role))
+        else:
+            for model, model_role in models:
+                if model_role in _schedule.DENOISER:
+                    _split.refuse_hooks(scope, model, split=False)
         if schedule is not None or sparse is not None:
             scope.enter_context(_use_config(schedule=schedule, sparse=sparse))
         if _current_config().positional is not None:
@@ -536,6 +555,22 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
             routing._swapped.clear()
             if routing._registry is not None:
                 _REGISTRY.exit(routing._registry)
+
+
+def _late_router(routing: Routing, model_role: str):
+    """``route_as(processor, kind)`` for a processor found on a split module as it is called: routed as
+    route() would have (kind None: as ``AttnProcessor2_0``), given back its class when the scope closes."""
+    def route_as(processor, kind) -> None:
+        own = type(processor)
+        base, kind = (own, kind) if kind else (_sdpa_processor(), SDPA)
+        if kind == DISPATCHER and routing._registry is None:
+            routing._registry = _dispatcher_registry()
+            _REGISTRY.enter(routing._registry)
+        processor.__class__ = _routed_class(base, kind, model_role)
+        routing._swapped.append((processor, own))
+        routing.processors[model_role] = routing.processors.get(model_role, 0) + 1
+
+    return route_as
 
 
 def _follow_sampling(scope: contextlib.ExitStack, model_or_pipeline, models: list, pass_name: str | None) -> None:

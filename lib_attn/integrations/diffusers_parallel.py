@@ -67,13 +67,18 @@ class _Split:
         return _parallel.gather(x, dim, self.par, total=total)
 
 
-def _kind_hooks(stack: contextlib.ExitStack, module, kind_of) -> None:
+def _kind_hooks(stack: contextlib.ExitStack, module, kind_of, name: str, adopt) -> None:
     """Say the kind of the attention calls ``module`` makes (``kind_of()`` -> (kind, text_len, seq_len))
-    for the length of its forward, an exception included."""
+    for the length of its forward, an exception included. A processor set on it after the split opened
+    (set_attn_processor, attention slicing, a PAG pipeline's own processors) is handed to
+    ``adopt(name, module, kind)`` first: routed so that the split reaches it, or refused."""
     tokens = []
 
     def enter(mod, args):
-        tokens.append(_call.set(kind_of()))
+        found = kind_of()
+        if not _is_routed(mod.processor):
+            adopt(name, mod, found[0])
+        tokens.append(_call.set(found))
 
     def leave(mod, args, out):
         if tokens:
@@ -81,6 +86,10 @@ def _kind_hooks(stack: contextlib.ExitStack, module, kind_of) -> None:
 
     stack.callback(module.register_forward_pre_hook(enter).remove)
     stack.callback(module.register_forward_hook(leave, always_call=True).remove)
+
+
+def _is_routed(processor) -> bool:
+    return "_lib_attn_role" in type(processor).__dict__
 
 
 def _first_arg(args, kwargs, name: str):
@@ -93,7 +102,7 @@ def _replace_first(args, kwargs, name: str, value):
     return (value, *args[1:]), kwargs
 
 
-def _flux(stack, model, state: _Split) -> None:
+def _flux(stack, model, state: _Split, adopt) -> None:
     def split_inputs(mod, args, kwargs):
         hidden = _first_arg(args, kwargs, "hidden_states")
         text = kwargs.get("encoder_hidden_states")
@@ -111,10 +120,10 @@ def _flux(stack, model, state: _Split) -> None:
     stack.callback(model.proj_out.register_forward_hook(lambda m, a, out: state.gather(out, 1, state.total)).remove)
     for name, module in model.named_modules():
         if hasattr(module, "processor") and name:
-            _kind_hooks(stack, module, lambda: ("joint", state.text_len, state.total))
+            _kind_hooks(stack, module, lambda: ("joint", state.text_len, state.total), name, adopt)
 
 
-def _wan(stack, model, state: _Split) -> None:
+def _wan(stack, model, state: _Split, adopt) -> None:
     def refuse_token_timesteps(mod, args, kwargs):
         timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
         if timestep is not None and timestep.dim() == 2:
@@ -133,16 +142,16 @@ def _wan(stack, model, state: _Split) -> None:
     stack.callback(model.rope.register_forward_hook(split_rope).remove)
     stack.callback(model.blocks[0].register_forward_pre_hook(split_tokens, with_kwargs=True).remove)
     stack.callback(model.proj_out.register_forward_hook(lambda m, a, out: state.gather(out, 1, state.total)).remove)
-    for block in model.blocks:
-        _kind_hooks(stack, block.attn1, lambda: ("self", 0, state.total))
-        _kind_hooks(stack, block.attn2, lambda: ("cross", 0, None))
+    for i, block in enumerate(model.blocks):
+        _kind_hooks(stack, block.attn1, lambda: ("self", 0, state.total), f"blocks.{i}.attn1", adopt)
+        _kind_hooks(stack, block.attn2, lambda: ("cross", 0, None), f"blocks.{i}.attn2", adopt)
 
 
-def _unet(stack, model, state: _Split) -> None:
+def _unet(stack, model, state: _Split, adopt) -> None:
     from diffusers.models.attention import BasicTransformerBlock
 
-    blocks = [m for m in model.modules() if isinstance(m, BasicTransformerBlock)]
-    for block in blocks:
+    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, BasicTransformerBlock)]
+    for block_name, block in blocks:
         lengths = []
 
         def split_tokens(mod, args, kwargs, lengths=lengths):
@@ -156,9 +165,10 @@ def _unet(stack, model, state: _Split) -> None:
         stack.callback(block.register_forward_pre_hook(split_tokens, with_kwargs=True).remove)
         stack.callback(block.register_forward_hook(gather_tokens, with_kwargs=True).remove)
         self_kind = "cross" if getattr(block, "only_cross_attention", False) else "self"
-        _kind_hooks(stack, block.attn1, lambda lengths=lengths, k=self_kind: (k, 0, lengths[-1] if k == "self" else None))
+        _kind_hooks(stack, block.attn1, lambda lengths=lengths, k=self_kind: (k, 0, lengths[-1] if k == "self" else None),
+                    f"{block_name}.attn1", adopt)
         if getattr(block, "attn2", None) is not None:
-            _kind_hooks(stack, block.attn2, lambda: ("cross", 0, None))
+            _kind_hooks(stack, block.attn2, lambda: ("cross", 0, None), f"{block_name}.attn2", adopt)
             stack.callback(block.attn2.register_forward_pre_hook(_refuse_ip_masks, with_kwargs=True).remove)
 
 
@@ -214,6 +224,49 @@ REFUSED_HOOKS = {
 }
 
 
+#: What a layer-skipping guider's hook that skips attention scores (PerturbedAttentionGuidance, or
+#: SkipLayerGuidance / AutoGuidance with skip_attention_scores) cannot do under route().
+SKIPS_SCORES = ("it skips attention scores (PerturbedAttentionGuidance, or a layer skip with "
+                "skip_attention_scores=True) by catching F.scaled_dot_product_attention as it is called, which a "
+                "processor routed through lib_attn does not call; use SkipLayerGuidance with skip_attention=True "
+                "instead, or run the guider outside route()")
+
+
+def hook_problems(model, split: bool) -> list:
+    """[why a diffusers hook on ``model`` cannot run, one line each]: those that cannot run on one rank's
+    share of the tokens (``split``) and those that skip attention scores. Cheap enough to run at every
+    denoiser call: a guider or a cache may add its hooks after route() opened (SmoothedEnergyGuidance
+    and the layer-skipping guiders do, at each step)."""
+    problems = []
+    for module in model.modules():
+        registry = module.__dict__.get("_diffusers_hook")  # not getattr: nn.Module's miss path is slow
+        hooks = getattr(registry, "hooks", None)
+        if not hooks:
+            continue
+        for hook_name, hook in hooks.items():
+            cls = type(hook).__name__
+            why = REFUSED_HOOKS.get(cls) if split else None
+            if cls == "AttentionProcessorSkipHook" and getattr(hook, "skip_attention_scores", False):
+                why = SKIPS_SCORES
+            if why:
+                name = next((n for n, m in model.named_modules() if m is module), "")
+                problems.append(f"hook {hook_name!r} ({cls}) on {name or 'the model'}: {why}")
+    return problems
+
+
+def refuse_hooks(stack: contextlib.ExitStack, model, split: bool) -> None:
+    """Until ``stack`` closes, check ``model``'s diffusers hooks as each call begins (``hook_problems``),
+    before any rank splits or exchanges anything: every rank holds the same hooks, so every rank raises
+    the same ValueError instead of one deciding alone from its share (a wrong image, or a stall)."""
+    def check(mod, args):
+        problems = hook_problems(mod, split)
+        if problems:
+            raise ValueError(f"lib_attn route({'parallel=...' if split else ''}) cannot run {type(mod).__name__} "
+                             f"with these diffusers hooks (added after route() opened):\n  " + "\n  ".join(problems))
+
+    stack.callback(model.register_forward_pre_hook(check).remove)
+
+
 def substitutable(module) -> str:
     """'' when ``module``'s attention is the one ``AttnProcessor2_0`` computes (so a processor of
     ``SAME_AS_SDPA`` may be split as that one), else what differs."""
@@ -236,15 +289,8 @@ def plan_refusals(models: list, kind_of) -> tuple[dict, list]:
     for model, role in models:
         if role not in ("unet", "dit") or type(model).__name__ not in _PLANS:
             continue
+        problems += hook_problems(model, split=True)
         for name, module in model.named_modules():
-            registry = getattr(module, "_diffusers_hook", None)
-            for hook_name, hook in (getattr(registry, "hooks", None) or {}).items():
-                why = REFUSED_HOOKS.get(type(hook).__name__)
-                if type(hook).__name__ == "AttentionProcessorSkipHook" and getattr(hook, "skip_attention_scores", False):
-                    why = ("it skips attention scores by catching F.scaled_dot_product_attention as it is called, "
-                           "which a split call does not make")
-                if why:
-                    problems.append(f"hook {hook_name!r} ({type(hook).__name__}) on {name or 'the model'}: {why}")
             if getattr(module, "pos_embed", None) is not None and type(module).__name__ == "BasicTransformerBlock":
                 # It numbers the tokens it is given from 0, not from where the rank's share starts.
                 problems.append(f"{name}: a positional embedding inside the transformer block cannot be split")
@@ -258,6 +304,8 @@ def plan_refusals(models: list, kind_of) -> tuple[dict, list]:
                 # another kind than its module's, which the split cannot tell apart.
                 problems.append(f"{name}: {cls} (IP-Adapter) makes a second attention call to the adapter's image "
                                 f"tokens that cannot be split; unload the IP-Adapter to split this model")
+            elif kind_of(processor) is None and name.split(".")[-1] == "attn2":
+                pass  # cross-attention: every rank holds every key, so any processor is exact on a share
             elif kind_of(processor) is None:
                 why = substitutable(module) if cls in SAME_AS_SDPA else "it reaches attention neither through " \
                     "F.scaled_dot_product_attention nor through diffusers' attention dispatcher"
@@ -275,20 +323,54 @@ def plan_refusals(models: list, kind_of) -> tuple[dict, list]:
     return as_sdpa, problems
 
 
-def split(stack: contextlib.ExitStack, models: list, par) -> None:
+def _adopter(model, kind_of, route_as):
+    """The function that takes a processor found unrouted on a split module of ``model`` as it is called
+    (set after route(parallel=) opened): ``route_as(processor, kind)`` it as route() would have, or
+    raise ValueError naming the module and the processor. It reads the module and its processor only,
+    so every rank decides the same."""
+    left_alone: dict = {}  # id -> processor: cross-attention processors the split need not reach
+
+    def adopt(name: str, module, call_kind: str) -> None:
+        processor = module.processor
+        if id(processor) in left_alone:
+            return
+        kind, cls, why = kind_of(processor), type(processor).__name__, ""
+        if kind is None and cls in SAME_AS_SDPA:
+            users = [m for m in model.modules() if getattr(m, "processor", None) is processor]
+            why = next((w for w in map(substitutable, users) if w), "")
+            if not why:
+                return route_as(processor, None)
+        if kind is not None:
+            return route_as(processor, kind)
+        if call_kind == "cross":  # every rank holds every key of a cross call: exact on a share as it is
+            left_alone[id(processor)] = processor
+            return
+        why = why or "it reaches attention neither through F.scaled_dot_product_attention nor through diffusers' " \
+            "attention dispatcher"
+        raise ValueError(f"route(parallel=...): {name} was given {cls} after the split opened, which would attend "
+                         f"to one rank's share of the tokens only ({why}); set the model's processors before "
+                         f"route() opens, or use processors that the split reaches")
+
+    return adopt
+
+
+def split(stack: contextlib.ExitStack, models: list, par, kind_of, router) -> None:
     """Install the split of every denoiser among ``models`` ((model, role) pairs) until ``stack`` closes;
-    ValueError for a denoiser whose split is not known."""
+    ValueError for a denoiser whose split is not known. ``kind_of`` as for ``plan_refusals``;
+    ``router(role)`` gives the ``route_as`` of ``_adopter`` for a model of that role."""
     if not isinstance(par, _parallel.Parallel):
         raise ValueError(f"parallel must be a lib_attn.parallel.Parallel, got {type(par).__name__}")
     denoisers = [model for model, role in models if role in ("unet", "dit")]
     if not denoisers:
         raise ValueError("route(parallel=...): no denoiser (unet or transformer) to split")
     for model in denoisers:
-        plan = _PLANS.get(type(model).__name__)
-        if plan is None:
+        if type(model).__name__ not in _PLANS:
             raise ValueError(f"route(parallel=...): no known sequence split for {type(model).__name__}; the known "
                              f"ones: {', '.join(KNOWN)}")
-        plan(stack, model, _Split(par))
+    for model, role in models:
+        if role in ("unet", "dit"):
+            refuse_hooks(stack, model, split=True)  # first: before the split's own pre-hooks
+            _PLANS[type(model).__name__](stack, model, _Split(par), _adopter(model, kind_of, router(role)))
     stack.enter_context(_parallel.use(par))
     stack.enter_context(_opened())
 

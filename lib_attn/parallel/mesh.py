@@ -7,9 +7,11 @@ torchrun's numbering, they stay within one machine (the all-to-all needs the fas
 ring, whose traffic is point-to-point and can hide behind the kernel, crosses machines.
 
 Making one is collective: every rank of the group must make it, with the same values, in the same
-order. With both degrees above 1, and on NCCL always (a group of its ranks with its timeout), it
-creates groups with ``torch.distributed.new_group``, which every rank of the default group must call:
-then every process of the job makes it.
+order. On NCCL it makes a group of its ranks with its timeout: over the default group every process
+makes it; over a given ``group`` only that group's members do. With both degrees above 1 it makes the
+grid's groups with ``torch.distributed.new_group``, which every rank of the default group must call:
+then every process of the job makes it, with the same ``group``s in the same order. Groups are made
+once per process for given ranks and timeout, and reused by every later configuration.
 """
 from __future__ import annotations
 
@@ -78,20 +80,23 @@ class Parallel:
         if self.backend == "nccl":
             # NCCL bounds each operation by its group's own timeout (its watchdog; a CPU wait with a
             # timeout would hold back the stream): a group of these ranks made with this timeout
-            # makes it hold for every collective and ring step of a call (one more NCCL communicator).
-            self.comm_group = dist.new_group(list(self.ranks), timeout=self.wait_for)
+            # makes it hold for every collective and ring step of a call. A given subgroup's members
+            # alone make it (only they can make this Parallel): local synchronisation, whose name is
+            # hashed from the ranks, so pairs of a larger job do not meet on one store key.
+            self.comm_group = _group(dist, self.ranks, self.wait_for, local=self.group is not None)
         self.ulysses_group, self.ring_group = self.comm_group, self.comm_group
         self.ulysses_ranks, self.ring_ranks = self.ranks, self.ranks
         if u > 1 and self.ring > 1:
-            # Every rank creates every subgroup, in the same order: new_group is collective.
+            # Every rank creates every subgroup, in the same order: new_group is collective. Not local
+            # synchronisation: torch warns it can deadlock when a rank makes several overlapping groups.
             for g in range(self.ring):
                 ranks = self.ranks[g * u:(g + 1) * u]
-                made = dist.new_group(list(ranks), timeout=self.wait_for)
+                made = _group(dist, ranks, self.wait_for, local=False)
                 if self.rank // u == g:
                     self.ulysses_group, self.ulysses_ranks = made, ranks
             for p in range(u):
                 ranks = self.ranks[p::u]
-                made = dist.new_group(list(ranks), timeout=self.wait_for)
+                made = _group(dist, ranks, self.wait_for, local=False)
                 if self.rank % u == p:
                     self.ring_group, self.ring_ranks = made, ranks
 
@@ -107,6 +112,20 @@ class Parallel:
 
     def describe(self) -> str:
         return f"{self.mode} over {self.world} ranks (ulysses {self.ulysses} x ring {self.ring}, {self.backend})"
+
+
+#: Groups made for configurations, by (default group, ranks, timeout, local): a NCCL group holds a
+#: communicator and its GPU buffers until the process ends, so a Parallel made per generation reuses
+#: the groups of the first one instead of adding its own.
+_groups: dict = {}
+
+
+def _group(dist, ranks: tuple, timeout: datetime.timedelta, local: bool):
+    key = (dist.group.WORLD, tuple(ranks), timeout, local)
+    if key not in _groups:
+        extra = {"use_local_synchronization": True} if local else {}
+        _groups[key] = dist.new_group(list(ranks), timeout=timeout, **extra)
+    return _groups[key]
 
 
 def degrees(world: int, ulysses: int | None, ring: int | None) -> tuple[int, int]:
