@@ -305,13 +305,10 @@ def _register_for_layer_skip(cls, routed) -> None:
     layer-skipping guiders (SkipLayerGuidance, AutoGuidance) look the processor's exact class up in."""
     try:
         from diffusers.hooks._helpers import AttentionProcessorRegistry
-    except ImportError:  # diffusers before 0.35 has no layer skipping
-        return
-    try:
-        metadata = AttentionProcessorRegistry.get(cls)
-    except ValueError:  # not registered: the guiders refuse the base class as well
-        return
-    AttentionProcessorRegistry.register(routed, metadata)
+
+        AttentionProcessorRegistry.register(routed, AttentionProcessorRegistry.get(cls))
+    except (ImportError, ValueError):  # no layer skipping (before 0.35), or the base class is not known
+        pass
 
 
 def _sdpa_processor():

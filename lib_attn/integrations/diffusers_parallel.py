@@ -232,13 +232,14 @@ SKIPS_SCORES = ("it skips attention scores (PerturbedAttentionGuidance, or a lay
                 "instead, or run the guider outside route()")
 
 
-def hook_problems(model, split: bool) -> list:
+def hook_problems(model, split: bool, modules=None) -> list:
     """[why a diffusers hook on ``model`` cannot run, one line each]: those that cannot run on one rank's
     share of the tokens (``split``) and those that skip attention scores. Cheap enough to run at every
     denoiser call: a guider or a cache may add its hooks after route() opened (SmoothedEnergyGuidance
-    and the layer-skipping guiders do, at each step)."""
+    and the layer-skipping guiders do, at each step). ``modules``: ``model``'s modules, listed once
+    (walking the tree again costs ten times as much)."""
     problems = []
-    for module in model.modules():
+    for module in model.modules() if modules is None else modules:
         registry = module.__dict__.get("_diffusers_hook")  # not getattr: nn.Module's miss path is slow
         hooks = getattr(registry, "hooks", None)
         if not hooks:
@@ -258,8 +259,10 @@ def refuse_hooks(stack: contextlib.ExitStack, model, split: bool) -> None:
     """Until ``stack`` closes, check ``model``'s diffusers hooks as each call begins (``hook_problems``),
     before any rank splits or exchanges anything: every rank holds the same hooks, so every rank raises
     the same ValueError instead of one deciding alone from its share (a wrong image, or a stall)."""
+    modules = list(model.modules())  # hooks go on modules the model has: those of the scope's start
+
     def check(mod, args):
-        problems = hook_problems(mod, split)
+        problems = hook_problems(mod, split, modules)
         if problems:
             raise ValueError(f"lib_attn route({'parallel=...' if split else ''}) cannot run {type(mod).__name__} "
                              f"with these diffusers hooks (added after route() opened):\n  " + "\n  ".join(problems))
