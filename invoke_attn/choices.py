@@ -166,7 +166,9 @@ class GraphChoices:
                         return execution.nodes[parent]
                     seen.add(parent)
                     frontier.append(parent)
-        connected = sorted({e.destination.field for e in state.graph.edges if e.destination.node_id == source_id})
+        # Its model inputs hold no value of the configuration: a model connected in leaves it routing the graph.
+        connected = sorted({e.destination.field for e in state.graph.edges
+                            if e.destination.node_id == source_id and e.destination.field not in MODEL_OUTPUTS})
         if connected:
             raise ValueError(f"Attention backend node {source_id}: {', '.join(connected)} connected from other nodes, "
                              f"while the node is connected to no model; connect its outputs to the models it routes "

@@ -112,14 +112,14 @@ class Session:
             # What chose the configuration is said once its node made calls (a LoRA loader makes none).
             self.running = (choice, self.recording.total())
             keyed_services, cache = node_cache.keyed(services, node_cache.configuration(config))
-            before = self.recording.total()
+            before = self.recording.total(role)  # a denoiser's own calls: its VAE's take no step rule
             try:
                 return call(keyed_services)
             finally:
                 self._note_bypassed(bypassed, services)
                 if cache.hit:
                     self.cached.append(invocation.get_type())
-                elif (role in choices.DENOISERS and not told and self.recording.total() > before
+                elif (role in choices.DENOISERS and not told and self.recording.total(role) > before
                       and config.schedule is not None and config.schedule.asks_step):
                     self.note(f"{invocation.get_type()} told InvokeAI no step: the schedule's step rules took all "
                               f"its calls as its first step")

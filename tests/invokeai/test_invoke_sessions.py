@@ -475,6 +475,20 @@ def test_a_value_connected_to_a_node_that_routes_the_whole_graph_is_refused(host
                                          "node is connected to no model; connect its outputs")
 
 
+def test_a_node_with_a_model_connected_in_but_no_outputs_routes_the_whole_graph(host):
+    """The loader's unet goes into the node, nothing comes out of it: its model input holds no value of the
+    configuration, so it routes the whole graph with its typed values."""
+    from invokeai.app.services.shared.graph import Edge, EdgeConnection
+
+    graph = _with_nodes(txt2img_graph(seed=28), _attention(backend="sdpa-math"))
+    graph.add_edge(Edge(source=EdgeConnection(node_id="model_loader", field="unet"),
+                        destination=EdgeConnection(node_id="attn", field="unet")))
+    item = host.run_graph(graph)
+    assert item.status == "completed", item.error_traceback
+    calls = sessions._sessions[item.session_id].recording.calls
+    assert {backend for role, backend in calls if role == "unet"} == {"sdpa-math"}
+
+
 # --- A VAE run inside a denoise node -----------------------------------------------------------------------------
 
 
@@ -592,6 +606,53 @@ def test_a_denoiser_that_tells_no_step_is_said_in_the_report(host, monkeypatch):
            "step" in session.notes
 
 
+MASK_SOURCE = '''
+import torch
+from invokeai.invocation_api import (BaseInvocation, Input, InputField, InvocationContext, StringOutput, UNetField,
+                                     VAEField, invocation)
+
+@invocation("maskpack_mask", title="Mask", version="1.0.0")
+class Mask(BaseInvocation):
+    """Create Gradient Mask's shape: a unet and a vae in; it only encodes an image through the VAE."""
+    unet: UNetField = InputField(description="u", input=Input.Connection)
+    vae: VAEField = InputField(description="v", input=Input.Connection)
+
+    @torch.no_grad()
+    def invoke(self, context: InvocationContext) -> StringOutput:
+        with context.models.load(self.vae.vae) as vae:
+            vae.encode(torch.zeros(1, 3, 32, 32))
+        return StringOutput(value="mask")
+'''
+
+
+@pytest.fixture
+def mask_node():
+    import sys
+    from invokeai.app.invocations.baseinvocation import InvocationRegistry
+    from test_doubles import define_pack_module
+
+    yield define_pack_module("maskpack.nodes", MASK_SOURCE)
+    InvocationRegistry.unregister_pack("maskpack")
+    sys.modules.pop("maskpack.nodes", None)
+
+
+def test_a_denoiser_shaped_node_that_only_runs_its_vae_gets_no_step_note(host, mask_node):
+    """A node with unet and vae inputs (Create Gradient Mask) whose calls are all VAE calls: step rules never
+    apply to them, so its telling no step is not said."""
+    from invokeai.app.services.shared.graph import Edge, EdgeConnection
+
+    graph = _with_nodes(txt2img_graph(seed=29), _attention(schedule="0-50%: sdpa; 50-100%: sdpa-math"))
+    graph.add_node(_validated({"type": "maskpack_mask", "id": "mask", "use_cache": False}))
+    for field in ("unet", "vae"):
+        graph.add_edge(Edge(source=EdgeConnection(node_id="model_loader", field=field),
+                            destination=EdgeConnection(node_id="mask", field=field)))
+    item = host.run_graph(graph)
+    assert item.status == "completed", item.error_traceback
+    session = sessions._sessions[item.session_id]
+    assert session.recording.total("vae") > 1  # the mask node's encode and l2i's decode ran routed
+    assert not any("told InvokeAI no step" in note for note in session.notes), session.notes
+
+
 def test_the_cache_key_holds_the_configuration_itself_not_a_number_of_this_process(host):
     """After an update replaced the engine in the same process, its configurations are numbered anew:
     the key says what the configuration is (and the engine's version), so a new number never meets an
@@ -600,7 +661,7 @@ def test_the_cache_key_holds_the_configuration_itself_not_a_number_of_this_proce
 
     def key(**config):
         with lib_attn.use(**config) as made:
-            services, _ = node_cache.keyed(host.services, made)
+            services, _ = node_cache.keyed(host.services, node_cache.configuration(made))  # as sessions.run does
         return services.invocation_cache.create_key(_validated({"type": "noise", "id": "n"}))
 
     import sys
