@@ -5,16 +5,18 @@ from the node's own fields (``invocation_cache.create_key``). An Attention backe
 on unchanged, so without more a denoise or decode node routed under one configuration has the key it
 had under another, or under none, and InvokeAI would hand back that run's output. A routed node sees
 the services through ``keyed``: the same services, whose cache's keys add the configuration the node
-runs under (``Config.canonical``, which equal configurations share, and the engine's version), so equal
-configurations still share outputs and no other does, also after the pack's code was replaced in the same
-process; and a hit is noted, so that the report can say the output came from the cache rather than from
+runs under (``Config.canonical``, which equal configurations share, and the digest of the pack's code), so
+equal configurations still share outputs and no other does, also after the pack's code was replaced in the
+same process; and a hit is noted, so that the report can say the output came from the cache rather than from
 attention that ran. The pack's own nodes are keyed by their class (``of_class``).
 """
 from __future__ import annotations
 
 import hashlib
+import uuid
+import weakref
 
-import lib_attn
+from . import SOURCE
 
 
 class _KeyedCache:
@@ -47,15 +49,24 @@ class _Services:
 
 
 def configuration(config) -> str:
-    """What a routed node's key adds: ``config`` (a ``lib_attn`` configuration) and the engine's version."""
-    return hashlib.sha256(repr((lib_attn.__version__, config.canonical)).encode()).hexdigest()[:32]
+    """What a routed node's key adds: ``config`` (a ``lib_attn`` configuration) and the digest of the code
+    that runs it (``SOURCE``: exact where two commits share a version string)."""
+    return hashlib.sha256(repr((SOURCE, config.canonical)).encode()).hexdigest()[:32]
+
+
+#: A name never used before for each of the pack's node classes, dropped with the class: an id() is an
+#: address, which a class made after the earlier one was freed can get again.
+_class_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def of_class(cls) -> str:
     """What the key of one of the pack's own nodes adds: its very class. InvokeAI's cache holds outputs as
     objects; after an update (the nodes' module run again) an output of the earlier class fails InvokeAI's
     check of the node's result, so a node of the new class never takes one."""
-    return f"class {id(cls)}"
+    name = _class_names.get(cls)
+    if name is None:
+        name = _class_names[cls] = uuid.uuid4().hex
+    return f"class {name}"
 
 
 def keyed(services, what: str) -> tuple:

@@ -113,12 +113,17 @@ class Session:
             self.running = (choice, self.recording.total())
             keyed_services, cache = node_cache.keyed(services, node_cache.configuration(config))
             before = self.recording.total(role)  # a denoiser's own calls: its VAE's take no step rule
+            output = None
             try:
-                return call(keyed_services)
+                output = call(keyed_services)
+                return output
             finally:
                 self._note_bypassed(bypassed, services)
                 if cache.hit:
-                    self.cached.append(invocation.get_type())
+                    # Only an output that would have carried attention: one that passes a model on (a LoRA
+                    # loader, FreeU) holds none of it.
+                    if output is not None and choices.role_of(output) is None:
+                        self.cached.append(invocation.get_type())
                 elif (role in choices.DENOISERS and not told and self.recording.total(role) > before
                       and config.schedule is not None and config.schedule.asks_step):
                     self.note(f"{invocation.get_type()} told InvokeAI no step: the schedule's step rules took all "

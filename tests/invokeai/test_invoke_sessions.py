@@ -653,9 +653,76 @@ def test_a_denoiser_shaped_node_that_only_runs_its_vae_gets_no_step_note(host, m
     assert not any("told InvokeAI no step" in note for note in session.notes), session.notes
 
 
+PASS_SOURCE = '''
+from invokeai.invocation_api import (BaseInvocation, Input, InputField, InvocationContext, UNetField, UNetOutput,
+                                     invocation)
+
+@invocation("passpack_pass", title="Pass", version="1.0.0")
+class Pass(BaseInvocation):
+    """A LoRA loader's shape: a unet in, the unet out."""
+    unet: UNetField = InputField(description="u", input=Input.Connection)
+
+    def invoke(self, context: InvocationContext) -> UNetOutput:
+        return UNetOutput(unet=self.unet)
+'''
+
+
+@pytest.fixture
+def pass_node():
+    import sys
+    from invokeai.app.invocations.baseinvocation import InvocationRegistry
+    from test_doubles import define_pack_module
+
+    yield define_pack_module("passpack.nodes", PASS_SOURCE)
+    InvocationRegistry.unregister_pack("passpack")
+    sys.modules.pop("passpack.nodes", None)
+
+
+def test_a_node_that_passes_a_model_on_is_no_cache_note(host, pass_node):
+    """A model-passing node between the loader and denoise, answered from the cache on a second run with a
+    new seed: its output carried no attention, so the report names no cached node (the denoise ran)."""
+    def graph(seed):
+        made = insert_on_edge(txt2img_graph(seed=seed, use_cache=True),
+                              {"type": "passpack_pass", "id": "pass", "use_cache": True},
+                              destination=("denoise", "unet"), input_field="unet")
+        return _with_nodes(made, _attention(backend="sdpa-math"))
+
+    host.run_graph(graph(32))
+    item = host.run_graph(graph(33))
+    assert item.status == "completed", item.error_traceback
+    session = sessions._sessions[item.session_id]
+    assert session.recording.total("unet") > 0  # a new seed: the denoise ran
+    assert session.cached == [] and "node cache" not in host.output(item, "report").report
+
+
+def test_the_pack_s_node_classes_never_share_a_key_even_at_a_reused_address():
+    """id() is an address: a class made after an earlier one was freed can get it again; its key is new."""
+    import gc
+
+    from invoke_attn import node_cache
+    from pydantic import BaseModel
+
+    def make():
+        class AttentionBackendInvocation(BaseModel):
+            backend: str = "auto"
+        return AttentionBackendInvocation
+
+    for _ in range(20):
+        first = make()
+        address, key = id(first), node_cache.of_class(first)
+        del first
+        gc.collect()
+        second = make()
+        if id(second) == address:
+            assert node_cache.of_class(second) != key
+            assert node_cache.of_class(second) == node_cache.of_class(second)
+            return
+    pytest.skip("no class got a freed class's address in 20 tries")
+
+
 def test_the_cache_key_holds_the_configuration_itself_not_a_number_of_this_process(host):
     """After an update replaced the engine in the same process, its configurations are numbered anew:
-    the key says what the configuration is (and the engine's version), so a new number never meets an
+    the key says what the configuration is (and the pack's code), so a new number never meets an
     output made under another configuration."""
     from invoke_attn import node_cache
 
