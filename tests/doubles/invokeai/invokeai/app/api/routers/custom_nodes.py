@@ -42,34 +42,29 @@ def _uninstall_pack(pack_name: str, target_dir: Path) -> tuple[bool, str]:
     if not target_dir.exists():
         return False, f"Node pack '{pack_name}' not found."
     shutil.rmtree(target_dir)
-    removed_types = InvocationRegistry.unregister_pack(pack_name)
-    if removed_types:
-        logger.info(f"Unregistered {len(removed_types)} node(s) from pack '{pack_name}': {', '.join(removed_types)}")
+    InvocationRegistry.unregister_pack(pack_name)
     _purge_pack_modules(pack_name)
     return True, f"Successfully uninstalled node pack '{pack_name}'."
 
 
 def _purge_pack_modules(pack_name: str) -> list[str]:
-    prefix = f"{pack_name}."
-    to_remove = [name for name in sys.modules if name == pack_name or name.startswith(prefix)]
-    for name in to_remove:
-        del sys.modules[name]
-    return to_remove
+    """Forgets the pack's package and all its submodules; returns their names."""
+    purged = [name for name in list(sys.modules) if f"{name}.".startswith(f"{pack_name}.")]
+    for name in purged:
+        sys.modules.pop(name)
+    return purged
 
 
 def _load_node_pack(pack_name: str, pack_dir: Path) -> None:
-    init = pack_dir / "__init__.py"
-    if not init.exists():
+    """Runs the folder's ``__init__.py`` as the top-level package ``pack_name`` (in ``sys.modules`` before its
+    code runs); nothing for a folder without one, or a name already imported."""
+    entry = pack_dir / "__init__.py"
+    if not entry.exists() or pack_name in sys.modules:
         return
-    if pack_name in sys.modules:
-        logger.info(f"Node pack {pack_name} already loaded, skipping.")
-        return
-    spec = spec_from_file_location(pack_name, init.absolute())
+    spec = spec_from_file_location(pack_name, entry.absolute())
     if spec is None or spec.loader is None:
-        logger.warning(f"Could not load {init}")
+        logger.warning(f"node pack {pack_name}: no loader for {entry}")
         return
-    logger.info(f"Loading node pack {pack_name}")
-    module = module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    logger.info(f"Successfully loaded node pack {pack_name}")
+    package = module_from_spec(spec)
+    sys.modules[pack_name] = package
+    spec.loader.exec_module(package)

@@ -9,15 +9,16 @@ drops every entry whose output's JSON names it; hits and misses are counted; one
 ``clear``, ``disable`` and ``enable`` do nothing at size 0.
 """
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from threading import Lock
 from typing import Any, Optional, Union
 
 
-@dataclass(order=True)
+@dataclass
 class CachedItem:
-    invocation_output: Any = field(compare=False)
-    invocation_output_json: str = field(compare=False)
+    """One entry: the output handed back, and its JSON, which ``_delete_by_match`` searches for a name."""
+    invocation_output: Any
+    invocation_output_json: str
 
 
 class MemoryInvocationCache:
