@@ -142,6 +142,13 @@ class ScheduleError(ValueError):
     """A schedule that cannot be used; the message names the rule, the part and what is valid."""
 
 
+def number_text(value: float) -> str:
+    """``value`` as short as it reads back exactly: ``0.15``, ``20``, ``0.1500004`` (never rounded, so two
+    different settings never write the same text)."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(float(value))
+
+
 def _fail(n: int, rule: str, problem: str) -> ScheduleError:
     return ScheduleError(f"schedule rule {n} ({rule.strip()!r}): {problem}")
 
@@ -180,13 +187,13 @@ def _rule(n: int, text: str, index: int) -> Rule:
             if not 0 <= lo < hi <= 100:
                 raise _fail(n, text, f"step window {term!r} must run from a lower to a higher percentage within 0-100%")
             _once(n, text, found, "steps", (lo / 100, hi / 100), "step window")
-            canon.append(f"{lo:g}-{hi:g}%")
+            canon.append(f"{number_text(lo)}-{number_text(hi)}%")
             continue
         m = _SIGMA.match(term)
         if m:
             a, b = float(m[1]), float(m[2])
             _once(n, text, found, "sigmas", (min(a, b), max(a, b)), "sigma range")
-            canon.append(f"sigma {max(a, b):g}-{min(a, b):g}")
+            canon.append(f"sigma {number_text(max(a, b))}-{number_text(min(a, b))}")
             continue
         m = _BLOCKS.match(term)
         if m:

@@ -40,6 +40,20 @@ def test_text_form_reads_back_to_equal_settings(text):
                          "threshold": s.threshold, "dense": s.dense or "none", "calibrate": s.calibrate}) == s
 
 
+def test_settings_that_differ_past_six_digits_keep_their_own_text_and_configuration():
+    """The text writes every value exactly, so two different settings never share it, nor a configuration's
+    canonical form (its cache key in InvokeAI, its dispatcher token)."""
+    near = sparse.parse("block-sparse, budget=0.1500004, topk=0.2000001")
+    plain = sparse.parse("block-sparse, budget=0.15, topk=0.2")
+    assert near != plain and near.text != plain.text
+    assert sparse.parse(near.text) == near and "budget=0.15," in plain.text and "topk=0.2," in plain.text
+    first, second = lib_attn.Config(sparse=near), lib_attn.Config(sparse=plain)
+    assert first.canonical != second.canonical and first.token != second.token
+    steps = [sched.parse(f"{lo}-50%: sdpa-math").text for lo in ("10", "10.0000001")]
+    assert steps[0] == "10-50%: sdpa-math" and steps[1] != steps[0] and sched.parse(steps[1]) == sched.parse(
+        "10.0000001-50%: sdpa-math")
+
+
 def test_fields_are_read_from_text():
     s = sparse.parse(" block-sparse , Budget = 0.25, min tokens=4096, threshold=0.95, dense = 0-30% ; first 2, "
                      "calibrate=off")

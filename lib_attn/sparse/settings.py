@@ -73,8 +73,9 @@ class Sparse:
     @property
     def text(self) -> str:
         """The settings' canonical one-line form (``parse`` reads it back to equal settings)."""
-        parts = [self.method, f"budget={self.budget:g}", f"min_tokens={self.min_tokens}", f"{self.knob.name}="
-                 f"{self.knob.value:g}", f"dense={self.dense or 'none'}"]
+        exact = _schedule.number_text
+        parts = [self.method, f"budget={exact(self.budget)}", f"min_tokens={self.min_tokens}", f"{self.knob.name}="
+                 f"{exact(self.knob.value)}", f"dense={self.dense or 'none'}"]
         if not self.calibrate:
             parts.append("calibrate=off")
         return ", ".join(parts)
