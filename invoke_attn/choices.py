@@ -139,19 +139,22 @@ class GraphChoices:
     def __bool__(self):
         return bool(self.by_node) or self.everywhere is not None or self.default is not None
 
-    def get(self, source_id: str, prepared_id: str | None = None) -> Choice | None:
-        """The choice the node ``prepared_id`` (prepared from ``source_id``) runs under, or None."""
+    def get(self, source_id: str, prepared_id: str | None = None, state=None) -> Choice | None:
+        """The choice the node ``prepared_id`` (prepared from ``source_id``) runs under, or None; ``state``:
+        the session's execution state now (``prepared``)."""
         said_by = self.by_node.get(source_id, self.everywhere)
         if said_by is None:
             return self.default
-        return self.prepared(said_by, prepared_id).choice(said_by)
+        return self.prepared(said_by, prepared_id, state).choice(said_by)
 
-    def prepared(self, source_id: str, downstream: str | None = None):
+    def prepared(self, source_id: str, downstream: str | None = None, state=None):
         """The Attention backend node ``source_id`` as it applies to the node ``downstream``: the prepared
         copy that passed the model on to it (it ran before it, with its connected values set); for a node
         connected to no model, the node as typed. ValueError when its values come from other nodes but it
-        is connected to no model: InvokeAI may run a routed node before those, so they cannot apply."""
-        state = self.state
+        is connected to no model: InvokeAI may run a routed node before those, so they cannot apply. ``state``:
+        the execution state the queue item holds now (the return from a called workflow reads the item
+        again, into a new one), else the one the session began with."""
+        state = self.state if state is None else state
         execution = getattr(state, "execution_graph", None)
         mapping = getattr(state, "prepared_source_mapping", None) or {}
         if execution is not None and downstream is not None:

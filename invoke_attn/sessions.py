@@ -96,7 +96,8 @@ class Session:
         _watch_saves(self, context, metadata_field)
         own = invocation.get_type() == self.choices.node_type  # the Attention backend node passes models on
         role = None if own else choices.role_of(invocation)
-        choice = self.choices.get(context._data.source_invocation_id, invocation.id) if role else None
+        choice = self.choices.get(context._data.source_invocation_id, invocation.id,
+                                  context._data.queue_item.session) if role else None
         if choice is None:
             return call(services)
         targets.route()

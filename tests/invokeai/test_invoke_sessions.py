@@ -489,6 +489,47 @@ def test_a_node_with_a_model_connected_in_but_no_outputs_routes_the_whole_graph(
     assert {backend for role, backend in calls if role == "unet"} == {"sdpa-math"}
 
 
+REREAD_SOURCE = '''
+from invokeai.invocation_api import BaseInvocation, InvocationContext, StringOutput, invocation
+
+@invocation("rereadpack_chain", title="Chain", version="1.0.0")
+class Chain(BaseInvocation):
+    """Gives a chain, after the queue item's execution state was read again into a new object, as the return
+    from a called workflow resumes its parent."""
+
+    def invoke(self, context: InvocationContext) -> StringOutput:
+        item = context._data.queue_item
+        item.session = item.session.model_copy(deep=True)
+        return StringOutput(value="sdpa-math")
+'''
+
+
+@pytest.fixture
+def reread_node():
+    import sys
+    from invokeai.app.invocations.baseinvocation import InvocationRegistry
+    from test_doubles import define_pack_module
+
+    yield define_pack_module("rereadpack.nodes", REREAD_SOURCE)
+    InvocationRegistry.unregister_pack("rereadpack")
+    sys.modules.pop("rereadpack.nodes", None)
+
+
+def test_a_connected_value_applies_after_the_execution_state_was_read_again(host, reread_node):
+    """The node's chain comes from a node that replaced the item's execution state; the Attention backend
+    node runs after it, recorded in the new state only: its connected value is found there."""
+    from invokeai.app.services.shared.graph import Edge, EdgeConnection
+
+    graph = _routed_unet_and_vae(txt2img_graph(seed=34), backend="sdpa")
+    graph.add_node(_validated({"type": "rereadpack_chain", "id": "chain", "use_cache": False}))
+    graph.add_edge(Edge(source=EdgeConnection(node_id="chain", field="value"),
+                        destination=EdgeConnection(node_id="attn", field="chain")))
+    item = host.run_graph(graph)
+    assert item.status == "completed", (item.error_message, item.error_traceback)
+    calls, _, _ = _ran(host, item)
+    assert {backend for role, backend in calls if role == "unet"} == {"sdpa-math"}
+
+
 # --- A VAE run inside a denoise node -----------------------------------------------------------------------------
 
 
