@@ -125,10 +125,11 @@ class Session:
                     # loader, FreeU) holds none of it.
                     if output is not None and choices.role_of(output) is None:
                         self.cached.append(invocation.get_type())
-                elif (role in choices.DENOISERS and not told and self.recording.total(role) > before
-                      and config.schedule is not None and config.schedule.asks_step):
-                    self.note(f"{invocation.get_type()} told InvokeAI no step: the schedule's step rules took all "
-                              f"its calls as its first step")
+                elif role in choices.DENOISERS and not told and self.recording.total(role) > before:
+                    asked = _step_askers(config)
+                    if asked:
+                        self.note(f"{invocation.get_type()} told InvokeAI no step: {asked} took all its calls as "
+                                  f"its first step")
                 self.touched = time.perf_counter()
                 self.said, self.running = self._said(), None
 
@@ -136,6 +137,19 @@ class Session:
 def _listed(names: list) -> str:
     names = list(dict.fromkeys(names))
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _step_askers(config) -> str:
+    """What in ``config`` places calls by step ("" when nothing does): the schedule's rules, sparse
+    attention's dense windows (both in ``config.positional``)."""
+    positional = config.positional
+    if positional is None or not positional.asks_step:
+        return ""
+    own = len(config.schedule.rules) if config.schedule is not None else 0
+    found = [what for what, rules in (("the schedule's step rules", positional.rules[:own]),
+                                      ("sparse attention's dense windows", positional.rules[own:]))
+             if any(r.steps is not None or r.sigmas is not None for r in rules)]
+    return " and ".join(found)
 
 
 def _steps_asked(invocation) -> int | None:

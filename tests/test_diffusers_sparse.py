@@ -63,9 +63,10 @@ def test_a_flux_transformer_at_12288_tokens_runs_sparse_and_reports_float64s_err
         out = model(**flux_inputs()).sample
     assert torch.isfinite(out).all()
     sparse = rec.sparse
-    # block 0 (the double block) is the default dense window 'first 1'; block 1 (the single block) runs sparse
+    # block 0 (the double block) is the default dense window 'first 1'; block 1 (the single block) runs sparse,
+    # and the readout says the step window 0-20% was not applied: the model ran outside a pipeline's steps
     assert sparse.calls == 1 and sparse.dense == {("dit", "dense window: first 1"): 1}
-    assert [key[2] for key in sparse.kinds] == ["block 1"]
+    assert [key[2] for key in sparse.kinds] == ["block 1; position unknown: dense window 0-20% not applied"]
     assert rec.calls[("dit", "block-sparse")] == 1
     # every error the readout holds is one measured, and each agrees with float64 on the same rows
     reported = sorted(error for (*_, error), n in sparse.errors.items() for _ in range(n))

@@ -40,7 +40,10 @@ def test_it_is_a_sparse_backend_that_no_chain_names_and_auto_tries_first():
     assert SOL.knobs == ("threshold", "topk") and SOL.default_knob == Knob("threshold", 1.3)
 
 
-def test_what_it_takes_on_a_gpu_and_what_it_refuses_there():
+def test_what_it_takes_on_a_gpu_and_what_it_refuses_there(monkeypatch):
+    _stand_in(monkeypatch)
+    sys.modules["comfy_kitchen"].sol_attn_is_available = lambda device=None: True
+    SOL._probe()
     assert SOL.reasons(spec()) == [] and SOL.reasons(spec(dtype=torch.float16, device=RDNA3)) == []
     assert SOL.reasons(spec(d=64)) == ["head_dim 64 != 128 (Sol-Attn's kernels are built for 128)"]
     assert SOL.reasons(spec(kv=77)) == ["q_len 16384 != kv_len 77 (Sol-Attn takes self-attention)"]
@@ -150,7 +153,7 @@ def _stand_in(monkeypatch, *, with_sol=True, version="0.2.40"):
     package = types.ModuleType("comfy_kitchen")
     package.__version__ = version
     package.__path__ = []
-    package.sol_attn_is_available = lambda device=None: False
+    package.sol_attn_is_available = lambda device=None: device is not None and device.type == "cuda"
     if with_sol:
         package.sol_attn = sol_attn
     backends = types.ModuleType("comfy_kitchen.backends")
@@ -196,3 +199,28 @@ def test_a_sparse_call_reaches_sol_attn_in_its_layout_with_scale_knob_and_sinks(
     result = SOL.run_sparse(odd, odd, odd, None, Knob("threshold", 1.3))
     assert calls[-1]["contiguous"] and calls[-1]["tau"] == 1.3 and calls[-1]["scale"] is None
     assert rel_err(result.out, reference(odd, odd, odd, None, None, "bshd")) < 1e-5
+
+
+def test_a_gpu_without_its_compiled_kernels_is_refused_unless_sol_is_named(monkeypatch):
+    # sol_attn there would run the eager reference: every score in fp32, slower than dense attention
+    _stand_in(monkeypatch)
+    asked_for = []
+    sys.modules["comfy_kitchen"].sol_attn_is_available = lambda device=None: asked_for.append(device) or False
+    SOL._probe()
+    (why,) = SOL.reasons(spec())
+    assert why.startswith("no compiled Sol-Attn kernels on this device (sol_attn_is_available() is False)")
+    assert SOL.reasons(spec(dtype=torch.float16, device=RDNA3)) == [why]
+    assert asked_for == [torch.device("cuda", 0)]                      # asked once per device
+    assert SOL.reasons(spec(q=4096), asked=True) == []                 # named: the user asked for it
+    assert SOL.reasons(spec(q=32768, h=2), asked=True) == [
+        "cuda: Sol-Attn's eager reference would hold 8.0 GiB of scores (its limit: 4 GiB)"]
+    sys.modules["comfy_kitchen.backends.cuda"]._EXT_AVAILABLE = False
+    sys.modules["comfy_kitchen.backends.cuda"]._EXT_ERROR = "libcudart.so.13: cannot open shared object file"
+    SOL._probe()
+    assert SOL.reasons(spec())[0].startswith("no compiled Sol-Attn kernels on this device (its compiled extension "
+                                             "did not load: libcudart.so.13: cannot open shared object file)")
+    sys.modules["comfy_kitchen"].sol_attn_is_available = lambda device=None: True
+    SOL._probe()
+    assert SOL.reasons(spec()) == [] and SOL.reasons(spec(TURING)) == ["GPU sm75 < sm80 (Sol-Attn's compiled kernels)"]
+    (cpu,) = SOL.reasons(spec(CPU, dtype=torch.float32))
+    assert cpu.startswith("cpu: Sol-Attn runs its eager reference here")

@@ -273,3 +273,110 @@ def test_half_inputs_are_measured_against_exact_attention():
     assert out.dtype == torch.bfloat16 and rec.sparse.calls == 1
     assert rec.sparse.error_max() == pytest.approx(sampled_error64(out, q, k, v), rel=1e-2)
     assert not math.isnan(rec.sparse.kept_share())
+
+
+def _poisoned(q, k, v):
+    """v with one key's values NaN: exact attention is NaN on every row, so no error can be measured."""
+    v = v.clone()
+    v[:, :, 7] = float("nan")
+    return q, k, v
+
+
+def test_a_kind_whose_first_call_cannot_be_measured_runs_it_dense_and_calibrates_on_the_next():
+    on(budget=0.15, topk=0.05)
+    q, k, v = local()
+    with lib_attn.recording() as first:
+        lib_attn.attention(*_poisoned(q, k, v), role="dit")
+    assert first.sparse.calls == 0 and first.sparse.dense == {("dit", sparse_plan.NOT_MEASURED): 1}
+    with lib_attn.recording() as rec:
+        out = lib_attn.attention(q, k, v, role="dit")
+    lib_attn.reset()
+    on(budget=0.15, topk=0.05)
+    with lib_attn.recording() as clean:
+        lib_attn.attention(q, k, v, role="dit")
+    # the setting no measurement backed was not kept: the next call chose what a clean first call chooses
+    assert list(rec.sparse.kinds) == list(clean.sparse.kinds) and rec.sparse.measured == 1
+    assert rec.sparse.error_max() == pytest.approx(sampled_error64(out, q, k, v), rel=1e-3)
+    assert rec.sparse.error_max() <= 0.15
+
+
+def test_a_check_that_cannot_be_measured_runs_the_call_dense_and_checks_the_next():
+    on(budget=0.15)
+    q, k, v = local()
+    bad = _poisoned(q, k, v)
+    with lib_attn.recording() as rec:
+        for _ in range(sparse_plan.RECHECK_EVERY):
+            lib_attn.attention(q, k, v, role="dit")
+        lib_attn.attention(*bad, role="dit")            # a check falls here
+        lib_attn.attention(q, k, v, role="dit")         # so it is this call's
+    assert rec.sparse.dense == {("dit", sparse_plan.NOT_MEASURED): 1}
+    assert rec.sparse.calls == sparse_plan.RECHECK_EVERY + 1 and rec.sparse.measured == 3
+
+
+def test_a_backend_without_routing_leaves_an_unmeasurable_kind_uncalibrated():
+    class Opaque(lib_attn.SparseBackend):
+        id = "opaque-sparse"
+        label = "test: block-sparse without a stated routing"
+        dtypes = (torch.float32,)
+
+        def run_sparse(self, q, k, v, scale, knob):
+            return REGISTRY["block-sparse"].run_sparse(q, k, v, scale, knob)
+
+    lib_attn.register_backend(Opaque())
+    try:
+        lib_attn.configure(sparse="opaque-sparse, min_tokens=1024, dense=none, topk=0.05, budget=0.15")
+        q, k, v = local()
+        with lib_attn.recording() as rec:
+            lib_attn.attention(*_poisoned(q, k, v), role="dit")
+            lib_attn.attention(q, k, v, role="dit")
+        assert rec.sparse.dense == {("dit", sparse_plan.NOT_MEASURED): 1}
+        assert rec.sparse.calls == 1 and rec.sparse.error_max() <= 0.15
+    finally:
+        lib_attn.reset()
+        lib_attn.unregister_backend("opaque-sparse")
+
+
+@pytest.mark.parametrize("error, budget", [(0.1500001, 0.15), (0.15004, 0.15), (1.0900, 0.001), (0.2, 0.15),
+                                           (0.150000000001, 0.15)])
+def test_the_over_budget_reason_shows_the_error_above_the_budget(error, budget):
+    reason = sparse_plan.over_budget(error, budget)
+    shown, limit = reason.removeprefix("over budget: ").split(" > ")
+    assert float(shown) > float(limit) == budget, reason
+    assert float(shown) == pytest.approx(error, rel=1e-3)
+
+
+def test_a_backend_without_routing_gets_no_cast_copies_for_it(monkeypatch):
+    # Sol states no routing: calibration runs the kernel, so q and k are not cast to look for one
+    made = []
+    plan = sparse_plan.Plan.__new__(sparse_plan.Plan)
+    plan.kernel, plan.cast = REGISTRY["sol"], torch.float16
+    plan.spec = type("S", (), {"layout": "bhsd"})()
+    q = torch.randn(1, 2, 256, 128)
+    original = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **kw: made.append(a) or original(self, *a, **kw))
+    assert plan._routings((lib_attn.Knob("topk", 0.2),), q, q, None) is None
+    assert made == [] and not REGISTRY["sol"].states_routing and REGISTRY["block-sparse"].states_routing
+
+
+def test_calls_whose_position_is_unknown_are_named_with_the_windows_that_did_not_apply():
+    # the default windows (the first 20% of steps, the first block) need a step and a block the host tells
+    lib_attn.configure(sparse={"method": "block-sparse", "min_tokens": 1024, "budget": 0.5})
+    q, k, v = local()
+    with lib_attn.recording() as rec:
+        lib_attn.attention(q, k, v, role="dit")          # no step, no block
+        sched.at_step(5, 10)
+        lib_attn.attention(q, k, v, role="dit")          # a step, no block
+        sched.at_block(2, 8)
+        lib_attn.attention(q, k, v, role="dit")          # both: the windows were applied (and do not hold)
+        sched.at_block(0, 8)
+        lib_attn.attention(q, k, v, role="dit")          # the first block: dense
+    assert [key[2] for key in rec.sparse.kinds] == [
+        "any; position unknown: dense window 0-20%, first 1 not applied",
+        "40-60%; position unknown: dense window first 1 not applied",
+        "block 2, 40-60%"]
+    assert rec.sparse.dense == {("dit", "dense window: first 1"): 1}
+    on(budget=0.5)                                       # dense=none: no window to apply
+    with lib_attn.recording() as rec:
+        sched.leave()
+        lib_attn.attention(q, k, v, role="dit")
+    assert [key[2] for key in rec.sparse.kinds] == ["any"]

@@ -143,18 +143,41 @@ class Sol(SparseBackend):
     def __init__(self):
         self.fn = None
         self.compiled = None
+        self.extension_error = ""
+        self._compiled_on = {}
 
     def _probe(self) -> Status:
         self.fn = self.compiled = None
+        self.extension_error, self._compiled_on = "", {}
         try:
-            package, version, _ = load()
+            package, version, error = load()
         except ImportError as exc:
             raise type(exc)(f"{exc}; hub: {HUB_REASON}") from exc
         fn = getattr(package, "sol_attn", None)
         if fn is None:
             return Status(False, f"comfy-kitchen {version} has no sol_attn (0.2.40 has)", version)
-        self.fn, self.compiled = fn, package.sol_attn_is_available
+        # Without its compiled kernels sol_attn runs the eager reference (every score in fp32, slower than
+        # dense): a GPU call goes to it only when Sol is named (see ``compiled_reasons``).
+        self.fn, self.compiled, self.extension_error = fn, package.sol_attn_is_available, error
         return Status(True, version=version)
+
+    def compiled_reasons(self, spec: CallSpec, asked: bool) -> list[str]:
+        """Why a GPU call would reach the eager reference (the package's own answer for the device), or
+        when Sol is named, why the eager reference cannot take it."""
+        if self.compiled is None or spec.device.type != "cuda":
+            return []
+        index = spec.device.index or 0
+        if index not in self._compiled_on:
+            self._compiled_on[index] = bool(self.compiled(torch.device(spec.device.type, index)))
+        if self._compiled_on[index]:
+            return []
+        if asked:
+            return self.eager_limit_reasons(spec)
+        cuda_error = self.extension_error if spec.device.platform == "cuda" else ""
+        why = f"its compiled extension did not load: {cuda_error}" if cuda_error else \
+            "sol_attn_is_available() is False"
+        return [f"no compiled Sol-Attn kernels on this device ({why}): the eager reference (slower than dense "
+                f"attention) runs only when named"]
 
     def takes_dtype(self, dtype: torch.dtype, device: str) -> bool:
         # The compiled kernels take bf16/fp16; the eager reference computes in fp32 whatever it is given.
@@ -170,9 +193,13 @@ class Sol(SparseBackend):
         if not asked:
             return ["cpu: Sol-Attn runs its eager reference here (every score in fp32, slower than dense "
                     "attention): only when named, for checking"]
+        return self.eager_limit_reasons(spec)
+
+    @staticmethod
+    def eager_limit_reasons(spec: CallSpec) -> list[str]:
         scores = spec.batch * spec.heads * spec.q_len * spec.kv_len * 4
         if scores > EAGER_SCORE_BYTES:
-            return [f"cpu: Sol-Attn's eager reference would hold {scores / 2**30:.1f} GiB of scores "
+            return [f"{spec.device.type}: Sol-Attn's eager reference would hold {scores / 2**30:.1f} GiB of scores "
                     f"(its limit: {EAGER_SCORE_BYTES / 2**30:.0f} GiB)"]
         return []
 
@@ -180,14 +207,14 @@ class Sol(SparseBackend):
         out = self._shape_reasons(spec)
         if spec.device.type == "cuda" and (spec.device.sm or 0) < MIN_SM:
             out.append(f"GPU sm{spec.device.sm} < sm{MIN_SM} (Sol-Attn's compiled kernels)")
-        return out
+        return out or self.compiled_reasons(spec, asked)
 
     def rocm_reasons(self, spec: CallSpec, asked: bool) -> list[str]:
         out = self._shape_reasons(spec)
         arch = spec.device.arch or "AMD GPU"
         if not arch.startswith(MATRIX_CORE_ARCHS):
             out.append(f"{arch}: Sol-Attn's HIP kernels need WMMA matrix cores (RDNA3 or newer: gfx11xx, gfx12xx)")
-        return out
+        return out or self.compiled_reasons(spec, asked)
 
     @staticmethod
     def _shape_reasons(spec: CallSpec) -> list[str]:

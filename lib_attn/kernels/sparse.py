@@ -151,6 +151,11 @@ class SparseBackend(Backend):
         ladder on the sampled rows from one set of exact scores, without running the kernel."""
         return None
 
+    @property
+    def states_routing(self) -> bool:
+        """Whether ``routing`` may give one: calibration prepares q and k for it only then."""
+        return type(self).routing is not SparseBackend.routing
+
     def run(self, q, k, v, mask, scale):
         if mask is not None:
             raise NotImplementedError(f"{self.id} takes no mask")

@@ -52,6 +52,9 @@ BANDS = 5
 RECHECK_EVERY = 4
 DENOISER = ("unet", "dit")
 OVER_BUDGET = "over budget"
+#: A call whose error could not be measured (exact attention on the sampled rows was not finite): it runs
+#: dense and its kind keeps no setting, so the next call of the kind measures again.
+NOT_MEASURED = "not measured: non-finite values"
 
 
 def band_of(progress) -> int | None:
@@ -68,6 +71,19 @@ def kind_label(block, band) -> str:
     return ", ".join(parts) or "any"
 
 
+def unknown_windows(windows, here, spec) -> list[str]:
+    """The dense windows (rules) that would take this call's kind but ask for a position ``here`` does not
+    know: they do not hold (as a schedule's rule does not), and the readout names them."""
+    call_kind = _schedule.kind(spec.role, spec.q_len, spec.kv_len, here.joint)
+    return [r.label for r in windows if r.takes(spec.role, call_kind) and (
+        (r.steps is not None and here.progress is None) or (r.sigmas is not None and here.sigma is None)
+        or (r.blocks is not None and (here.block is None or here.blocks is None)))]
+
+
+def unknown_text(labels) -> str:
+    return f"position unknown: dense window {', '.join(labels)} not applied" if labels else ""
+
+
 def ring_reason(backend, spec) -> str:
     """Why a ring step of a call that would go sparse runs dense (context parallelism)."""
     if not backend.gives_lse(spec):
@@ -76,7 +92,15 @@ def ring_reason(backend, spec) -> str:
 
 
 def over_budget(error: float, budget: float) -> str:
-    return f"{OVER_BUDGET}: {error:.2f} > {budget:g}" if math.isfinite(error) else f"{OVER_BUDGET}: no finite error"
+    """The reason a kind over ``budget`` runs dense, with as many digits as show the error above it."""
+    if not math.isfinite(error):
+        return f"{OVER_BUDGET}: no finite error"
+    limit = f"{budget:g}"
+    for digits in range(3, 18):
+        shown = f"{error:.{digits}g}"
+        if float(shown) > float(limit):
+            break
+    return f"{OVER_BUDGET}: {shown} > {limit}"
 
 
 # --- which calls may go sparse ----------------------------------------------------------------
@@ -161,6 +185,9 @@ class Plan:
         self.dense = dense
         self.identity = (self.settings.text, spec, backend)
         self.cast = cast
+        positional = cfg.positional
+        own = len(cfg.schedule.rules) if cfg.schedule is not None else 0
+        self.windows = positional.rules[own:] if positional is not None else ()
         self.probed = False
         self.late = None
         if backend is not None:
@@ -199,6 +226,8 @@ class Plan:
         if fresh:
             kind = _kinds[key] = Kind()
             out = self._calibrate(kind, q, k, v, scale)
+            if kind.reason == NOT_MEASURED:
+                del _kinds[key]
         else:
             out = None
         if kind.knob is None:
@@ -208,12 +237,18 @@ class Plan:
             if out is None:  # a fault: the plan is dense from now on
                 return self._dense(self.reason, q, k, v, None, scale, recordings), "dense"
         label = kind_label(block, band)
+        unknown = unknown_windows(self.windows, here, self.spec) if self.windows else ()
+        if unknown:
+            label = f"{label}; {unknown_text(unknown)}"
         kind.calls += 1
         if fresh or kind.calls >= RECHECK_EVERY:
             kind.calls = 0
             error = measure.output_error(out.out, q, k, v, scale, self.spec.layout)
             self._record(label, kind.knob, error, out.kept, recordings)
-            if not error <= self.budget and not math.isnan(error):
+            if math.isnan(error):  # nothing measured: this call runs dense and the next one is measured
+                kind.calls = RECHECK_EVERY - 1
+                return self._dense(NOT_MEASURED, q, k, v, None, scale, recordings), "dense"
+            if not error <= self.budget:
                 self._denser(kind, error)
                 stats.count("sparse_dense", (self.spec.role, over_budget(error, self.budget)), 1, recordings)
                 return self.dense(q, k, v, None, scale), "dense"
@@ -235,7 +270,10 @@ class Plan:
         if routings is not None:
             errors = measure.routed_errors(q, k, v, scale, self.spec.layout, routings)
             for i, error in enumerate(errors):
-                if error <= self.budget or math.isnan(error):
+                if math.isnan(error):
+                    kind.reason = NOT_MEASURED
+                    return None
+                if error <= self.budget:
                     kind.knob, kind.rungs = ladder[i], ladder[i + 1:]
                     return None
             kind.reason = over_budget(errors[-1], self.budget)
@@ -248,7 +286,10 @@ class Plan:
                 kind.knob, kind.reason = None, self.reason
                 return None
             error = measure.output_error(result.out, q, k, v, scale, self.spec.layout)
-            if error <= self.budget or math.isnan(error):
+            if math.isnan(error):
+                kind.knob, kind.reason = None, NOT_MEASURED
+                return None
+            if error <= self.budget:
                 kind.rungs = ladder[i + 1:]
                 return result
         kind.knob, kind.reason = None, over_budget(error, self.budget)
@@ -256,6 +297,8 @@ class Plan:
 
     def _routings(self, ladder, q, k, scale):
         """Each setting's routing (q, k as the kernel sees them), or None when the backend states none."""
+        if not self.kernel.states_routing:
+            return None
         qb, kb = (t.transpose(1, 2) if self.spec.layout == "bshd" else t for t in (q, k))
         if self.cast is not None:
             qb, kb = qb.to(self.cast), kb.to(self.cast)

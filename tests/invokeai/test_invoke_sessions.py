@@ -784,3 +784,22 @@ def test_the_cache_key_holds_the_configuration_itself_not_a_number_of_this_proce
         numbers.clear()
         numbers.update(kept)
     assert math != sdpa
+
+
+def test_a_denoiser_that_tells_no_step_is_said_with_sparse_attentions_dense_windows(host, monkeypatch):
+    """Sparse on and no schedule: the dense window 0-20% asks for steps, so a node that signals no progress
+    would have every call in it, and the report says why. (Ideogram-4's attention carries its text padding
+    mask, so here its calls are dense for that reason first.)"""
+    import invokeai.app.invocations.ideogram4_denoise as ideogram4
+    from invokeai_host import ideogram4_graph
+
+    loop = ideogram4.run_ideogram4_denoise
+    monkeypatch.setattr(ideogram4, "run_ideogram4_denoise", lambda **kwargs: loop(**{**kwargs, "step_callback": None}))
+    graph = _with_nodes(ideogram4_graph(steps=2), _attention(sparse="block-sparse, min_tokens=1, dense=0-20%"),
+                        report_after=None)
+    item = host.run_graph(graph)
+    assert item.status == "completed", item.error_traceback
+    session = sessions._sessions[item.session_id]
+    assert session.recording.sparse.settings.startswith("block-sparse") and session.recording.sparse.dense_calls == 4
+    assert "ideogram4_denoise told InvokeAI no step: sparse attention's dense windows took all its calls as its " \
+           "first step" in session.notes
