@@ -215,18 +215,23 @@ def test_faults_are_caught_counted_and_recomputed_dense(fault, what):
         lib_attn.unregister_backend("faulty-sparse")
 
 
+class Opaque(lib_attn.SparseBackend):
+    """block-sparse's kernel without a stated routing, so the engine must run it to calibrate; records each knob."""
+    id = "opaque-sparse"
+    label = "test: block-sparse without a stated routing"
+    dtypes = (torch.float32,)
+
+    def __init__(self):
+        self.runs: list = []
+
+    def run_sparse(self, q, k, v, scale, knob):
+        self.runs.append(knob.text)
+        return REGISTRY["block-sparse"].run_sparse(q, k, v, scale, knob)
+
+
 def test_a_backend_without_routing_is_calibrated_by_running_it():
-    class Opaque(lib_attn.SparseBackend):
-        id = "opaque-sparse"
-        label = "test: block-sparse without a stated routing"
-        dtypes = (torch.float32,)
-        runs: list = []
-
-        def run_sparse(self, q, k, v, scale, knob):
-            self.runs.append(knob.text)
-            return REGISTRY["block-sparse"].run_sparse(q, k, v, scale, knob)
-
-    lib_attn.register_backend(Opaque())
+    backend = Opaque()
+    lib_attn.register_backend(backend)
     try:
         lib_attn.configure(sparse="opaque-sparse, min_tokens=1024, dense=none, topk=0.05, budget=0.15")
         q, k, v = local()
@@ -234,7 +239,7 @@ def test_a_backend_without_routing_is_calibrated_by_running_it():
             out = lib_attn.attention(q, k, v, role="dit")
         (_, _, _, setting), = rec.sparse.kinds
         # the probe's run, then the ladder from 0.05 up to the first setting within the budget
-        assert Opaque.runs[0] == "topk 0.05" and Opaque.runs[-1] == setting
+        assert backend.runs[0] == "topk 0.05" and backend.runs[-1] == setting
         assert rec.sparse.error_max() == pytest.approx(sampled_error64(out, q, k, v), rel=1e-3)
         assert rec.sparse.error_max() <= 0.15
     finally:
@@ -314,14 +319,6 @@ def test_a_check_that_cannot_be_measured_runs_the_call_dense_and_checks_the_next
 
 
 def test_a_backend_without_routing_leaves_an_unmeasurable_kind_uncalibrated():
-    class Opaque(lib_attn.SparseBackend):
-        id = "opaque-sparse"
-        label = "test: block-sparse without a stated routing"
-        dtypes = (torch.float32,)
-
-        def run_sparse(self, q, k, v, scale, knob):
-            return REGISTRY["block-sparse"].run_sparse(q, k, v, scale, knob)
-
     lib_attn.register_backend(Opaque())
     try:
         lib_attn.configure(sparse="opaque-sparse, min_tokens=1024, dense=none, topk=0.05, budget=0.15")
