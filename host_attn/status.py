@@ -16,6 +16,7 @@ import lib_attn
 from lib_attn import _compat, tune, tuning_file
 from lib_attn.chains import chain_for
 from lib_attn.device import cpu_model
+from lib_attn.kernels import sdpa as sdpa_kernels
 
 ROUTE = "/flash-attention/v1/status"
 #: Roles the hosts send through the engine; none sends its text encoder.
@@ -29,13 +30,18 @@ def device_name(device) -> str:
 def availability(device=None, reason=None, ignored=()) -> dict:
     """Torch version, the device, each backend (available, version, or why not), the default chains of
     the roles the hosts route and the chains in force (before a per-generation choice), and
-    ``ignored``: the host's stored settings being ignored, each with why.
+    ``ignored``: the host's stored settings being ignored, each with why; ``sdpa_replaced_by``: what
+    replaced ``F.scaled_dot_product_attention`` here, or None.
 
     ``device`` (a ``DeviceInfo``) describes another device than this machine's (tests, docs);
     ``reason(backend_id, engine_reason)`` puts the host's part in a backend's reason."""
     device = device or lib_attn.device_info()
+    replaced = sdpa_kernels.replacement()
     return {
         "torch": _compat.TORCH_VERSION_TEXT,
+        # A host or extension's function in place of F.scaled_dot_product_attention: sdpa still runs
+        # PyTorch's own, sdpa-host the replacement.
+        "sdpa_replaced_by": None if replaced is None else sdpa_kernels.callable_name(replaced),
         "device": {
             "type": device.type,
             "index": device.index,

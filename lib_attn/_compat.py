@@ -23,6 +23,10 @@ TORCH_VERSION_TEXT = str(torch.__version__)
 
 #: ``F.scaled_dot_product_attention`` with the ``scale`` keyword (torch 2.1).
 HAS_SDPA = hasattr(F, "scaled_dot_product_attention") and TORCH_VERSION >= (2, 1)
+#: PyTorch's own SDPA, the function torch ships. ``F.scaled_dot_product_attention`` is this very object
+#: until a host or extension replaces that global (SD.Next's overrides, "SageAttention as SDPA" patches);
+#: torch's C module keeps it whatever ran before this import, and ``sdpa`` always calls this one.
+TORCH_SDPA = getattr(torch._C._nn, "scaled_dot_product_attention", None) or getattr(F, "scaled_dot_product_attention", None)
 
 
 def _aten(name: str):

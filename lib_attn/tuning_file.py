@@ -77,7 +77,10 @@ def fingerprint(device) -> dict:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if cuda and torch.backends.cudnn.is_available() else None,
         "lib_attn": __version__,
-        "backends": {bid: status(bid).version for bid in list(BACKEND_IDS) if status(bid).available},
+        # A backend probed at each use (sdpa-host: whatever the host put in place of SDPA) comes and goes
+        # within a run; the rankings of the others do not depend on it.
+        "backends": {bid: status(bid).version for bid in list(BACKEND_IDS)
+                     if not getattr(REGISTRY[bid], "probe_each_time", False) and status(bid).available},
     }
     return json.loads(json.dumps(doc, sort_keys=True, default=str))
 

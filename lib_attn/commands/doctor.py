@@ -18,6 +18,7 @@ import lib_attn
 from lib_attn import shapes, tune
 from lib_attn import tuning_file
 from lib_attn.device import default_device, miopen_text
+from lib_attn.kernels import sdpa as sdpa_kernels
 from lib_attn.spec import spec_of
 
 from .dtypes import default_dtype, dtype_name
@@ -105,6 +106,8 @@ def report(device: Optional[torch.device] = None, dtype: Optional[torch.dtype] =
     doc = environment(device, info)
     doc["schema"] = "lib_attn.doctor/1"
     doc["config"] = _config_dict()
+    found = sdpa_kernels.replacement()
+    doc["sdpa_replaced_by"] = None if found is None else sdpa_kernels.callable_name(found)
     doc["tuning"] = _tuning_dict(device, info)
     doc["guard"] = {"mode": lib_attn.config().guard, "clear": CLEAR_COMMAND,
                     "rejected": tuning_file.remembered(info or lib_attn.device_info(device))}
@@ -123,6 +126,9 @@ def render(doc: dict) -> str:
         f"  python    {v['python']} ({v['platform']})",
         f"  torch     {v['torch']}",
     ]
+    if doc.get("sdpa_replaced_by"):
+        lines.append(f"  SDPA      F.scaled_dot_product_attention is replaced by {doc['sdpa_replaced_by']}: sdpa runs "
+                     "PyTorch's own; choose sdpa-host to run the replacement")
     if dev.get("platform") == "rocm":
         lines += [f"  ROCm      HIP {v.get('hip') or '?'}",
                   f"  MIOpen    {miopen_text(v.get('miopen'))}"]

@@ -18,7 +18,7 @@ from .kitchen import CkInt8
 from .math import Math
 from .sage import Sage, SageCuda, SageFp8, SageFp8pp, SageTriton
 from .sage3 import Sage3
-from .sdpa import Sdpa, SdpaCudnn, SdpaEfficient, SdpaFlash, SdpaMath
+from .sdpa import Sdpa, SdpaCudnn, SdpaEfficient, SdpaFlash, SdpaHost, SdpaMath
 from .sol import Sol
 from .sparse import is_sparse
 from .xformers import Xformers
@@ -26,7 +26,7 @@ from .xformers import Xformers
 REGISTRY: dict[str, Backend] = {
     b.id: b
     for b in (FlashAttn(), FlashAttn4(), SdpaCudnn(), SdpaFlash(), SdpaEfficient(), Xformers(), Sage(), SageTriton(),
-              SageCuda(), SageFp8(), SageFp8pp(), Sage3(), CkInt8(), Sdpa(), SdpaMath(), Math(), Sol(), BlockSparse())
+              SageCuda(), SageFp8(), SageFp8pp(), Sage3(), CkInt8(), Sdpa(), SdpaMath(), Math(), SdpaHost(), Sol(), BlockSparse())
 }
 BUILTIN_IDS = tuple(REGISTRY)
 
@@ -89,7 +89,10 @@ def status(backend_id: str) -> Status:
     """The backend's probe result, computed on first use (imports the package, never touches CUDA)."""
     found = _status.get(backend_id)
     if found is None:
-        found = _status[backend_id] = REGISTRY[backend_id].probe()
+        backend = REGISTRY[backend_id]
+        found = backend.probe()
+        if not getattr(backend, "probe_each_time", False):
+            _status[backend_id] = found
     return found
 
 

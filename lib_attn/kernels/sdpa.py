@@ -5,12 +5,22 @@ it too, but costs several microseconds per call, more than the engine's whole bu
 call costs what SDPA's own dispatch costs. When PyTorch's own choice for the call already is the
 pinned kernel, the public function runs instead.
 
+``sdpa`` and the pinned kernels call PyTorch's own function (``_compat.TORCH_SDPA``), never the global
+``F.scaled_dot_product_attention``, which hosts and extensions replace (SD.Next's SDP overrides, "SageAttention
+as SDPA" patches): a call named ``sdpa`` ran PyTorch's SDPA. Such a replacement is found by identity
+(``replacement``), named in the ``sdpa`` kernels' description and in ``doctor`` and the status route, and
+runs only as the backend of its own, ``sdpa-host``, approximate unless ``LIB_ATTN_SDPA_HOST_EXACT=1`` says
+the user trusts it to compute exact attention.
+
 On ROCm the flash and memory-efficient kernels are AOTriton's (see ``_compat.aotriton_missing`` for
 which AMD GPUs and torch releases have them) and cuDNN attention does not exist. On MPS PyTorch has
 one SDPA implementation (``sdpa``; see ``dispatch.default_chain`` for its memory).
 """
 from __future__ import annotations
 
+import functools
+import logging
+import os
 import warnings
 
 import torch
@@ -21,10 +31,53 @@ from ..spec import DENSE, FLOATS, HALF, KEY_PADDING, NO_MASK, CallSpec
 from .base import Backend, Status, additive_bias, as_4d, default_scale, last_dim_contiguous, needs_grad
 
 
+log = logging.getLogger("lib_attn")
+_TORCH_SDPA = _compat.TORCH_SDPA
+
+
 def _run_public(q, k, v, mask, scale):
     if scale is None:  # positional arguments parse faster than keywords on this per-call path
-        return F.scaled_dot_product_attention(q, k, v, mask)
-    return F.scaled_dot_product_attention(q, k, v, mask, scale=scale)
+        return _TORCH_SDPA(q, k, v, mask)
+    return _TORCH_SDPA(q, k, v, mask, scale=scale)
+
+
+def replacement():
+    """What ``F.scaled_dot_product_attention`` holds when a host or extension replaced it; None when it
+    is PyTorch's own."""
+    found = getattr(F, "scaled_dot_product_attention", None)
+    return None if found is None or found is _TORCH_SDPA else found
+
+
+def callable_name(fn) -> str:
+    """Where a function was defined, as ``module.name``. A wrapper made with ``functools.wraps`` copies
+    the wrapped function's ``__module__`` and ``__qualname__``, so the defining module's globals and the
+    code object are read first: they name the wrapper itself."""
+    code = getattr(fn, "__code__", None)
+    module = getattr(fn, "__globals__", {}).get("__name__") if code is not None else None
+    if code is not None:
+        name = getattr(code, "co_qualname", None) or code.co_name
+        return f"{module or '?'}.{name}"
+    if isinstance(fn, functools.partial):
+        return f"functools.partial({callable_name(fn.func)})"
+    kind = type(fn)
+    return f"{kind.__module__}.{kind.__qualname__} instance"
+
+
+_warned: set = set()
+
+
+def note_replacement() -> str:
+    """The replacement in force as a kernel variant (``PyTorch's own, not sdnq.attention.sdpa_override``),
+    logged once per replacement; "" when there is none. Read when a call signature is decided, which is rare."""
+    found = replacement()
+    if found is None:
+        return ""
+    name = callable_name(found)
+    if name not in _warned:
+        _warned.add(name)
+        log.warning("attention: F.scaled_dot_product_attention is replaced by %s; the engine's sdpa calls run "
+                    "PyTorch's own SDPA (choose the backend sdpa-host to run the replacement)", name)
+    return f"PyTorch's own, not {name}"
 
 
 def _same_dtype_mask(mask, dtype):
@@ -61,7 +114,10 @@ class Sdpa(Backend):
         return self.run
 
     def run(self, q, k, v, mask, scale):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=_same_dtype_mask(mask, q.dtype), scale=scale)
+        return _TORCH_SDPA(q, k, v, attn_mask=_same_dtype_mask(mask, q.dtype), scale=scale)
+
+    def variant(self, spec: CallSpec) -> str:
+        return note_replacement()
 
 
 class _PinnedSdpa(Sdpa):
@@ -273,3 +329,39 @@ class SdpaMath(_PinnedSdpa):
         # Below F.scaled_dot_product_attention a mask is additive: PyTorch converts bool ones above it.
         bias = None if mask is None else additive_bias(mask, q.dtype, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
         return self.op(q, k, v, bias, scale=default_scale(scale, q.shape[-1]))[0]
+
+
+#: ``LIB_ATTN_SDPA_HOST_EXACT=1``: the user vouches that the host's replacement computes exact attention.
+SDPA_HOST_EXACT = "LIB_ATTN_SDPA_HOST_EXACT"
+
+
+class SdpaHost(Backend):
+    """Whatever a host or extension put in place of ``F.scaled_dot_product_attention``, run as that
+    replacement under its own id, only when chosen by name. What it computes is not known: it is held
+    to the approximate bound (and kept off calls asking for exact attention) unless the user sets
+    ``LIB_ATTN_SDPA_HOST_EXACT=1``, and it is not trusted with gradients."""
+
+    id = "sdpa-host"
+    label = "the host's replacement of F.scaled_dot_product_attention"
+    devices = ("cuda", "cpu", "mps", "xpu")
+    dtypes = FLOATS
+    backward = False
+
+    @property
+    def approximate(self) -> bool:
+        return os.environ.get(SDPA_HOST_EXACT) != "1"
+
+    #: A host replaces the function after the engine loads (or puts its own back): asked each time.
+    probe_each_time = True
+
+    def _probe(self) -> Status:
+        if not _compat.HAS_SDPA:
+            return Status(False, f"torch {_compat.TORCH_VERSION_TEXT} < 2.1 (no scaled_dot_product_attention with scale)")
+        found = replacement()
+        if found is None:
+            return Status(False, "nothing replaced F.scaled_dot_product_attention here (it is PyTorch's own)")
+        return Status(True, version=callable_name(found))
+
+    def run(self, q, k, v, mask, scale):
+        fn = replacement() or _TORCH_SDPA
+        return fn(q, k, v, attn_mask=_same_dtype_mask(mask, q.dtype), scale=scale)

@@ -13,9 +13,9 @@ import time
 from typing import Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 
 import lib_attn
+from lib_attn import _compat
 from lib_attn import schedule as _schedule
 
 from ..dtypes import dtype_name
@@ -47,7 +47,7 @@ def measure_overhead(device: torch.device, dtype: torch.dtype, shape=OVERHEAD_SH
     timer = Timer(device)
 
     def direct():
-        return F.scaled_dot_product_attention(q, k, v)
+        return _compat.TORCH_SDPA(q, k, v)
 
     def engine():
         return lib_attn.attention(q, k, v, role="unet", backend=backend)
