@@ -16,6 +16,7 @@ import lib_attn
 from lib_attn import _compat, tune, tuning_file
 from lib_attn.chains import chain_for
 from lib_attn.device import cpu_model
+from lib_attn.kernels import REGISTRY
 from lib_attn.kernels import sdpa as sdpa_kernels
 
 ROUTE = "/flash-attention/v1/status"
@@ -66,10 +67,95 @@ def availability(device=None, reason=None, ignored=()) -> dict:
     }
 
 
-def unavailable_text() -> str:
-    """The backends that cannot run here, each with its reason (plain text, for a dropdown's info line)."""
-    missing = [f"{b.id} ({b.reason})" for b in lib_attn.backends() if not b.available]
-    return "Not available here: " + "; ".join(missing) if missing else "Every backend is available here."
+# --- what cannot run here, in a user's words -----------------------------------------------------------
+#
+# The probes' reasons are the import errors' own text, kept whole for ``doctor``, the status route and the
+# availability table. Settings, the accordion, the node tooltips and the startup log group them by cause
+# instead, each group once, with what a user can do about it.
+
+#: The package a family of backends comes from, by the first distribution its probe looks for: shown
+#: once, with its ids when there are several.
+FAMILY_NAMES = {"sageattention": "SageAttention", "sageattn3": "SageAttention 3"}
+#: The causes in the order they are shown: (key, the group's words).
+CAUSES = (
+    ("gpu", "need an NVIDIA or AMD GPU (none here)"),
+    ("missing", "not installed"),
+    ("torch", "not in this torch build"),
+    ("broken", "installed but does not load (python -m lib_attn doctor says why)"),
+)
+#: How to install a kernel into a host that has no install step of its own (ComfyUI, InvokeAI).
+INSTALL_HINT = "to install, pip install into this Python (docs/installing-kernels.md)"
+#: The webuis install kernels at launch from this variable (``install.py``).
+WEBUI_INSTALL_HINT = "to install, set ATTN_INSTALL (docs/installing-kernels.md) and restart"
+#: Backends that are unavailable by design until something makes them apply: never listed as missing.
+SITUATIONAL = ("sdpa-host",)
+
+
+def cause(info, device_type: str) -> str:
+    """Why one backend cannot run here, as one of ``CAUSES``' keys, or its own reason in a few words."""
+    reason = info.reason or ""
+    backend = REGISTRY.get(info.id)
+    if backend is not None and device_type not in backend.devices or reason.startswith("no CUDA device"):
+        return "gpu"
+    if "No module named" in reason or "is not installed" in reason or "not installed" in reason.split(";")[0]:
+        return "missing"
+    if "torch build" in reason or reason.startswith("torch ") or "this torch" in reason:
+        return "torch"
+    if reason.startswith(("ImportError", "OSError", "RuntimeError", "AttributeError")):
+        return "broken"
+    return one_line_reason(reason)
+
+
+def one_line_reason(reason: str, limit: int = 60) -> str:
+    text = " ".join(reason.split())
+    return text if len(text) <= limit else text[:limit - 1].rstrip() + "…"
+
+
+def _named(ids: list) -> list[str]:
+    """The ids of one cause with each package's family shown once: ``SageAttention (sage, sage-triton)``."""
+    families: dict = {}
+    for bid in ids:
+        backend = REGISTRY.get(bid)
+        package = backend.packages[0] if backend is not None and backend.packages else bid
+        families.setdefault(FAMILY_NAMES.get(package, package), []).append(bid)
+    return [name if members == [name] else f"{name} ({', '.join(members)})" for name, members in families.items()]
+
+
+def unavailable_groups(device_type: str | None = None, infos=None) -> list[tuple[str, list[str]]]:
+    """(the cause in words, the ids and families it holds) for the backends that cannot run here."""
+    device_type = device_type or lib_attn.device_info().type
+    infos = lib_attn.backends() if infos is None else infos
+    grouped: dict = {}
+    for info in infos:
+        if not info.available and info.id not in SITUATIONAL:
+            grouped.setdefault(cause(info, device_type), []).append(info.id)
+    words = dict(CAUSES)
+    ordered = [key for key, _ in CAUSES if key in grouped] + [key for key in grouped if key not in words]
+    out = []
+    for key in ordered:
+        if key in words:
+            out.append((words[key], _named(grouped[key])))
+        else:  # a reason of its own: each id says it
+            out.extend((key, [bid]) for bid in grouped[key])
+    return out
+
+
+def unavailable_text(install: str = INSTALL_HINT, device_type: str | None = None, infos=None) -> str:
+    """The backends that cannot run here, grouped by cause, each group with what to do (plain text, for a
+    dropdown's info line, a tooltip or the startup log): ``Not available here: need an NVIDIA or AMD GPU
+    (none here): flash-attn, …; not installed: xformers — see …``. ``install``: how this host installs one."""
+    parts, causes = [], dict(CAUSES).values()
+    for words, names in unavailable_groups(device_type, infos):
+        text = f"{words}: {', '.join(names)}" if words in causes else f"{names[0]} ({words})"
+        parts.append(f"{text} — {install}" if words == "not installed" else text)
+    return "Not available here: " + "; ".join(parts) + "." if parts else "Every backend is available here."
+
+
+def short_reason(info, device_type: str | None = None) -> str:
+    """A few words on why one backend cannot run here, for its dropdown label: ``not installed``."""
+    key = cause(info, device_type or lib_attn.device_info().type)
+    return {"gpu": "needs a GPU", "missing": "not installed", "torch": "not in this torch",
+            "broken": "does not load"}.get(key, "unavailable")
 
 
 def guard() -> dict:

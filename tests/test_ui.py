@@ -13,6 +13,7 @@ gr = pytest.importorskip("gradio")
 import lib_attn  # noqa: E402
 from lib_attn.report import MIB, Report, Vram  # noqa: E402
 from tests.ui_helpers import event_handler  # noqa: E402
+from host_attn import status  # noqa: E402
 from webui_attn.settings import choices  # noqa: E402
 from webui_attn.ui import components  # noqa: E402
 from lib_attn.device import cpu_model  # noqa: E402
@@ -191,8 +192,8 @@ def test_override_choices_label_unavailable_backends_in_pairs():
     assert pairs[0] == (choices.USE_SETTING, choices.USE_SETTING)
     for (label, value), info in zip(pairs[1:], lib_attn.backends()):
         assert value == info.id
-        assert label == (info.id if info.available else f"{info.id} (unavailable)")
-        assert len(label) <= len("sdpa-efficient (unavailable)")     # fits the dropdown; reasons go elsewhere
+        assert label == (info.id if info.available else f"{info.id} — {status.short_reason(info)}")
+        assert len(label) <= len("sdpa-efficient — not in this torch")   # fits the dropdown; reasons go elsewhere
         assert choices.backend_from_choice(label) == info.id              # what script-info lists is accepted back
 
 

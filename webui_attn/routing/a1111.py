@@ -30,6 +30,7 @@ import torch
 
 import lib_attn
 
+from host_attn import status as host_status
 from host_attn import voice
 from host_attn.convention import make_heads_function
 from host_attn.patching import Patches
@@ -166,9 +167,25 @@ def entry_available(entry: Entry) -> bool:
     info = available_backends().get(entry.backend)
     if info is not None and info.available:
         return True
-    reason = info.reason if info is not None else "the engine does not know this backend"
-    voice.log_once(("unavailable", entry.key), f"'{entry.title}' is not offered: {reason}")
+    voice.log_once("unavailable", not_offered_line())
     return False
+
+
+def not_offered_line() -> str:
+    """The entries A1111 will not list, in one line grouped by cause (``python -m lib_attn doctor`` and the
+    availability table keep each backend's whole reason)."""
+    infos = available_backends()
+    device_type = lib_attn.device_info().type
+    groups: dict = {}
+    for entry in ENTRIES:
+        info = infos.get(entry.backend)
+        if entry.backend is None or flag_given(entry) or (info is not None and info.available):
+            continue
+        words = ("the engine does not know this backend" if info is None
+                 else dict(host_status.CAUSES).get(host_status.cause(info, device_type)) or host_status.cause(info, device_type))
+        groups.setdefault(words, []).append(entry.name)
+    text = "; ".join(f"{words}: {', '.join(names)}" for words, names in groups.items())
+    return f"{SETTING_PATH} does not list {text}"
 
 
 # --- patching ----------------------------------------------------------------------------------------

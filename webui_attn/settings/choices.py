@@ -6,15 +6,15 @@ Shared by the settings, the per-generation override and the API, so that a label
 from __future__ import annotations
 
 import lib_attn
+from host_attn.status import short_reason
 
 USE_SETTING = "use setting"
-UNAVAILABLE = "unavailable"
 
 
 def choice_label(info) -> str:
-    """A backend's dropdown label: its id, marked when it cannot run here (the reason goes in the info
-    line and the availability table, where it has room)."""
-    return info.id if info.available else f"{info.id} ({UNAVAILABLE})"
+    """A backend's dropdown label: its id, and when it cannot run here why in a few words (``xformers —
+    not installed``; the whole reason goes in the availability table, where it has room)."""
+    return info.id if info.available else f"{info.id} — {short_reason(info)}"
 
 
 def backend_from_choice(value) -> str | None:
@@ -40,5 +40,3 @@ def override_choices(pairs: bool = False) -> list:
     return choices(USE_SETTING, pairs)
 
 
-def unavailable_ids() -> list[str]:
-    return [b.id for b in lib_attn.backends() if not b.available]

@@ -14,8 +14,9 @@ from lib_attn.schedule import EXAMPLE as SCHEDULE_EXAMPLE
 from lib_attn.sparse import EXAMPLE as SPARSE_EXAMPLE
 
 from host_attn.readout import guard_lines, sparse_lines
+from host_attn.status import WEBUI_INSTALL_HINT, unavailable_text
 
-from ..settings.choices import USE_SETTING, override_choices, unavailable_ids
+from ..settings.choices import USE_SETTING, override_choices
 from . import api
 from .readout import elapsed_text, last_report as last_generation, schedule_text, vram_text
 
@@ -163,14 +164,12 @@ def accordion(is_img2img: bool, last_report=None, open: bool = False, refresh: b
     tab = "img2img" if is_img2img else "txt2img"
     with gr.Accordion("Attention backend", open=open, elem_id=f"{ELEM_PREFIX}_{tab}"):
         with gr.Row(elem_classes=["flash-attn-row"]):
-            missing = unavailable_ids()
             override = gr.Dropdown(
                 label="Backend for this generation (UNet / DiT)",
                 choices=override_choices(pairs=gradio_major() >= 4),
                 value=USE_SETTING,
                 elem_id=f"{ELEM_PREFIX}_{tab}_override",
-                info=("Not available here: " + ", ".join(missing) + " (why: Settings → Optimizations)"
-                      if missing else "Every backend is available here."),
+                info=unavailable_text(WEBUI_INSTALL_HINT),
             )
             guard = gr.Dropdown(
                 label="Guard for this generation",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from lib_attn.schedule import EXAMPLE as SCHEDULE_EXAMPLE, TERMS
 from lib_attn.sparse import EXAMPLE as SPARSE_EXAMPLE, methods as sparse_methods
 
-from host_attn.status import unavailable_text
+from host_attn.status import WEBUI_INSTALL_HINT, unavailable_text
 
 from ..settings import choices, stored
 from ..settings.stored import (AUTO, FP32_CHOICES, GUARD_CHOICES, KEY_AVAILABILITY, KEY_BACKEND, KEY_FP32, KEY_GUARD,
@@ -21,7 +21,7 @@ SECTION = ("optimizations", "Optimizations", "sd")
 
 INFO = {
     KEY_BACKEND: lambda: ("Auto: the command-line flag or chosen optimizer if any, else the fastest that can take "
-                          "each call. " + unavailable_text()),
+                          "each call. " + unavailable_text(WEBUI_INSTALL_HINT)),
     KEY_VAE_BACKEND: lambda: "The VAE attends over one head of 512 channels, which flash-attn and SageAttention "
                              "cannot take.",
     KEY_FP32: lambda: "cast: run half-only kernels in bf16/fp16 and cast the output back; keep: only kernels that "
