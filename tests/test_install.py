@@ -317,7 +317,9 @@ def test_torch_is_held_when_only_a_different_torch_would_fit(env, wheels, tmp_pa
     code, out, commands = run_install(env.python, tmp_path, wheels, ATTN_INSTALL="xformers")
 
     assert code == 0, out
-    assert "no prebuilt wheel matches" in line_for(out, "xformers"), out
+    # pip's reason, with the versions, instead of a bare ResolutionImpossible
+    assert "refused: xformers 0.0.99 needs torch==2.4.1, and torch 2.1.0+cu121 is installed here" in line_for(
+        out, "xformers"), out
     assert '"xformers"' in commands[0], commands
     assert env.dist_version("torch") == "2.1.0+cu121"
     assert env.dist_version("xformers") is None
@@ -806,21 +808,24 @@ def test_comfy_kitchen_is_offered_and_installed_from_pypi_with_torch_held(env, w
     assert code == 0, out
     assert len(commands) == 1 and '"comfy-kitchen>=0.2.40"' in commands[0], commands
     assert "--only-binary=:all:" in commands[0] and "-c" in commands[0].split(), commands
-    assert "0.2.40 installed and imports; torch stays 2.10.0+cu130" in line_for(out, "comfy-kitchen"), out
+    assert "0.2.40 installed and imports; every package installed before kept its version" in line_for(
+        out, "comfy-kitchen"), out
     assert env.dist_version("comfy-kitchen") == "0.2.40" and env.dist_version("torch") == "2.10.0+cu130"
 
 
-def test_a_comfy_kitchen_without_the_attention_kernels_is_named_and_left_alone(env, wheels, tmp_path):
+def test_a_comfy_kitchen_without_the_attention_kernels_is_named_and_replaced_when_asked(env, wheels, tmp_path):
     env.add_torch("2.10.0+cu130", "13.0")
     env.add_files("comfy-kitchen", "0.2.8", {"comfy_kitchen/__init__.py": ""})
-
-    code, out, commands = run_install(env.python, tmp_path, wheels, ATTN_INSTALL="comfy-kitchen")
-    assert code == 0 and commands == [], out
-    assert "0.2.8 already installed; nothing to do" in line_for(out, "comfy-kitchen"), out
 
     code, out, commands = run_install(env.python, tmp_path, wheels)
     status = line_for(out, "comfy-kitchen")
     assert "0.2.8 is installed; its INT8 attention and Sol-Attn need 0.2.40 or later" in status, status
+
+    make_wheel(wheels, "comfy-kitchen", "0.2.40", {"comfy_kitchen/__init__.py": ""})
+    code, out, commands = run_install(env.python, tmp_path, wheels, ATTN_INSTALL="comfy-kitchen")
+    assert code == 0 and len(commands) == 1, out     # not "nothing to do": the installed one lacks the kernels
+    assert "0.2.40 installed and imports" in line_for(out, "comfy-kitchen"), out
+    assert env.dist_version("comfy-kitchen") == "0.2.40" and env.dist_version("torch") == "2.10.0+cu130"
 
 
 def test_a_launch_with_the_hub_build_in_place_downloads_and_tests_nothing(env, wheels, tmp_path):
@@ -853,3 +858,174 @@ def test_a_launch_with_the_hub_build_in_place_downloads_and_tests_nothing(env, w
     code, out, commands = run_install(env.python, tmp_path, wheels, ATTN_INSTALL="hub-flash-attn2",
                                       HF_HUB_CACHE=str(cache))
     assert fetched.exists() and "nothing to do" not in line_for(out, "kernel hub flash-attn2"), out
+
+
+# ---------------------------------------------------------------------------------------------
+# Nothing the host pinned moves; a self-test that can fail; bounded waits; wheels only; old GPUs
+# ---------------------------------------------------------------------------------------------
+
+def _freeze(env):
+    out = subprocess.run([env.python, "-m", "pip", "list", "--format=freeze"], stdout=subprocess.PIPE,
+                         env=dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"), check=True).stdout.decode()
+    return sorted(line for line in out.splitlines() if line.strip())
+
+
+def test_a_kernel_whose_needs_would_move_a_pinned_package_is_refused_naming_it(env, wheels, tmp_path):
+    # A1111 1.10.1 pins huggingface-hub 0.25.2 (its transformers 4.30 needs the old API); kernels 0.19.1
+    # needs huggingface-hub >= 1.32, which pip would install over it.
+    env.add_torch("2.1.2+cu121", "12.1")
+    env.add_files("huggingface-hub", "0.25.2", {"huggingface_hub/__init__.py": "__version__ = '0.25.2'\n"})
+    kernels_wheel(wheels, "    return '/cache/build'\n")
+    os.rename(os.path.join(wheels, "kernels-0.19.1-py3-none-any.whl"), os.path.join(wheels, "k.tmp"))
+    make_wheel(wheels, "huggingface-hub", "2.4.0", {"huggingface_hub/__init__.py": ""})
+    os.rename(os.path.join(wheels, "k.tmp"), os.path.join(wheels, "kernels-0.19.1-py3-none-any.whl"))
+    # the stand-in kernels wheel declares what kernels 0.19.1 declares of the hub client
+    rebuilt = make_wheel(wheels, "kernels", "0.19.1", {"kernels/__init__.py": "def install_kernel(*a, **k):\n    return 'x'\n"},
+                         ["huggingface-hub>=1.32"])
+    assert os.path.exists(rebuilt)
+    before = _freeze(env)
+
+    code, out, commands = run_install(env.python, tmp_path, wheels, ATTN_INSTALL="hub-flash-attn2")
+
+    assert code == 0 and len(commands) == 1, out
+    line = line_for(out, "kernel hub flash-attn2")
+    assert ("refused: kernels 0.19.1 needs huggingface-hub>=1.32, and huggingface-hub 0.25.2 is installed here" in line
+            and "Nothing was changed" in line), out
+    assert _freeze(env) == before
+    assert env.dist_version("huggingface-hub") == "0.25.2" and env.dist_version("kernels") is None
+
+
+def test_an_older_release_that_fits_the_pins_is_taken_and_nothing_installed_moves(env, wheels, tmp_path):
+    env.add_torch("2.1.2+cu121", "12.1")
+    env.add_files("huggingface-hub", "0.25.2", {"huggingface_hub/__init__.py": ""})
+    make_wheel(wheels, "huggingface-hub", "2.4.0", {"huggingface_hub/__init__.py": ""})
+    make_wheel(wheels, "kernels", "0.19.1", {"kernels/__init__.py": ""}, ["huggingface-hub>=1.32"])
+    make_wheel(wheels, "kernels", "0.4.4", {"kernels/__init__.py": (
+        "def install_kernel(repo_id, **kwargs):\n    return '/cache/' + repo_id\n")},
+        ["huggingface-hub>=0.20", "packaging>=20"])
+    make_wheel(wheels, "packaging", "24.2", {"packaging/__init__.py": ""})
+    before = dict(line.split("==") for line in _freeze(env))
+
+    code, out, commands = run_install(env.python, tmp_path, wheels, ATTN_INSTALL="hub-flash-attn2")
+
+    assert code == 0, out
+    assert env.dist_version("kernels") == "0.4.4" and env.dist_version("huggingface-hub") == "0.25.2", out
+    after = dict(line.split("==") for line in _freeze(env))
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert "kernel hub flash-attn2: 0.4.4 installed and imports (with packaging, which it needs)" in out, out
+
+
+def test_a_self_test_that_fails_removes_the_kernel_it_installed_and_quotes_the_error(env, wheels, tmp_path):
+    # A torch that says it has a GPU, where the engine cannot run: the self-test fails as a kernel that
+    # raises would, and what it installed goes again.
+    env.add_torch("2.1.2+cu121", "12.1")
+    torch_init = os.path.join(env.site, "torch", "__init__.py")
+    with open(torch_init, "a", encoding="utf-8") as fh:
+        fh.write("cuda.is_available = staticmethod(lambda: True)\n")
+    make_wheel(wheels, "xformers", "0.0.23.post1", {"xformers/__init__.py": ""}, ["torch==2.1.2"])
+
+    code, out, commands = run_install(env.python, tmp_path, wheels, ATTN_INSTALL="xformers")
+
+    assert code == 0, out
+    test_line = line_for(out, "xformers", self_test=True)
+    assert test_line.startswith("[flash-attention] xformers: self-test FAILED: ") and "Error" in test_line, out
+    assert "removed xformers 0.0.23.post1 again, since its kernel failed the self-test" in out, out
+    assert env.dist_version("xformers") is None
+
+
+@pytest.fixture
+def silent_server():
+    """A loopback server that accepts connections and never answers; yields its base URL."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held, stop = [], threading.Event()
+
+    def accept():
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}/simple"
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+def test_an_index_that_never_answers_costs_one_bounded_wait_per_launch(env, tmp_path, silent_server):
+    env.add_torch("2.1.2", "12.1")
+    started = time.monotonic()
+    code, out, commands = run_install(env.python, tmp_path, None, ATTN_INSTALL="xformers,comfy-kitchen",
+                                      INDEX_URL=silent_server, PIP_NO_INDEX="0")
+    took = time.monotonic() - started
+
+    assert code == 0, out
+    assert took < 45, (took, out)            # pip's 2 x 10 s for the one index asked, and no second backend
+    assert "network failure" in line_for(out, "xformers") and "nothing more is tried" in line_for(out, "xformers")
+    assert "not tried: the package index did not answer" in line_for(out, "comfy-kitchen"), out
+    assert len(commands) == 1
+
+
+@pytest.mark.parametrize("named", ["sageattention-2.2.0.tar.gz", "folder", "git+https://example.invalid/sage.git"])
+def test_a_named_source_archive_folder_or_vcs_url_is_refused_before_pip_runs(env, wheels, tmp_path, named):
+    env.add_torch("2.5.1+cu124", "12.4")
+    if named.endswith(".tar.gz"):
+        named = make_sdist(wheels, "sageattention", "2.2.0", str(tmp_path / "built"))
+    elif named == "folder":
+        named = str(tmp_path)
+    code, out, commands = run_install(env.python, tmp_path, wheels, ATTN_INSTALL="sage", ATTN_WHEEL_SAGE=named)
+    assert code == 0 and commands == [], out
+    line = line_for(out, "sageattention")
+    assert "ATTN_WHEEL_SAGE=" in line and "never builds from source" in line, line
+    assert not os.path.exists(tmp_path / "built") and env.dist_version("sageattention") is None
+
+
+def _fake_gpu(tmp_path, answer):
+    """A folder holding an ``nvidia-smi`` that reports one GPU as ``answer`` (compute_cap, name)."""
+    folder = tmp_path / "smi"
+    folder.mkdir(exist_ok=True)
+    tool = folder / "nvidia-smi"
+    tool.write_text(f"#!/bin/sh\necho '{answer}'\n")
+    tool.chmod(0o755)
+    return str(folder) + os.pathsep + os.environ.get("PATH", "")
+
+
+@pytest.mark.skipif(os.name == "nt", reason="a shell script stands in for nvidia-smi")
+def test_a_turing_gpu_is_not_offered_flash_attn_and_is_told_its_options(env, tmp_path):
+    env.add_torch("2.5.1+cu124", "12.4")
+    path = _fake_gpu(tmp_path, "7.5, Tesla T4")
+    code, out, commands = run_install(env.python, tmp_path, None, PATH=path)
+    status = line_for(out, "flash-attn")
+    assert "not offered" in status and "Tesla T4 (sm75)" in status and "ATTN_INSTALL=flash-attn" not in status
+    assert "sdpa-efficient" in status and "ATTN_WHEEL_FLASH_ATTN" in status and "xformers" in status
+
+    code, out, commands = run_install(env.python, tmp_path, None, PATH=path, ATTN_INSTALL="flash-attn")
+    assert code == 0 and commands == [], out
+    line = line_for(out, "flash-attn")
+    assert "Ampere (sm80) or newer, and this GPU is Tesla T4 (sm75)" in line and "nothing done" in line, line
+
+
+@pytest.mark.skipif(os.name == "nt", reason="a shell script stands in for nvidia-smi")
+def test_a_v100_is_not_given_an_xformers_without_its_kernels(env, tmp_path):
+    env.add_torch("2.8.0+cu128", "12.8")
+    code, out, commands = run_install(env.python, tmp_path, None, PATH=_fake_gpu(tmp_path, "7.0, Tesla V100-SXM2-32GB"),
+                                      ATTN_INSTALL="xformers")
+    assert code == 0 and commands == [], out
+    line = line_for(out, "xformers")
+    assert "0.0.31 and later have no kernels for this GPU, Tesla V100-SXM2-32GB (sm70)" in line, line
+
+
+def test_pypi_torch_for_cuda_13_is_not_given_an_xformers_for_cuda_12(env, tmp_path):
+    env.add_torch("2.11.0", "13.0")
+    code, out, commands = run_install(env.python, tmp_path, None, ATTN_INSTALL="xformers")
+    assert code == 0 and commands == [], out
+    assert "no xformers release has wheels for CUDA 13" in line_for(out, "xformers"), out

@@ -23,21 +23,23 @@ webui-user.bat / webui-user.sh):
   ATTN_WHEEL_COMFY_KITCHEN=<file or URL>
   ATTN_INSTALL_DRY_RUN=1                   print the pip command, run nothing
 
-Every install runs pip with `--only-binary=:all:` (never a source build) and a constraint file
-holding torch, torchvision and torchaudio at their installed versions, so pip either finds a
-wheel that fits the installed torch or changes nothing. The result is re-probed and reported, and
-a self-test call runs through the engine on the GPU (when there is one) with the backend installed.
-``install.py`` never exits with an error status for a backend that could not be installed. What is
-already installed is left alone, so ``ATTN_INSTALL`` may stay set: a launch that finds it (for the kernel
-hub, ``kernels`` and the hub's build for this torch in the local cache) runs no pip, no download and no
-self-test.
+Every install runs pip with `--only-binary=:all:` (never a source build; an ATTN_WHEEL_* value must name a
+wheel) and a constraint file holding every installed package at its version (torch and the webui's pins
+among them), so pip may only add what the kernel needs, or it changes nothing and the refusal names the
+package in the way. pip waits at most PIP_TIMEOUT seconds per answer, and a network failure ends this
+launch's installs. The result is re-probed and reported, and the kernel's self-test
+(``lib_attn.commands.selftest``: the kernel itself, strictly, against float64) runs on the GPU when there
+is one; a kernel that fails it is removed again. ``install.py`` never exits with an error status for a
+backend that could not be installed. What is already installed is left alone, so ``ATTN_INSTALL`` may stay
+set: a launch that finds it (for the kernel hub, ``kernels`` and the hub's build for this torch in the local
+cache) runs no pip, no download and no self-test.
 """
 
 from __future__ import annotations
 
 import os
 
-from .pip import Host, install, requested_backends
+from .pip import NETWORK, Host, install, requested_backends
 from .probe import TAG, probe_torch, say, status
 from .wheels import BACKENDS
 
@@ -50,9 +52,13 @@ def main():
               f"(known: {', '.join(b.id for b in BACKENDS)})", flush=True)
     host = Host() if requested else None
     dry_run = os.environ.get("ATTN_INSTALL_DRY_RUN", "") not in ("", "0")
+    offline = False
     for backend in BACKENDS:
-        if backend in requested:
-            install(backend, torch, host, dry_run)
+        if backend in requested and offline:
+            say(backend, "install requested, not tried: the package index did not answer for an earlier one in "
+                         "this launch; nothing done")
+        elif backend in requested:
+            offline = install(backend, torch, host, dry_run) == NETWORK
         else:
             say(backend, status(backend, torch))
     return 0

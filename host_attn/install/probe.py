@@ -3,15 +3,17 @@ one line per optional kernel saying whether it is usable and, if not, why and wh
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata as metadata
 import importlib.util
 import os
 import platform
 import re
+import subprocess
 import sys
 
-from .wheels import (COMFY_KITCHEN_REQUIREMENT, HUB_REPOS, SAGE_1_WARNING, TRITON_DISTS, flash_attn_coverage,
-                     flash_attn_release)
+from .wheels import (COMFY_KITCHEN_REQUIREMENT, HUB_REPOS, SAGE_1_WARNING, TRITON_DISTS, VOLTA_TURING_OPTIONS,
+                     flash_attn_coverage, flash_attn_release)
 
 TAG = "[flash-attention]"  # the runtime's prefix too
 COMFY_KITCHEN_MINIMUM = COMFY_KITCHEN_REQUIREMENT.split(">=")[1]
@@ -81,6 +83,58 @@ def probe_torch():
             held[name] = other
     return TorchInfo(version, None if cuda in (None, "None") else cuda,
                      None if hip in (None, "None") else hip, held)
+
+
+def canonical(name):
+    """A distribution name as pip compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def installed_pins(leave_out=()):
+    """{name: version} of every distribution installed in this Python, less those in ``leave_out``: what an
+    install holds where it is, so that a kernel's own needs never move a package the host pinned."""
+    skip = {canonical(n) for n in leave_out}
+    pins = {}
+    for dist in metadata.distributions():
+        name, version = dist.metadata.get("Name"), dist.version
+        if not name or not version or canonical(name) in skip or canonical(name) in pins:
+            continue
+        if _valid_version(version):  # pip refuses a constraint file with a version it cannot read
+            pins[canonical(name)] = version
+    return pins
+
+
+def _valid_version(text):
+    try:
+        from packaging.version import InvalidVersion, Version
+    except ImportError:
+        try:
+            from pip._vendor.packaging.version import InvalidVersion, Version
+        except ImportError:
+            return bool(re.fullmatch(r"[0-9][0-9A-Za-z.+!-]*", text))
+    try:
+        Version(text)
+        return True
+    except InvalidVersion:
+        return False
+
+
+#: What ``nvidia-smi`` is given at most to answer (it can hang on a driver in a bad state).
+GPU_QUERY_SECONDS = 10
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_capability():
+    """(major, minor, name) of the first NVIDIA GPU as ``nvidia-smi`` reports it, or None when it cannot
+    tell (no driver, another vendor, an old driver without ``compute_cap``). No torch is imported."""
+    try:
+        result = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap,name", "--format=csv,noheader"],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=GPU_QUERY_SECONDS)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = result.stdout.decode(errors="replace").strip().splitlines()[:1]
+    match = re.match(r"\s*(\d+)\.(\d+)\s*,\s*(.*)", first[0]) if first and result.returncode == 0 else None
+    return (int(match.group(1)), int(match.group(2)), match.group(3).strip()) if match else None
 
 
 def hub_build_cached(repo, torch):
@@ -182,6 +236,10 @@ def status(backend, torch):
             return ("not installed; this installer only knows NVIDIA wheels, "
                     f"install a ROCm build by hand if you want it ({torch.describe()})")
         head = f"not installed (optional; needs {backend.needs})"
+        gpu = gpu_capability()
+        if backend.dist == "flash-attn" and gpu is not None and gpu[0] < 8:
+            return (f"{head}; not offered: its wheels run on Ampere (sm80) or newer, and this GPU is {gpu[2]} "
+                    f"(sm{gpu[0]}{gpu[1]}). For this GPU: {VOLTA_TURING_OPTIONS}")
         if backend.dist == "flash-attn":
             release, why = flash_attn_choice(torch)
             if release is None:

@@ -25,6 +25,10 @@ XFORMERS_FOR_TORCH = {
     "2.9.1": "0.0.33.post2",
 }
 XFORMERS_STABLE_ABI = ((2, 10), "0.0.35")
+# The CUDA runtimes xformers' published wheels link against (0.0.35's extension needs libcudart.so.12): on a
+# torch built for another CUDA major (PyPI's torch 2.11 and later: CUDA 13) it imports with a warning and
+# runs no kernel, so the installer asks for none there.
+XFORMERS_CUDA_MAJORS = (11, 12)
 # CUDA builds of torch from PyTorch's own index carry a "+cuXYZ" suffix; that index also has
 # xformers wheels built for the same CUDA.
 PYTORCH_INDEX = "https://download.pytorch.org/whl/{variant}"
@@ -95,6 +99,13 @@ TRITON_DISTS = ("triton", "triton-windows", "pytorch-triton")
 SAGE_1_WARNING = ("the engine refuses SageAttention 1.0.6 for calls whose kv_len is not a multiple of 64 "
                   "(SD cross-attention's 77 keys among them): it miscomputes them (fixed in 2.2.0), so those "
                   "calls run on another backend; for SageAttention 2.2 set ATTN_WHEEL_SAGE to its wheel")
+
+#: What runs fast on Volta (V100, sm70) and Turing (T4, RTX 20xx, sm75), where flash-attn's wheels do not.
+VOLTA_TURING_OPTIONS = (
+    "PyTorch's memory-efficient kernel (sdpa-efficient, built into torch, nothing to install); xformers "
+    "(ATTN_INSTALL=xformers; on a V100 only up to 0.0.30, the release for torch 2.7.0: 0.0.31 and later have no "
+    "sm70 kernels); or a community flash-attn build for sm70/sm75 named in ATTN_WHEEL_FLASH_ATTN (the engine "
+    "tries such a build with a trial call before it uses it)")
 
 # FlashAttention-4 on PyPI (`flash-attn-4`, pre-releases only so far): Python and CuTe DSL kernels
 # compiled at run time, for Hopper and Blackwell; its `cu13` extra pulls the CUDA 13 build of the
