@@ -58,7 +58,9 @@ class TorchInfo:
         return tuple(int(p) for p in parts) if len(parts) == 2 else (0, 0)
 
     def describe(self):
-        runtime = f"CUDA {self.cuda}" if self.cuda else (f"ROCm {self.hip}" if self.hip else "CPU build")
+        # macOS builds run on the Apple GPU (MPS), which none of these kernels supports either.
+        other = "macOS build (MPS)" if platform.system() == "Darwin" else "CPU build"
+        runtime = f"CUDA {self.cuda}" if self.cuda else (f"ROCm {self.hip}" if self.hip else other)
         return f"torch {self.version} ({runtime}), Python {sys.version_info[0]}.{sys.version_info[1]}"
 
 
