@@ -55,7 +55,8 @@ def callable_name(fn) -> str:
     code = getattr(fn, "__code__", None)
     module = getattr(fn, "__globals__", {}).get("__name__") if code is not None else None
     if code is not None:
-        name = getattr(code, "co_qualname", None) or code.co_name
+        # Python 3.10 has no co_qualname; there a wrapper's own __qualname__ holds only where wraps did not copy it.
+        name = getattr(code, "co_qualname", None) or (code.co_name if hasattr(fn, "__wrapped__") else fn.__qualname__)
         return f"{module or '?'}.{name}"
     if isinstance(fn, functools.partial):
         return f"functools.partial({callable_name(fn.func)})"
