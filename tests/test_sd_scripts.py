@@ -402,7 +402,7 @@ def test_the_launcher_runs_a_trainer_routed(tmp_path):
     out = tmp_path / "lora.safetensors"
     env = {**os.environ, "PYTHONPATH": ROOT}
     proc = subprocess.run([sys.executable, "-m", "lib_attn.integrations.sd_scripts", "--attn-backend", "math,sdpa",
-                           "--attn-report-every", "0", str(tree / "tiny_train_network.py"), "--steps", "3",
+                           "--report-every", "0", str(tree / "tiny_train_network.py"), "--steps", "3",
                            "--out", str(out)], cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "trained True" in proc.stdout

@@ -440,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rank the kernels by measuring them on each call kind's first call (auto: on CUDA)")
     p.add_argument("--attn-guard", choices=("on", "off", "full"), default=None, help="the output guard's mode")
     p.add_argument("--attn-strict", action="store_true", help="raise instead of falling back")
-    p.add_argument("--attn-report-every", type=float, default=300.0, metavar="SECONDS",
+    p.add_argument("--report-every", type=float, default=300.0, metavar="SECONDS",
                    help="seconds between report lines in the log (0: only at the end; default 300)")
     p.add_argument("script", help="the trainer, e.g. flux_train_network.py")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the trainer's own arguments")
@@ -462,7 +462,7 @@ def main(argv: list | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.setLevel(min(log.getEffectiveLevel(), logging.INFO))
     script = os.path.abspath(args.script)
-    routing = route(args.attn_report_every or None, **config)
+    routing = route(args.report_every or None, **config)
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [script, *args.args]
     sys.path.insert(0, os.path.dirname(script))
