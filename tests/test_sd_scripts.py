@@ -316,7 +316,7 @@ def _bindings(library):
 
 
 def test_undo_leaves_nothing_patched(library):
-    import safetensors.torch as st
+    st = pytest.importorskip("safetensors.torch")
 
     before, save_file, hooks = _bindings(library), st.save_file, list(sys.meta_path)
     routing = sd_scripts.route()
@@ -328,8 +328,8 @@ def test_undo_leaves_nothing_patched(library):
 
 
 def test_report_goes_to_the_log_and_into_saved_metadata(library, tmp_path, caplog):
+    st = pytest.importorskip("safetensors.torch")
     from safetensors import safe_open
-    import safetensors.torch as st
 
     run, params, inputs = flux_block(library, ckpt=True)
     caplog.set_level(logging.INFO, logger="lib_attn")
@@ -393,6 +393,7 @@ def parse(argv):
 def test_the_launcher_runs_a_trainer_routed(tmp_path):
     """``python -m lib_attn.integrations.sd_scripts [engine options] trainer.py [its options]`` in a fresh
     process, as ``accelerate launch -m`` runs it: the trainer's own argv, its directory on sys.path first."""
+    pytest.importorskip("safetensors")
     tree = tmp_path / "sd-scripts"
     (tree / "library").mkdir(parents=True)
     for name in ("__init__.py", "flux_models.py"):
@@ -413,3 +414,17 @@ def test_the_launcher_runs_a_trainer_routed(tmp_path):
     report = json.loads(meta[sd_scripts.METADATA_KEY])
     assert meta["ss_steps"] == "3" and report["calls"][0]["backend"] == "math" and report["calls"][0]["count"] == 6
     assert report["recomputed"] == [{"role": "dit", "backend": "math", "count": 3}]
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_ddp_routes_on_every_rank_without_a_collective():
+    """Two real ranks on gloo: each routes its own calls, trains as sd-scripts' own attention does, the ranks
+    stay in step (DDP's reducer is untouched) and the routing calls no torch.distributed function."""
+    from lib_attn.parallel import launch
+
+    ranks = launch.run_ranks(2, [os.path.join(ROOT, "tests", "sd_scripts_ddp_case.py")], timeout=180)
+    for r in ranks:
+        assert r["returncode"] == 0 and r["result"], r["output"]
+        res = r["result"]
+        assert res["err"] < 1e-5 and res["ranks_agree"], res
+        assert res["calls"] == 8 and res["recomputed"] == 4 and res["collectives"] == 0, res
