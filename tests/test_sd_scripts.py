@@ -362,6 +362,9 @@ import library.flux_models as fm
 from library import train_util
 
 args = train_util.parse(sys.argv[1:])
+if args.console_log_file:  # as sd-scripts' setup_logging does with --console_log_file
+    import logging
+    logging.basicConfig(filename=args.console_log_file, level=logging.INFO)
 torch.manual_seed(0)
 w = torch.nn.Parameter(torch.randn(16, 48) * 0.2)
 opt = torch.optim.SGD([w], lr=0.01)
@@ -386,6 +389,7 @@ def parse(argv):
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int)
     p.add_argument("--out")
+    p.add_argument("--console_log_file")
     return p.parse_args(argv)
 """
 
@@ -408,6 +412,14 @@ def test_the_launcher_runs_a_trainer_routed(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "trained True" in proc.stdout
     assert "attention at the end: dit: math" in proc.stderr and "3 forward + 3 recomputed" in proc.stderr
+    # A trainer that sets up its log gets the report there, not on stderr.
+    train_log = tmp_path / "train.log"
+    proc = subprocess.run([sys.executable, "-m", "lib_attn.integrations.sd_scripts", "--report-every", "0",
+                           str(tree / "tiny_train_network.py"), "--steps", "1", "--out", str(tmp_path / "b.safetensors"),
+                           "--console_log_file", str(train_log)], cwd=str(tmp_path), env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "attention at the end: dit:" in train_log.read_text() and "attention at the end" not in proc.stderr
     from safetensors import safe_open
     with safe_open(str(out), "pt") as f:
         meta = f.metadata()

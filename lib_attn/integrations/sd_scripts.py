@@ -299,7 +299,7 @@ class Routing:
         self.patched: list = []  # (owner, name, original), in the order they were routed
         self.recording = stats.Recording()
         self.started = time.perf_counter()
-        self.vram = VramProbe(device, poll_hz=None).start() if torch.cuda.is_available() else None
+        self.device = device
         self._finder = _Finder(self)
         self._halt = threading.Event()
         self._thread = None
@@ -351,18 +351,20 @@ class Routing:
 
     def report(self) -> Report:
         """What attention did since ``route``: every thread's calls, time, peak memory (CUDA)."""
-        vram = None
-        if self.vram is not None:
-            self.vram.poll()
-            probe = VramProbe(self.vram.device)  # a reading now, leaving the run's probe running
-            vram = probe.start().stop()
+        # torch's peak counters, never reset here (the trainer's own readings stay as they are): the
+        # process's peak so far, which for a training process is the run's.
+        vram = VramProbe(self.device).start().stop() if torch.cuda.is_available() else None
         return Report.from_recording(self.recording, seconds=time.perf_counter() - self.started, vram=vram)
 
     def log_report(self, final: bool = False) -> str:
-        text = summary(self.report())
+        """One report line: to the training log (the handlers the trainer set up), else to stderr."""
         rank = os.environ.get("RANK")
-        log.info("attention%s%s: %s", f" (rank {rank})" if rank is not None else "", " at the end" if final else "",
-                 text)
+        text = (f"attention{f' (rank {rank})' if rank is not None else ''}{' at the end' if final else ''}: "
+                f"{summary(self.report())}")
+        if _handled(log, logging.INFO):
+            log.info("%s", text)
+        else:
+            print(f"lib_attn: {text}", file=sys.stderr, flush=True)
         return text
 
     def _every(self, seconds: float) -> None:
@@ -395,6 +397,17 @@ class Routing:
 
     def __exit__(self, *exc):
         self.undo()
+
+
+def _handled(logger: logging.Logger, level: int) -> bool:
+    """Whether a record of ``level`` on ``logger`` reaches a handler someone set up."""
+    if not logger.isEnabledFor(level):
+        return False
+    while logger is not None:
+        if logger.handlers:
+            return True
+        logger = logger.parent if logger.propagate else None
+    return False
 
 
 def route(report_every: float | None = None, **config) -> Routing:
@@ -458,9 +471,8 @@ def main(argv: list | None = None) -> int:
         config["guard"] = args.attn_guard
     if args.attn_strict:
         config["strict"] = True
-    if not logging.getLogger().handlers and not log.handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.setLevel(min(log.getEffectiveLevel(), logging.INFO))
+    # No logging set-up here: sd-scripts' own (its console handler, --console_log_file) is made only where
+    # the root logger has no handler yet, so the report joins whatever the trainer sets up.
     script = os.path.abspath(args.script)
     routing = route(args.report_every or None, **config)
     saved_argv, saved_path = sys.argv, list(sys.path)
