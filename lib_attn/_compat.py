@@ -189,6 +189,20 @@ def in_backward() -> bool:
     return task is not None and task() != -1
 
 
+def _stop_recomputation() -> type:
+    import torch.utils.checkpoint as ckpt
+
+    class _Never(Exception):
+        pass
+
+    return getattr(ckpt, "_StopRecomputationError", _Never)
+
+
+#: What non-reentrant activation checkpointing raises from inside the call whose saved tensors complete
+#: a recomputation (its "early stop"): that call ran, and nothing after it in the recomputed code does.
+STOP_RECOMPUTATION = _stop_recomputation()
+
+
 def capturing(device_type: str) -> bool:
     """Whether the current CUDA stream is capturing a CUDA graph."""
     if device_type != "cuda" or not torch.cuda.is_available():

@@ -9,8 +9,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from . import _compat
 from . import config as _config
 from . import guard as _guard
+from . import scope as _scope
 from . import stats
 from . import tune as _tune
 from .kernels import REGISTRY, Status, status
@@ -83,6 +85,8 @@ class Decision:
                  f"{f', inputs cast to {self.cast}' if self.cast else ''}"]
         if self.source != "order":
             lines[0] += f" [tuned: {self.source}]"
+        if self.spec is not None and self.spec.requires_grad:
+            lines.append(f"  gradients: {self.backend}'s own backward")
         lines += [f"  {bid}: median {_tune.ms_text(t)}" for bid, t in self.timings.items()]
         lines += [f"  passed over {bid}: {'; '.join(reasons)}" for bid, reasons in self.rejected]
         return "\n".join(lines)
@@ -176,6 +180,8 @@ def decide_tuned(spec: CallSpec, chain, pool, fp32: str, explicit: bool, failed:
 def _decision(backend, rejected, cast, preferred, spec, run_spec, source: str = "order") -> Decision:
     variant = backend.variant(run_spec)
     run = wrap(backend.runner(run_spec), spec.layout != backend.layout, cast)
+    if spec.requires_grad:
+        run = counting_recomputed(run, (spec.role, backend.id), (spec.role, backend.id, spec.rule))
     fallback_key = None
     if preferred is not None and preferred != backend.id:
         reasons = next((r for bid, r in rejected if bid == preferred), [])
@@ -192,6 +198,34 @@ def _decision(backend, rejected, cast, preferred, spec, run_spec, source: str = 
     dec.checked = source != "order" or (backend.id, spec) in trusted
     dec.countdown = _guard.countdown(_config.current().guard, backend.id, backend.approximate, dec.checked)
     return dec
+
+
+def counting_recomputed(run, key: tuple, call_key: tuple):
+    """``run``, counting the calls it makes inside a backward pass (activation checkpointing recomputes the
+    forward there) under ``key`` = (role, backend id). Only decisions for calls that need gradients carry
+    it: an inference call adds nothing. ``call_key``: the decision's ``count_key``, counted here for a
+    call that checkpointing stops once it has what it needs (the dispatcher never sees that call end)."""
+    cell, call_cell = stats.recomputed_cell(key), stats.call_cell(call_key)
+    in_backward = _compat.in_backward
+
+    def counted(stopped: bool) -> None:
+        cell.n += 1
+        call_cell.n += stopped
+        for rec in _scope.current().recordings:
+            rec.here["recomputed"][key] += 1
+            rec.here["calls"][call_key] += stopped
+
+    def run_counted(q, k, v, mask, scale):
+        if not in_backward():
+            return run(q, k, v, mask, scale)
+        try:
+            out = run(q, k, v, mask, scale)
+        except _compat.STOP_RECOMPUTATION:
+            counted(True)
+            raise
+        counted(False)
+        return out
+    return run_counted
 
 
 def wrap(run, transpose: bool, cast):

@@ -42,7 +42,7 @@ import math
 import torch
 
 from . import check as _check
-from .kernels.base import DTYPE_NAMES, failure_text, is_sticky
+from .kernels.base import DTYPE_NAMES, failure_text, is_sticky, needs_grad
 
 log = logging.getLogger("lib_attn")
 
@@ -88,23 +88,32 @@ def first_check(run, q, k, v, mask, scale, layout: str, dtype, approximate: bool
     call), whose bits are summed before and after. The output for the call is checked on
     ``check.samples``' rows. The kernel's own exceptions propagate."""
     limit = _check.bound(dtype, q.device.type, approximate)
+    # The checks run without grad; the call itself runs in the caller's grad mode, so that its output
+    # keeps the autograd graph a training step needs (a probe's output, made from copies, never has it).
+    caller_grad = torch.is_grad_enabled()
+    graph = needs_grad(q, k, v)
+
+    def call():
+        with torch.set_grad_enabled(caller_grad):
+            return run(q, k, v, mask, scale)
+
     with torch.no_grad():
         if probe:
             try:
                 part = _check.probe(q, k, v, mask, layout)
             except Exception as exc:  # noqa: BLE001 - e.g. no memory left for it: the check failed, not the kernel
-                return run(q, k, v, mask, scale), _unchecked(exc)
+                return call(), _unchecked(exc)
             out = run(*part.args, scale)
             if not part.untouched():
                 return None, f"{_check.CHECK_FAILED}: {_check.WROTE_INPUTS}"
-            if part.whole:
+            if part.whole and not graph:
                 return out, _checked(out, q, k, v, mask, scale, layout, limit)
             del out, part
         try:
             before = _check.checksums(q, k, v)
         except Exception as exc:  # noqa: BLE001 - as above
-            return run(q, k, v, mask, scale), _unchecked(exc)
-        out = run(q, k, v, mask, scale)
+            return call(), _unchecked(exc)
+        out = call()
         if _check.changed(before, q, k, v):
             return out, f"{_check.CHECK_FAILED}: {_check.WROTE_AT_FULL_SIZE}"
         return out, _checked(out, q, k, v, mask, scale, layout, limit)

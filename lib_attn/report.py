@@ -177,7 +177,9 @@ class Report:
     backend id): n}, the calls a schedule served, per rule (``rule_items`` in the schedule's order);
     ``parallel``: {(role, kind, mode, ranks, ulysses, ring, note): (calls, bytes this rank sent)}, the
     calls split over several ranks (``lib_attn.parallel``); ``sparse``: what sparse attention did
-    (``lib_attn.sparse.readout.SparseReport``), or None when it served no call.
+    (``lib_attn.sparse.readout.SparseReport``), or None when it served no call; ``recomputed``:
+    {(role, backend id): n}, the calls of ``calls`` that ran inside a backward pass (recomputed by
+    activation checkpointing), the rest being forward calls.
     """
 
     calls: dict = field(default_factory=dict)
@@ -194,6 +196,7 @@ class Report:
     rules: dict = field(default_factory=dict)
     parallel: dict = field(default_factory=dict)
     sparse: SparseReport | None = None
+    recomputed: dict = field(default_factory=dict)
 
     @classmethod
     def from_recording(cls, rec, seconds: float | None = None, vram: Vram | None = None) -> "Report":
@@ -203,7 +206,8 @@ class Report:
         return cls(dict(rec.calls), dict(rec.fallbacks), dict(rec.kernels), seconds, vram,
                    tuned=frozenset(getattr(rec, "tuned", ())), paths=dict(getattr(rec, "paths", {})),
                    guard=dict(getattr(rec, "guard", {})), rules=dict(getattr(rec, "rules", {})),
-                   parallel=dict(getattr(rec, "parallel", {})), sparse=getattr(rec, "sparse", None))
+                   parallel=dict(getattr(rec, "parallel", {})), sparse=getattr(rec, "sparse", None),
+                   recomputed=dict(getattr(rec, "recomputed", {})))
 
     def roles(self) -> list[str]:
         present = {role for role, _ in self.calls}
@@ -278,7 +282,8 @@ class Report:
 
     def to_dict(self) -> dict:
         """The report as JSON-ready data (``from_dict`` reads it back); ``parallel`` only when calls ran
-        split over ranks, ``sparse`` only when sparse attention served calls."""
+        split over ranks, ``sparse`` only when sparse attention served calls, ``recomputed`` only when
+        calls were recomputed in a backward pass."""
         data = {
             "calls": [{"role": role, "backend": b, "kernel": self.describe(b), "count": n,
                        "tuned": self.is_tuned(role, b)}
@@ -302,6 +307,10 @@ class Report:
                                 for (role, kind, mode, ranks, u, r, note), (n, sent) in self.parallel_items()]
         if self.sparse is not None:
             data["sparse"] = self.sparse.to_dict()
+        if self.recomputed:
+            data["recomputed"] = [{"role": role, "backend": b, "count": n}
+                                  for (role, b), n in sorted(self.recomputed.items(),
+                                                             key=lambda item: (role_rank(item[0][0]), -item[1]))]
         return data
 
     @classmethod
@@ -317,9 +326,11 @@ class Report:
         rules = {(r["schedule"], r["rule"], r["role"], r["backend"]): int(r["count"]) for r in data.get("rules", ())}
         parallel = {(p["role"], p["kind"], p["mode"], int(p["ranks"]), int(p["ulysses"]), int(p["ring"]), p["note"]):
                     (int(p["count"]), int(p["bytes_sent"])) for p in data.get("parallel", ())}
+        recomputed = {(r["role"], r["backend"]): int(r["count"]) for r in data.get("recomputed", ())}
         return cls(calls, fallbacks, kernels, data.get("seconds"), Vram.from_dict(v) if v else None,
                    tuple(data.get("notes") or ()), data.get("ran_on"), data.get("hint"), tuned, guard=guard,
-                   rules=rules, parallel=parallel, sparse=SparseReport.from_dict(data.get("sparse")))
+                   rules=rules, parallel=parallel, sparse=SparseReport.from_dict(data.get("sparse")),
+                   recomputed=recomputed)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), ensure_ascii=False)

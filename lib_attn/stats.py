@@ -58,6 +58,9 @@ _sparse_error: dict = {}
 _sparse_kept: dict = {}
 _sparse_seconds: dict = {}
 _sparse_settings: dict = {}  # (settings text, budget) -> calls served while they were in force
+#: (role, backend) -> calls made while autograd's engine ran a backward: recomputed by activation
+#: checkpointing (also counted in ``_calls``; the forward calls are the difference).
+_recomputed: dict = {}
 _lock = threading.Lock()
 
 
@@ -79,6 +82,11 @@ def fallback_cell(key) -> Cell:
     return _cell(_fallbacks, key)
 
 
+def recomputed_cell(key) -> Cell:
+    """The cell counting recomputed calls of ``key`` = (role, backend id)."""
+    return _cell(_recomputed, key)
+
+
 def path_cell(key) -> Cell:
     """The cell counting fallbacks that went ``key`` = (fallback key, others passed over, backend that ran)."""
     return _cell(_paths, key)
@@ -88,7 +96,7 @@ def path_cell(key) -> Cell:
 _TABLES = {"calls": _calls, "fallbacks": _fallbacks, "paths": _paths, "guard": _guard, "parallel": _parallel,
            "parallel_bytes": _parallel_bytes, "sparse": _sparse, "sparse_dense": _sparse_dense,
            "sparse_error": _sparse_error, "sparse_kept": _sparse_kept, "sparse_seconds": _sparse_seconds,
-           "sparse_settings": _sparse_settings}
+           "sparse_settings": _sparse_settings, "recomputed": _recomputed}
 
 
 def count(kind: str, key, n: int = 1, recordings: tuple = ()) -> None:
@@ -97,7 +105,7 @@ def count(kind: str, key, n: int = 1, recordings: tuple = ()) -> None:
     fallbacks (role, backend passed over, reason); paths (fallback key, others passed over, backend that
     ran); guard (role, backend, what, ran_on, recomputed); parallel and parallel_bytes (role, kind, mode,
     ranks, ulysses, ring, note); sparse, sparse_dense, sparse_error, sparse_kept, sparse_seconds,
-    sparse_settings (see their tables)."""
+    sparse_settings (see their tables); recomputed (role, backend id)."""
     _cell(_TABLES[kind], key).n += n
     for rec in recordings:
         rec.here[kind][key] += n
@@ -174,6 +182,12 @@ class Recording:
     @property
     def guard(self) -> Counter:
         return self._now("guard")
+
+    @property
+    def recomputed(self) -> Counter:
+        """{(role, backend): n} of the calls (in ``calls`` too) that ran inside a backward pass, recomputed
+        by activation checkpointing; ``calls`` minus these are the forward calls."""
+        return self._now("recomputed")
 
     @property
     def parallel(self) -> dict:

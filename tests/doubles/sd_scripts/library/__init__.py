@@ -1,0 +1,1 @@
+"""The double of sd-scripts' ``library`` package (see ../README.md)."""
