@@ -39,7 +39,7 @@ def gather(x: torch.Tensor, dim: int, par, total: int | None = None) -> torch.Te
     if par is None or par.world == 1:
         return x
     if total is None:
-        lens = [row[0] for row in comm.all_gather_ints([x.shape[dim]], par, par.comm_group, par.ranks)]
+        lens = [row[0] for row in comm.all_gather_ints([x.shape[dim]], par, par.comm_group, par.ranks, x.device)]
     else:
         lens = sizes(total, par.world)
         if lens[par.rank] != x.shape[dim]:
@@ -53,5 +53,6 @@ def gather(x: torch.Tensor, dim: int, par, total: int | None = None) -> torch.Te
         shape = list(x.shape)
         shape[dim] = pad
         x = torch.cat([x, x.new_zeros(shape)], dim=dim)
-    parts = comm.all_gather(x, par, par.comm_group, par.ranks, comm.Traffic())
+    with par.in_use():
+        parts = comm.all_gather(x, par, par.comm_group, par.ranks, comm.Traffic())
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, lens)], dim=dim)
