@@ -229,7 +229,7 @@ def test_two_jobs_of_four_in_one_world_each_make_only_their_own_grid():
     # 8 ranks, two jobs of 4: each job's processes make only their Parallel(ulysses=2, ring=2, group=...),
     # the second job after other configurations and groups. Every rank's share equals one process.
     seed = random.SystemRandom().randrange(2**31)
-    ranks = launch.run_ranks(8, [CASES, "jobs", str(seed)], timeout=240)
+    ranks = launch.run_ranks(8, [CASES, "jobs", str(seed)], timeout=480)
     for r in ranks:
         assert r["returncode"] == 0 and r["result"], f"rank {r['rank']} (seed {seed}):\n{r['output']}"
         res = r["result"]
@@ -270,5 +270,8 @@ def test_the_backend_is_read_for_the_tensors_device_as_torch_reads_it(name):
     for r in ranks:
         assert r["returncode"] == 0 and r["result"], f"rank {r['rank']} (seed {seed}):\n{r['output']}"
         res = r["result"]
+        if "init_error" in res:  # torch's own refusal, before any configuration: nothing of ours to test
+            assert name == "none" and "no GPUs found" in res["init_error"], res
+            pytest.skip(f"torch {torch.__version__} cannot initialise without a backend here: {res['init_error']}")
         assert res["cpu"] == "gloo" and res["describe"].endswith(", gloo)"), res
         assert len(res["rows"]) == 4 and all(row["err"] <= bounds[row["dtype"]] for row in res["rows"]), (seed, res)

@@ -195,3 +195,25 @@ def test_the_parallel_command_refuses_one_rank(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["parallel", "--ranks", "1"])
     assert exc.value.code == 2 and "--ranks 1: needs 2 or more" in capsys.readouterr().err
+
+
+def test_the_backend_of_each_device_is_read_from_torchs_configuration_text():
+    from lib_attn.parallel import mesh
+
+    assert mesh.device_backends("cpu:gloo,cuda:nccl") == {"cpu": "gloo", "cuda": "nccl"}
+    assert mesh.device_backends("cpu:gloo,cuda:gloo") == {"cpu": "gloo", "cuda": "gloo"}
+    assert mesh.device_backends("nccl") == {"*": "nccl"}
+    assert mesh.describe_backends({"cpu": "gloo", "cuda": "gloo"}) == "gloo"
+    assert mesh.describe_backends({"cuda": "nccl", "cpu": "gloo"}) == "cpu: gloo, cuda: nccl"
+
+
+def test_group_names_come_from_ranks_configuration_and_channel_alone():
+    from lib_attn.parallel import mesh
+
+    values = ((0, 1, 2, 3), 2, 2, 30.0, "gloo")
+    name = mesh.group_name("ulysses 0", (0, 1), values, 0)
+    assert name == mesh.group_name("ulysses 0", (0, 1), values, 0) and name.startswith("lib_attn:")
+    others = [mesh.group_name("ulysses 0", (4, 5), values, 0), mesh.group_name("ring 0", (0, 1), values, 0),
+              mesh.group_name("ulysses 0", (0, 1), values, 1), mesh.group_name("ulysses 0", (0, 1), values, 0, 1),
+              mesh.group_name("ulysses 0", (0, 1), ((0, 1, 2, 3), 2, 2, 60.0, "gloo"), 0)]
+    assert len({name, *others}) == 6
