@@ -5,7 +5,9 @@ runs every mode of its grid (Ulysses, ring, Ulysses x ring), every kind of call 
 with the text in front and at the back), even and uneven lengths (and fewer tokens than ranks),
 head counts that do and do not divide the Ulysses degree (padded, or run as a ring), in float32 and
 float64, on fresh random inputs, and compares its share of the output with a float64 reference of
-the whole call. The bounds are tied to the dtype: ``BOUND_EPS`` machine epsilons of it.
+the whole call. The bounds are tied to the dtype: ``BOUND_EPS`` machine epsilons of it. Job layouts
+have their own launches: 8 ranks as two jobs of 4, two configurations used from two threads, and
+torch.distributed initialised without a backend.
 """
 import os
 import random

@@ -22,7 +22,6 @@ ends, or until ``torch.distributed.destroy_process_group``, after which it is ma
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import hashlib
 import threading
@@ -93,7 +92,7 @@ class Parallel:
         made_with = str(dist.get_backend(self.group))
         self.backend = describe_backends(self.backends)
         self.ulysses, self.ring = degrees(self.world, self.ulysses, self.ring)
-        self._busy, self._user = threading.Lock(), ""
+        self._held = _Held(self)
         self.channel = -1
         self.comm_group = self.ulysses_group = self.ring_group = self.group
         self.ulysses_ranks = self.ring_ranks = self.ranks
@@ -129,31 +128,44 @@ class Parallel:
     def backend_for(self, device) -> str:
         """The backend torch runs this configuration's operations on for tensors on ``device``, read as
         torch reads it: the group's backend for that device type."""
-        kind = getattr(device, "type", str(device))
-        found = self.backends.get(kind, self.backends.get("*"))
+        kind = device.type if hasattr(device, "type") else str(device)
+        found = self.backends.get(kind) or self.backends.get("*")
         if found is None:
             raise ParallelError(f"rank {self.rank} of {self.world}: the group's backends ({self.backend}) take no "
                                 f"{kind} tensors; initialise torch.distributed with a backend for {kind} (e.g. "
                                 f"'cpu:gloo,cuda:nccl')")
         return found
 
-    @contextlib.contextmanager
-    def in_use(self):
-        """Hold this configuration's channel for one call. A second thread that calls through it meanwhile
-        is refused at once: its collectives would pair with the first thread's on the peers."""
-        if not self._busy.acquire(blocking=False):
-            raise ParallelError(
-                f"rank {self.rank} of {self.world}: {self.describe()} (channel {self.channel}) is in use by "
-                f"{self._user} while {threading.current_thread().name} calls through it; make one configuration "
-                f"per thread (each has its own channel), on every rank in the same order")
-        self._user = threading.current_thread().name
-        try:
-            yield self
-        finally:
-            self._busy.release()
+    def in_use(self) -> "_Held":
+        """Hold this configuration's channel for one call (``with par.in_use():``). A second thread that
+        calls through it meanwhile is refused at once: its collectives would pair with the first
+        thread's on the peers."""
+        return self._held
 
     def describe(self) -> str:
         return f"{self.mode} over {self.world} ranks (ulysses {self.ulysses} x ring {self.ring}, {self.backend})"
+
+
+class _Held:
+    """The channel of one configuration held by the thread calling through it."""
+
+    __slots__ = ("par", "lock", "user")
+
+    def __init__(self, par: Parallel):
+        self.par, self.lock, self.user = par, threading.Lock(), None
+
+    def __enter__(self):
+        if not self.lock.acquire(blocking=False):
+            par = self.par
+            raise ParallelError(
+                f"rank {par.rank} of {par.world}: {par.describe()} (channel {par.channel}) is in use by "
+                f"{self.user.name} while {threading.current_thread().name} calls through it; make one configuration "
+                f"per thread (each has its own channel), on every rank in the same order")
+        self.user = threading.current_thread()
+        return self.par
+
+    def __exit__(self, *exc):
+        self.lock.release()
 
 
 def device_backends(config: str) -> dict:

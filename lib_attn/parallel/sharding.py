@@ -34,10 +34,15 @@ def shard(x: torch.Tensor, dim: int, world: int, rank: int) -> torch.Tensor:
 def gather(x: torch.Tensor, dim: int, par, total: int | None = None) -> torch.Tensor:
     """Every rank's share of ``x`` along ``dim``, joined in rank order (on every rank). ``total``: the
     whole length when the caller knows it (else the ranks exchange their lengths first)."""
-    from . import comm
-
     if par is None or par.world == 1:
         return x
+    with par.in_use():
+        return _gather(x, dim, par, total)
+
+
+def _gather(x: torch.Tensor, dim: int, par, total) -> torch.Tensor:
+    from . import comm
+
     if total is None:
         lens = [row[0] for row in comm.all_gather_ints([x.shape[dim]], par, par.comm_group, par.ranks, x.device)]
     else:
@@ -53,6 +58,5 @@ def gather(x: torch.Tensor, dim: int, par, total: int | None = None) -> torch.Te
         shape = list(x.shape)
         shape[dim] = pad
         x = torch.cat([x, x.new_zeros(shape)], dim=dim)
-    with par.in_use():
-        parts = comm.all_gather(x, par, par.comm_group, par.ranks, comm.Traffic())
+    parts = comm.all_gather(x, par, par.comm_group, par.ranks, comm.Traffic())
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, lens)], dim=dim)
