@@ -7,6 +7,9 @@ against a float64 reference computed here from the whole inputs (the same on eve
                                                    # step (step), or sleeps past the timeout (stall)
     python tests/parallel_cases.py nccl SEED HOW   # on GPUs: large ring blocks (cases), a stall (stall)
     python tests/parallel_cases.py sparse SEED     # sparse attention on: Ulysses runs it, ring steps dense
+    python tests/parallel_cases.py jobs SEED       # 8 ranks as two jobs of 4, each its own 2x2 configuration
+    python tests/parallel_cases.py threads SEED 2x1,2x1   # two configurations used at once from two threads
+    python tests/parallel_cases.py backend SEED none      # init_process_group() without a backend (or 'cpu:gloo')
 """
 import os
 import sys
@@ -231,28 +234,57 @@ def _text_identical_case(gen) -> list:
 
 
 def _groups_case(seed: int) -> dict:
-    """Groups made once per process: a second 2x2 configuration reuses the first one's grid groups (a
-    NCCL group is a communicator held until exit); a subgroup's group is made by its members alone
-    (local synchronisation, as a Parallel given that subgroup makes it on NCCL) and works."""
-    import datetime
-
+    """Groups per channel, made by their members alone under names from their ranks and configuration:
+    two live 2x2 configurations have their own groups; one made after both are gone reuses the first
+    one's; pairs whose members made different numbers of groups before each make their own
+    configuration, and both members name its group alike; a group torch destroyed is made anew."""
     import torch.distributed as dist
-    from lib_attn.parallel import mesh
+    from torch.distributed import distributed_c10d as c10d
 
+    gen = torch.Generator().manual_seed(seed)
+    rank = dist.get_rank()
     first = parallel.Parallel(ulysses=2, ring=2, timeout=30)
     second = parallel.Parallel(ulysses=2, ring=2, timeout=30)
-    err, _, _ = one_case(second, "self", 16, 4, torch.float64, torch.Generator().manual_seed(seed))
-    rank = dist.get_rank()
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every process makes both, in order
-    mine = (0, 1) if rank < 2 else (2, 3)
-    wait = datetime.timedelta(seconds=30)
-    made = mesh._group(dist, mine, wait, local=True)  # only the pair's members call this
-    again = mesh._group(dist, mine, wait, local=True)
-    total = torch.tensor([float(rank)])
-    dist.all_reduce(total, group=made)
-    del pairs
-    return {"grid_reused": first.ulysses_group is second.ulysses_group and first.ring_group is second.ring_group,
-            "err": err, "pair_reused": made is again, "pair_sum": float(total), "pair_want": float(sum(mine))}
+    out = {"channels": [first.channel, second.channel],
+           "own_groups": not ({id(g) for g in (first.comm_group, first.ulysses_group, first.ring_group)} &
+                              {id(g) for g in (second.comm_group, second.ulysses_group, second.ring_group)})}
+    groups = (first.comm_group, first.ulysses_group, first.ring_group)
+    err = one_case(second, "self", 16, 4, torch.float64, gen)[0]
+    del first, second
+    third = parallel.Parallel(ulysses=2, ring=2, timeout=30)
+    out["reused"] = third.channel == 0 and (third.comm_group, third.ulysses_group, third.ring_group) == groups
+    err = max(err, one_case(third, "joint", 16, 4, torch.float64, gen)[0])
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # torch's rule: every process makes both
+    pair = pairs[rank // 2]
+    for _ in range(rank):  # rank r makes r groups of its own first: the members of a pair differ
+        dist.new_group([rank], use_local_synchronization=True)
+    made = {}
+    for u, r in ((2, 1), (1, 2)):
+        cfg = parallel.Parallel(ulysses=u, ring=r, group=pair, timeout=30)
+        err = max(err, one_case(cfg, "joint", 9, 4, torch.float64, gen)[0])
+        made[f"{u}x{r}"] = c10d._world.pg_names[cfg.comm_group]
+    del cfg
+    out["pair_names"] = made
+    out["pair_ranks"] = list(pair_ranks(pair))
+    # A group torch destroyed is dropped and made anew under a new name; the configuration works.
+    par = parallel.Parallel(ring=2, group=pair, timeout=30)
+    before = c10d._world.pg_names[par.comm_group]
+    dist.destroy_process_group(par.comm_group)
+    del par
+    again = parallel.Parallel(ring=2, group=pair, timeout=30)
+    from lib_attn.parallel import mesh
+
+    out["remade"] = {"before": before, "after": c10d._world.pg_names[again.comm_group],
+                     "dropped": all(g in c10d._world.pg_map for g in mesh._groups.values())}
+    err = max(err, one_case(again, "self", 7, 4, torch.float64, gen)[0])
+    out["err"] = err
+    return out
+
+
+def pair_ranks(group):
+    import torch.distributed as dist
+
+    return dist.get_process_group_ranks(group)
 
 
 def _mismatch_case(par, gen, seed: int) -> dict:
@@ -280,6 +312,113 @@ def _broken_merge_case(par, gen) -> float:
     finally:
         modes._merge = real
     return err
+
+
+def jobs(seed: int):
+    """8 ranks as two jobs of 4, as one world: each job's processes make only their own
+    ``Parallel(ulysses=2, ring=2, group=...)``; the second job made other configurations and groups
+    before (its processes have made more groups than the first job's). Every rank's share against
+    float64."""
+    import torch.distributed as dist
+
+    rank, world, _ = launch.init(timeout=240)  # 8 processes starting on a few cores: joining may take long
+    quads = [dist.new_group(list(range(j * 4, j * 4 + 4))) for j in range(world // 4)]  # torch's rule: all make all
+    mine = quads[rank // 4]
+    gen = torch.Generator().manual_seed(seed)
+    out = {"rank": rank, "rows": []}
+    began = time.monotonic()
+    if rank >= 4:
+        for _ in range(rank - 3):
+            dist.new_group([rank], use_local_synchronization=True)
+        out["rows"].append({"grid": "1x4", "err": one_case(parallel.Parallel(ring=4, group=mine, timeout=30),
+                                                           "self", 11, 2, torch.float64, gen)[0]})
+    par = parallel.Parallel(ulysses=2, ring=2, group=mine, timeout=30)
+    for kind, n in (("self", 16), ("joint", 13)):
+        out["rows"].append({"grid": "2x2", "kind": kind, "err": one_case(par, kind, n, 4, torch.float64, gen)[0]})
+    out["seconds"] = time.monotonic() - began
+    out["job_ranks"] = list(par.ranks)
+    launch.report(out)
+    launch.finish()
+
+
+def threads(seed: int, grids: str):
+    """Two configurations over the same 2 ranks, made in this order on every rank, each used from its
+    own thread for 20 calls at once: every call against float64. Then one configuration held by one
+    thread and called from another: refused at once."""
+    import threading
+
+    rank, world, _ = launch.init(timeout=60)
+    shapes = [tuple(int(x) for x in grid.split("x")) for grid in grids.split(",")]
+    pars = [parallel.Parallel(ulysses=u, ring=r, timeout=20) for u, r in shapes]
+    start = threading.Barrier(len(pars))
+    rows = [None] * len(pars)
+
+    def work(i):
+        gen = torch.Generator().manual_seed(seed + i)  # each thread its own stream, alike on every rank
+        began = time.monotonic()
+        try:
+            start.wait()
+            errs = [one_case(pars[i], ("self", "joint")[c % 2], 9 + c % 3, 4, torch.float64, gen)[0]
+                    for c in range(20)]
+            rows[i] = {"grid": grids.split(",")[i], "err": max(errs), "calls": len(errs), "error": ""}
+        except Exception as exc:  # noqa: BLE001 - the test reads what each thread saw
+            rows[i] = {"grid": grids.split(",")[i], "error": f"{type(exc).__name__}: {exc}"}
+        rows[i]["seconds"] = time.monotonic() - began
+    workers = [threading.Thread(target=work, args=(i,), name=f"pipeline-{i}") for i in range(len(pars))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    out = {"rank": rank, "rows": rows, "channels": [p.channel for p in pars]}
+    held, refused = threading.Event(), {}
+
+    def holder():
+        with pars[0].in_use():
+            held.set()
+            time.sleep(1)
+    keeper = threading.Thread(target=holder, name="pipeline-0")
+    keeper.start()
+    held.wait()
+    began = time.monotonic()
+    try:
+        q = torch.randn(1, 4, 5, D, dtype=torch.float64)
+        parallel.attention(q, q, q, parallel=pars[0])
+        refused["error"] = ""
+    except parallel.ParallelError as exc:
+        refused["error"] = str(exc)
+    refused["seconds"] = time.monotonic() - began
+    keeper.join()
+    out["refused"] = refused
+    launch.report(out)
+    launch.finish()
+
+
+def backend(seed: int, name: str):
+    """torch.distributed initialised as torch decides the backend: without one (torch says 'undefined')
+    or as 'cpu:gloo'; the configuration reads gloo for CPU tensors and its calls work."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if name == "none":
+        try:
+            dist.init_process_group(timeout=datetime.timedelta(seconds=60))
+        except RuntimeError as exc:  # torch 2.1's CUDA build makes a NCCL backend too, which needs a GPU
+            launch.report({"init_error": str(exc)})
+            os._exit(0)
+    else:
+        dist.init_process_group(name, timeout=datetime.timedelta(seconds=60))
+    gen = torch.Generator().manual_seed(seed)
+    out = {"rank": dist.get_rank(), "torch_says": str(dist.get_backend()), "rows": []}
+    for u, r in ((2, 1), (1, 2)):
+        par = parallel.Parallel(ulysses=u, ring=r, timeout=20)
+        out["describe"] = par.describe()
+        out["cpu"] = par.backend_for(torch.device("cpu"))
+        for dtype in (torch.float64, torch.bfloat16):
+            err = one_case(par, "joint", 9, 4, dtype, gen)[0]
+            out["rows"].append({"grid": f"{u}x{r}", "dtype": str(dtype), "err": err})
+    launch.report(out)
+    launch.finish()
 
 
 def fault(seed: int, how: str):
@@ -372,6 +511,85 @@ def nccl(seed: int, how: str):
     launch.finish()
 
 
+def nccl_layouts(seed: int, how: str):
+    """On GPUs (tests/gpu/test_gpu_parallel.py): ``undefined``: init_process_group() without a backend,
+    CUDA tensors on NCCL; ``threads``: two configurations over the same ranks used at once from two
+    threads; ``bound``: init_process_group("nccl", device_id=...) with a configuration over every rank
+    (works) and, with 4 or more ranks, one over a pair (refused at once); ``pairs``: with 4 or more
+    ranks, pairs whose members made different numbers of groups before, each its own configuration."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    wait = datetime.timedelta(seconds=120)
+    if how == "undefined":
+        dist.init_process_group(timeout=wait)
+    elif how == "bound":
+        dist.init_process_group("nccl", timeout=wait, device_id=device)
+    else:
+        dist.init_process_group("nccl", timeout=wait)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {"rank": rank, "torch_says": str(dist.get_backend()), "rows": [], "error": ""}
+
+    def check(par, n, gen, label):
+        full = [torch.randn(1, 8, n, 64, device=device, dtype=torch.float32, generator=gen) for _ in range(3)]
+        start, stop = parallel.bounds(n, par.world, par.rank)
+        got = parallel.attention(*(x[:, :, start:stop] for x in full), kind="self", parallel=par)
+        want = reference(*full)[:, :, start:stop]
+        out["rows"].append({"label": label, "err": rel(got, want), "backend": par.backend_for(device),
+                            "describe": par.describe()})
+
+    if how == "undefined":
+        for u, r in ((world, 1), (1, world)):
+            check(parallel.Parallel(ulysses=u, ring=r, timeout=60), 1024, torch.Generator(device).manual_seed(seed),
+                  f"{u}x{r}")
+    elif how == "threads":
+        pars = [parallel.Parallel(ring=world, timeout=60), parallel.Parallel(ring=world, timeout=60),
+                parallel.Parallel(ulysses=world, timeout=60)]
+        errors = []
+
+        def work(i):
+            try:
+                gen = torch.Generator(device).manual_seed(seed + i)
+                for c in range(20):
+                    check(pars[i], 512 + 64 * (c % 3), gen, f"thread {i}")
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 - the test reads what each thread saw
+                errors.append(f"{type(exc).__name__}: {exc}")
+        workers = [threading.Thread(target=work, args=(i,)) for i in range(len(pars))]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        out["error"] = "; ".join(errors)
+    elif how == "bound":
+        check(parallel.Parallel(ulysses=2, ring=world // 2, timeout=60), 1024,
+              torch.Generator(device).manual_seed(seed), "every rank")
+        if world >= 4:
+            pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # torch's rule: every process makes both
+            if rank < 4:
+                pair = pairs[rank // 2]
+                try:
+                    parallel.Parallel(ring=2, group=pair, timeout=60)
+                except parallel.ParallelError as exc:
+                    out["error"] = str(exc)
+    elif how == "pairs" and world >= 4:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        if rank < 4:
+            for _ in range(rank):
+                dist.new_group([rank], use_local_synchronization=True)
+            for u, r in ((2, 1), (1, 2)):
+                check(parallel.Parallel(ulysses=u, ring=r, group=pairs[rank // 2], timeout=60), 1024,
+                      torch.Generator(device).manual_seed(seed), f"{u}x{r}")
+    torch.cuda.synchronize()
+    launch.report(out)
+    launch.finish()
+
+
 def sparse(seed: int):
     """One self-attention call with local structure under Ulysses and under ring, sparse attention on:
     this rank's error against float64, and what the readout counted."""
@@ -404,5 +622,13 @@ if __name__ == "__main__":
         nccl(int(sys.argv[2]), sys.argv[3])
     elif sys.argv[1] == "sparse":
         sparse(int(sys.argv[2]))
+    elif sys.argv[1] == "nccl-layouts":
+        nccl_layouts(int(sys.argv[2]), sys.argv[3])
+    elif sys.argv[1] == "jobs":
+        jobs(int(sys.argv[2]))
+    elif sys.argv[1] == "threads":
+        threads(int(sys.argv[2]), sys.argv[3])
+    elif sys.argv[1] == "backend":
+        backend(int(sys.argv[2]), sys.argv[3])
     else:
         fault(int(sys.argv[2]), sys.argv[3])

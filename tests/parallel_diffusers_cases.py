@@ -186,6 +186,7 @@ def _inside(seed: int, world: int) -> dict:
     from diffusers.hooks.smoothed_energy_guidance_utils import (SmoothedEnergyGuidanceConfig,
                                                                 _apply_smoothed_energy_guidance_hook)
     from diffusers.models.attention_processor import AttnProcessor, XFormersAttnProcessor
+    from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
     from diffusers.pipelines.pag.pag_utils import PAGMixin
 
     class Pag(PAGMixin):  # what StableDiffusionPAGPipeline.__call__ does with its UNet
@@ -208,12 +209,14 @@ def _inside(seed: int, world: int) -> dict:
         "xformers": (_unet, 1, lambda m: m.set_attn_processor(XFormersAttnProcessor())),
         "SEG": (_unet, 1, lambda m: _apply_smoothed_energy_guidance_hook(m, seg, 1.0, name="seg")),
         "first block cache": (_flux, 1, lambda m: apply_first_block_cache(m, FirstBlockCacheConfig(threshold=0.05))),
+        "flux ip-adapter": (_flux, 1, lambda m: m.transformer_blocks[0].attn.set_processor(
+            FluxIPAdapterAttnProcessor(48, 32, num_tokens=(4,)).double())),
     }
     out = {}
     for name, (build, batch, setup) in cases.items():
         row = {"error": "", "err": None, "blocks_ran": 0}
         with torch.no_grad():
-            if name not in ("xformers", "SEG", "first block cache"):
+            if name not in ("xformers", "SEG", "first block cache", "flux ip-adapter"):
                 model, inputs = _double(build, seed, batch)
                 setup(model)
                 want = model(**inputs)[0]

@@ -140,6 +140,8 @@ def test_a_processor_set_inside_the_scope_is_split_and_equals_one_process(case):
              "added after route() opened"]),
     ("first block cache", ["'fbc_leader_block_hook' (FBCHeadBlockHook) on transformer_blocks.0",
                            "added after route() opened"]),
+    ("flux ip-adapter", ["transformer_blocks.0.attn was given FluxIPAdapterAttnProcessor after the split opened: "
+                         "FluxIPAdapterAttnProcessor (IP-Adapter) makes a second attention call"]),
 ])
 def test_what_is_set_inside_the_scope_and_cannot_be_split_is_refused_on_every_rank(case, words):
     results, _ = _results()

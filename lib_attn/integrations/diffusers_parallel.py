@@ -284,6 +284,16 @@ def substitutable(module) -> str:
     return ""
 
 
+def second_call(name: str, cls: str) -> str:
+    """Why processor class ``cls`` on the module ``name`` cannot be split ('' when it can): an IP-Adapter
+    processor off a cross-attention module makes a second call, attending this rank's queries to the
+    adapter's image tokens: a call of another kind than its module's, which the split cannot tell apart."""
+    if "IPAdapter" in cls and name.split(".")[-1] != "attn2":
+        return (f"{cls} (IP-Adapter) makes a second attention call to the adapter's image tokens that cannot be "
+                f"split; unload the IP-Adapter to split this model")
+    return ""
+
+
 def plan_refusals(models: list, kind_of) -> tuple[dict, list]:
     """({id(processor): True} for the processors of ``SAME_AS_SDPA`` to split as ``AttnProcessor2_0``,
     [why route(parallel=) cannot split a denoiser, one line each]). ``kind_of(processor)``: how a
@@ -302,11 +312,8 @@ def plan_refusals(models: list, kind_of) -> tuple[dict, list]:
             cls = type(processor).__name__
             if not kinded:
                 unsplit.setdefault((cls, "the split does not know which kind of call it makes"), []).append(name)
-            elif "IPAdapter" in cls and name.split(".")[-1] != "attn2":
-                # Its second call attends this rank's queries to the adapter's image tokens: a call of
-                # another kind than its module's, which the split cannot tell apart.
-                problems.append(f"{name}: {cls} (IP-Adapter) makes a second attention call to the adapter's image "
-                                f"tokens that cannot be split; unload the IP-Adapter to split this model")
+            elif second_call(name, cls):
+                problems.append(f"{name}: {second_call(name, cls)}")
             elif kind_of(processor) is None and name.split(".")[-1] == "attn2":
                 pass  # cross-attention: every rank holds every key, so any processor is exact on a share
             elif kind_of(processor) is None:
@@ -338,6 +345,9 @@ def _adopter(model, kind_of, route_as):
         if id(processor) in left_alone:
             return
         kind, cls, why = kind_of(processor), type(processor).__name__, ""
+        if second_call(name, cls):  # as route() refuses it when it is there before the scope opens
+            raise ValueError(f"route(parallel=...): {name} was given {cls} after the split opened: "
+                             f"{second_call(name, cls)}")
         if kind is None and cls in SAME_AS_SDPA:
             users = [m for m in model.modules() if getattr(m, "processor", None) is processor]
             why = next((w for w in map(substitutable, users) if w), "")

@@ -4,7 +4,7 @@
     from lib_attn import parallel
 
     dist.init_process_group("nccl")                     # torchrun sets rank and world size
-    par = parallel.Parallel(ulysses=4, ring=2)          # 8 ranks; on every rank, in the same order
+    par = parallel.Parallel(ulysses=4, ring=2)          # 8 ranks; made on every rank of its group alone
     with parallel.use(par):
         out = parallel.attention(q, k, v, kind="joint", text_len=512)   # this rank's share
 

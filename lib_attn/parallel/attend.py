@@ -103,13 +103,14 @@ def attention(q, k, v, *, kind: str = "self", text_len: int = 0, text_first: boo
     t = text_len if kind == "joint" else 0
     scale = default_scale(scale, q.shape[-1])
     traffic = comm.Traffic()
-    lens = _lengths(par, q, t, kind, seq_len)
-    heads = q.shape[1]
-    lay, mode, note, pad = _layout(par, heads, lens)
-    cut = (slice(0, t), slice(t, None)) if text_first else (slice(q.shape[2] - t, None), slice(0, q.shape[2] - t))
-    text = tuple(_pad_heads(x[:, :, cut[0]], pad) for x in (q, k, v))
-    part = tuple(_pad_heads(x[:, :, cut[1]], pad) for x in (q, k, v))
-    out_t, out_p = run(par, lay, text, part, scale, role, traffic)
+    with par.in_use():
+        lens = _lengths(par, q, t, kind, seq_len)
+        heads = q.shape[1]
+        lay, mode, note, pad = _layout(par, heads, lens)
+        cut = (slice(0, t), slice(t, None)) if text_first else (slice(q.shape[2] - t, None), slice(0, q.shape[2] - t))
+        text = tuple(_pad_heads(x[:, :, cut[0]], pad) for x in (q, k, v))
+        part = tuple(_pad_heads(x[:, :, cut[1]], pad) for x in (q, k, v))
+        out_t, out_p = run(par, lay, text, part, scale, role, traffic)
     out = torch.cat([out_t, out_p] if text_first else [out_p, out_t], dim=2) if t else out_p
     out = out[:, :heads] if pad else out
     _count(role, kind, mode, par, note, traffic.sent)
@@ -144,7 +145,7 @@ def _lengths(par: Parallel, q, t: int, kind: str, seq_len) -> list[int]:
                              f"over {par.world} ranks gives it {lens[par.rank]}")
         return lens
     b, h, _, d = q.shape
-    rows = comm.all_gather_ints([b, h, d, t, _KIND_CODE[kind], mine], par, par.comm_group, par.ranks)
+    rows = comm.all_gather_ints([b, h, d, t, _KIND_CODE[kind], mine], par, par.comm_group, par.ranks, q.device)
     first = rows[0][:5]
     for pos, row in enumerate(rows):
         if row[:5] != first:

@@ -9,9 +9,12 @@ ahead of its receive, a send larger than NCCL's buffers waits for a receive its 
 (with a ring of 2 the peer sent to is the peer received from). Grouped (``ncclGroupStart/End``), both
 move at once.
 
-Every operation is started asynchronously and waited for with the configuration's timeout on gloo,
-where ``Work.wait(timeout)`` raises when a peer failed or stalled. On NCCL every operation runs in the
-configuration's own group, made with its timeout (``mesh``), and PyTorch's watchdog ends it: with
+Which backend moves a tensor is read as torch reads it: the group's backend for the tensor's device
+(``init_process_group()`` without a backend, or ``"cpu:gloo,cuda:nccl"``, puts CUDA tensors on NCCL and
+CPU ones on gloo). Every operation is started asynchronously and waited for with the configuration's
+timeout on gloo, where ``Work.wait(timeout)`` raises when a peer failed or stalled. On NCCL every
+operation runs in the configuration's own group, made with its timeout (``mesh``), and PyTorch's
+watchdog ends it: with
 ``TORCH_NCCL_BLOCKING_WAIT=1`` the CPU waits for each operation and ``wait`` raises at the timeout;
 otherwise (the default: a CPU wait would hold back the kernels queued behind the exchange) the
 watchdog's asynchronous error handling ends the process. A failure that reaches Python becomes a
@@ -44,9 +47,9 @@ def blocking_wait() -> bool:
     return any(os.environ.get(name, "0").strip() not in ("", "0") for name in BLOCKING_WAIT)
 
 
-def _wait(work, par: Parallel, what: str, peers) -> None:
+def _wait(work, par: Parallel, what: str, peers, device) -> None:
     try:
-        if par.backend != "nccl" or blocking_wait():
+        if par.backend_for(device) != "nccl" or blocking_wait():
             work.wait(timeout=par.wait_for)
         else:
             work.wait()
@@ -64,13 +67,15 @@ def _dist():
     return dist
 
 
-def all_gather_ints(values: list[int], par: Parallel, group, ranks) -> list[list[int]]:
-    """Every rank's ``values`` (the same count on each), in the group's rank order."""
+def all_gather_ints(values: list[int], par: Parallel, group, ranks, device) -> list[list[int]]:
+    """Every rank's ``values`` (the same count on each), in the group's rank order. ``device``: where the
+    call's tensors are; the numbers travel on the CPU where the group has a CPU backend (no wait for the
+    GPU's queue), else on that device."""
     dist = _dist()
-    device = _device(par)
+    device = torch.device("cpu") if "cpu" in par.backends or "*" in par.backends else device
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     out = [torch.empty_like(mine) for _ in ranks]
-    _wait(dist.all_gather(out, mine, group=group, async_op=True), par, "the shape exchange", ranks)
+    _wait(dist.all_gather(out, mine, group=group, async_op=True), par, "the shape exchange", ranks, device)
     return [t.tolist() for t in out]
 
 
@@ -80,7 +85,7 @@ def all_gather(t: torch.Tensor, par: Parallel, group, ranks, traffic: Traffic) -
     t = t.contiguous()
     out = [torch.empty_like(t) for _ in ranks]
     _wait(dist.all_gather([_wire(o, par) for o in out], _wire(t, par), group=group, async_op=True), par,
-          "all_gather", ranks)
+          "all_gather", ranks, t.device)
     traffic.sent += t.numel() * t.element_size() * (len(ranks) - 1)
     return out
 
@@ -95,7 +100,7 @@ def all_to_all(send: torch.Tensor, sizes_out: list[int], sizes_in: list[int], pa
     recv = torch.empty(sum(sizes_in), dtype=send.dtype, device=send.device)
     work = dist.all_to_all_single(_wire(recv, par), _wire(send, par), sizes_in, sizes_out, group=group,
                                   async_op=True)
-    _wait(work, par, "all_to_all", ranks)
+    _wait(work, par, "all_to_all", ranks, send.device)
     traffic.sent += (send.numel() - sizes_out[me]) * send.element_size()
     return list(recv.split(sizes_in))
 
@@ -113,7 +118,8 @@ def exchange(send: torch.Tensor, recv_numel: int, to_rank: int, from_rank: int, 
 
     def done():
         for work in works:
-            _wait(work, par, f"ring step (sending to rank {to_rank}, receiving from rank {from_rank})", ())
+            _wait(work, par, f"ring step (sending to rank {to_rank}, receiving from rank {from_rank})", (),
+                  send.device)
         return recv
     return done
 
@@ -121,9 +127,4 @@ def exchange(send: torch.Tensor, recv_numel: int, to_rank: int, from_rank: int, 
 def _wire(t: torch.Tensor, par: Parallel) -> torch.Tensor:
     """``t`` as the transport takes it: bfloat16 travels as the same bytes labelled float16 on gloo, whose
     torch 2.1 build refuses bfloat16 (and int16) with "Invalid scalar type"; gloo only moves them."""
-    return t.view(torch.float16) if t.dtype == torch.bfloat16 and par.backend == "gloo" else t
-
-
-def _device(par: Parallel):
-    # NCCL moves CUDA tensors only; gloo CPU tensors (and CUDA ones, through the host).
-    return torch.device("cuda", torch.cuda.current_device()) if par.backend == "nccl" else torch.device("cpu")
+    return t.view(torch.float16) if t.dtype == torch.bfloat16 and par.backend_for(t.device) == "gloo" else t

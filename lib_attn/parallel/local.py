@@ -154,14 +154,15 @@ def can_return_lse(backend_id: str) -> bool:
     return backend_id in RUNNERS
 
 
-def attention_lse(q, k, v, scale, role: str):
+def attention_lse(q, k, v, scale, role: str, step: bool = True):
     """(out, lse) for q, k, v in (b, h, s, d): out in q's dtype, lse (b, h, q_len) in fp32 (fp64 for
-    fp64 inputs), on the kernel the engine chooses for the call."""
+    fp64 inputs), on the kernel the engine chooses for the call. ``step``: False for a step recomputed
+    after its backend failed (it does not count as one of the steps that backend sits out)."""
     key = _dispatch._key(q, k, v, None, "bhsd", role, None, None)
     plan = _plans.get(key)
     if plan is None:
         plan = _plan(key, q, k, v, scale, role)
-    if plan[3] is not None and _sat_out(plan[3]):
+    if step and plan[3] is not None and _sat_out(plan[3]):
         _plans.pop(key, None)
         plan = _plan(key, q, k, v, scale, role)
     dec, run, fallback_key, _ = plan
@@ -237,11 +238,12 @@ def _plan(key, q, k, v, scale, role: str):
 
 
 def _sat_out(failed: dict) -> bool:
-    """One ring step of a signature with backends sitting out: True when one of them is due again."""
+    """One ring step of a signature with backends sitting out: True when one of them is due again (it
+    has sat out all its steps: this is the one after)."""
     due = False
     for bid in list(failed):
         failed[bid][1] -= 1
-        if failed[bid][1] <= 0:
+        if failed[bid][1] < 0:
             del failed[bid]
             due = True
     return due
@@ -260,7 +262,7 @@ def _rejected(key, dec, reason: str, q, k, v, scale, role: str, transient: bool 
     log.warning("attention guard: %s rejected for ring steps: %s", dec.backend, reason)
     if _current_config().strict:
         raise _dispatch.AttentionFallbackError(f"strict mode: {dec.backend} rejected for ring steps: {reason}")
-    return attention_lse(q, k, v, scale, role)
+    return attention_lse(q, k, v, scale, role, step=False)
 
 
 def lse_check(out, lse, q, k, v, scale, dtype) -> str:

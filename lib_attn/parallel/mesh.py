@@ -6,16 +6,26 @@ and the ranks with the same position modulo U form a ring. Ulysses groups are co
 torchrun's numbering, they stay within one machine (the all-to-all needs the fastest links) and the
 ring, whose traffic is point-to-point and can hide behind the kernel, crosses machines.
 
-Making one is collective: every rank of the group must make it, with the same values, in the same
-order. On NCCL it makes a group of its ranks with its timeout: over the default group every process
-makes it; over a given ``group`` only that group's members do. With both degrees above 1 it makes the
-grid's groups with ``torch.distributed.new_group``, which every rank of the default group must call:
-then every process of the job makes it, with the same ``group``s in the same order. Groups are made
-once per process for given ranks and timeout, and reused by every later configuration.
+Who makes what: the members of ``group``, and they alone, make the configuration, with the same values,
+in the same order (a process outside ``group`` makes nothing for it). Each configuration communicates
+over groups of its own, its channel: one over its ranks, and, with both degrees above 1, this rank's
+Ulysses group and ring. Each is made by its members alone (``use_local_synchronization``) under a name
+derived from its ranks, its configuration (degrees, timeout, backend) and its channel number, so the
+members of a group name it alike whatever else each process made before, and groups of sub-jobs of one
+world never meet on one store key.
+
+Channels: a configuration takes the lowest channel number not held by another live configuration of
+the same ranks and values, and gives it back when it is no longer referenced. Two configurations in use
+at once (two pipelines in two threads) so never share a group; one made again per generation reuses the
+groups of the one before it (a NCCL group holds a communicator and its GPU buffers until the process
+ends, or until ``torch.distributed.destroy_process_group``, after which it is made anew).
 """
 from __future__ import annotations
 
 import datetime
+import hashlib
+import threading
+import weakref
 from dataclasses import dataclass, field
 
 #: Modes of a parallel call, from the degrees: all-to-all only, ring only, both on the grid.
@@ -44,9 +54,9 @@ def _dist():
 class Parallel:
     """Context parallelism over ``group``: ``ulysses`` x ``ring`` = the group's size (one of them may be
     left out; both left out: Ulysses over every rank). ``timeout``: seconds any collective of a call may
-    take (on gloo every rank then raises ``ParallelError``; on NCCL the configuration's own group has
+    take (on gloo every rank then raises ``ParallelError``; on NCCL the configuration's own groups have
     this timeout, and what follows is NCCL's, see docs/parallel.md). ``uneven_heads``: ``pad`` or
-    ``ring``."""
+    ``ring``. Made by the members of ``group`` alone (see the module's docstring)."""
 
     ulysses: int | None = None
     ring: int | None = None
@@ -57,6 +67,8 @@ class Parallel:
     world: int = field(init=False)
     ranks: tuple = field(init=False, repr=False)
     backend: str = field(init=False, repr=False)
+    backends: dict = field(init=False, repr=False)
+    channel: int = field(init=False, repr=False)
     comm_group: object = field(init=False, repr=False)
     ulysses_group: object = field(init=False, repr=False)
     ring_group: object = field(init=False, repr=False)
@@ -65,40 +77,43 @@ class Parallel:
 
     def __post_init__(self):
         dist = _dist()
+        if self.uneven_heads not in UNEVEN_HEADS:
+            raise ValueError(f"uneven_heads {self.uneven_heads!r} is not one of {', '.join(UNEVEN_HEADS)}")
+        if not isinstance(self.timeout, (int, float)) or isinstance(self.timeout, bool) or self.timeout <= 0:
+            raise ValueError(f"timeout {self.timeout!r} must be a positive number of seconds")
+        if self.group is not None and self.group not in _c10d()._world.pg_group_ranks:
+            raise ParallelError(f"group {self.group!r} is not a process group this process belongs to: the members "
+                                f"of a group make a configuration over it, and they alone")
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.ranks = tuple(dist.get_process_group_ranks(self.group)) if self.group is not None \
             else tuple(range(self.world))
-        self.backend = str(dist.get_backend(self.group))
+        self.backends = device_backends(dist.get_backend_config(self.group))
+        made_with = str(dist.get_backend(self.group))
+        self.backend = describe_backends(self.backends)
         self.ulysses, self.ring = degrees(self.world, self.ulysses, self.ring)
-        if self.uneven_heads not in UNEVEN_HEADS:
-            raise ValueError(f"uneven_heads {self.uneven_heads!r} is not one of {', '.join(UNEVEN_HEADS)}")
-        if not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
-            raise ValueError(f"timeout {self.timeout!r} must be a positive number of seconds")
+        self._held = _Held(self)
+        self.channel = -1
+        self.comm_group = self.ulysses_group = self.ring_group = self.group
+        self.ulysses_ranks = self.ring_ranks = self.ranks
+        if self.world == 1:
+            return  # every call is the engine's own: nothing to exchange
+        _refuse_bound_split(dist, self)
         u = self.ulysses
-        self.comm_group = self.group
-        if self.backend == "nccl":
-            # NCCL bounds each operation by its group's own timeout (its watchdog; a CPU wait with a
-            # timeout would hold back the stream): a group of these ranks made with this timeout
-            # makes it hold for every collective and ring step of a call. A given subgroup's members
-            # alone make it (only they can make this Parallel): local synchronisation, whose name is
-            # hashed from the ranks, so pairs of a larger job do not meet on one store key.
-            self.comm_group = _group(dist, self.ranks, self.wait_for, local=self.group is not None)
+        values = (self.ranks, u, self.ring, float(self.timeout), made_with)
+        self.channel = _take_channel(dist, values, self)
+        make = lambda purpose, ranks: _group(dist, ranks, purpose, values, self.channel, made_with,  # noqa: E731
+                                             self.wait_for)
+        self.comm_group = make("all", self.ranks)
         self.ulysses_group, self.ring_group = self.comm_group, self.comm_group
-        self.ulysses_ranks, self.ring_ranks = self.ranks, self.ranks
         if u > 1 and self.ring > 1:
-            # Every rank creates every subgroup, in the same order: new_group is collective. Not local
-            # synchronisation: torch warns it can deadlock when a rank makes several overlapping groups.
-            for g in range(self.ring):
-                ranks = self.ranks[g * u:(g + 1) * u]
-                made = _group(dist, ranks, self.wait_for, local=False)
-                if self.rank // u == g:
-                    self.ulysses_group, self.ulysses_ranks = made, ranks
-            for p in range(u):
-                ranks = self.ranks[p::u]
-                made = _group(dist, ranks, self.wait_for, local=False)
-                if self.rank % u == p:
-                    self.ring_group, self.ring_ranks = made, ranks
+            # This rank's Ulysses group, then its ring: every member makes the groups it belongs to in
+            # this order, so no member waits in one group's making for a peer that waits in another's.
+            g, p = self.rank // u, self.rank % u
+            self.ulysses_ranks = self.ranks[g * u:(g + 1) * u]
+            self.ulysses_group = make(f"ulysses {g}", self.ulysses_ranks)
+            self.ring_ranks = self.ranks[p::u]
+            self.ring_group = make(f"ring {p}", self.ring_ranks)
 
     @property
     def mode(self) -> str:
@@ -110,22 +125,174 @@ class Parallel:
     def wait_for(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.timeout)
 
+    def backend_for(self, device) -> str:
+        """The backend torch runs this configuration's operations on for tensors on ``device``, read as
+        torch reads it: the group's backend for that device type."""
+        kind = device.type if hasattr(device, "type") else str(device)
+        found = self.backends.get(kind) or self.backends.get("*")
+        if found is None:
+            raise ParallelError(f"rank {self.rank} of {self.world}: the group's backends ({self.backend}) take no "
+                                f"{kind} tensors; initialise torch.distributed with a backend for {kind} (e.g. "
+                                f"'cpu:gloo,cuda:nccl')")
+        return found
+
+    def in_use(self) -> "_Held":
+        """Hold this configuration's channel for one call (``with par.in_use():``). A second thread that
+        calls through it meanwhile is refused at once: its collectives would pair with the first
+        thread's on the peers."""
+        return self._held
+
     def describe(self) -> str:
         return f"{self.mode} over {self.world} ranks (ulysses {self.ulysses} x ring {self.ring}, {self.backend})"
 
 
-#: Groups made for configurations, by (default group, ranks, timeout, local): a NCCL group holds a
-#: communicator and its GPU buffers until the process ends, so a Parallel made per generation reuses
-#: the groups of the first one instead of adding its own.
+class _Held:
+    """The channel of one configuration held by the thread calling through it."""
+
+    __slots__ = ("par", "lock", "user")
+
+    def __init__(self, par: Parallel):
+        self.par, self.lock, self.user = par, threading.Lock(), None
+
+    def __enter__(self):
+        if not self.lock.acquire(blocking=False):
+            par = self.par
+            raise ParallelError(
+                f"rank {par.rank} of {par.world}: {par.describe()} (channel {par.channel}) is in use by "
+                f"{self.user.name} while {threading.current_thread().name} calls through it; make one configuration "
+                f"per thread (each has its own channel), on every rank in the same order")
+        self.user = threading.current_thread()
+        return self.par
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
+def device_backends(config: str) -> dict:
+    """{device type: backend} from torch's backend configuration text (``get_backend_config``:
+    ``"cpu:gloo,cuda:nccl"``; a bare name serves every device)."""
+    found = {}
+    for part in str(config).lower().split(","):
+        device, _, backend = part.strip().rpartition(":")
+        if backend:
+            found[device or "*"] = backend
+    return found
+
+
+def describe_backends(backends: dict) -> str:
+    names = set(backends.values())
+    if len(names) == 1:
+        return names.pop()
+    return ", ".join(f"{device}: {backend}" for device, backend in sorted(backends.items()))
+
+
+def _c10d():
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d
+
+
+def _refuse_bound_split(dist, par: Parallel) -> None:
+    """With ``init_process_group(device_id=...)`` torch makes every NCCL group by splitting the default
+    group's communicator, a step every process of the job must take; a configuration over part of the
+    job is made by its members alone, so its first group would wait without end. Say so instead."""
+    bound = getattr(_c10d()._get_default_group(), "bound_device_id", None)
+    if bound is None or "nccl" not in par.backends.values() or len(par.ranks) == dist.get_world_size():
+        return
+    raise ParallelError(
+        f"rank {dist.get_rank()}: torch.distributed was initialised with device_id={bound}, so torch makes every "
+        f"NCCL group by splitting the default group's communicator, which every process of the job must join, "
+        f"while a configuration over ranks {list(par.ranks)} is made by those ranks alone. Initialise without "
+        f"device_id= (call torch.cuda.set_device(local_rank) before init_process_group), or make the "
+        f"configuration over every rank of the job")
+
+
+#: Channel numbers held by live configurations, by (default group, ranks and values).
+_held: dict = {}
+_held_lock = threading.Lock()
+
+
+def _take_channel(dist, values: tuple, par: Parallel) -> int:
+    key = (id(dist.group.WORLD), values)
+    with _held_lock:
+        held = _held.setdefault(key, set())
+        channel = next(n for n in range(len(held) + 1) if n not in held)
+        held.add(channel)
+    weakref.finalize(par, _give_back, key, channel)
+    return channel
+
+
+def _give_back(key, channel: int) -> None:
+    with _held_lock:
+        _held.get(key, set()).discard(channel)
+
+
+#: Groups made for configurations, by (default group, name): reused by the next configuration on the
+#: same channel; dropped once torch has destroyed them.
 _groups: dict = {}
+#: How many times each group was made under one default group: one made again after torch destroyed
+#: it takes a new name (the store still holds the keys of the one before).
+_made: dict = {}
+_naming = threading.local()
 
 
-def _group(dist, ranks: tuple, timeout: datetime.timedelta, local: bool):
-    key = (dist.group.WORLD, tuple(ranks), timeout, local)
-    if key not in _groups:
-        extra = {"use_local_synchronization": True} if local else {}
-        _groups[key] = dist.new_group(list(ranks), timeout=timeout, **extra)
-    return _groups[key]
+def group_name(purpose: str, ranks: tuple, values: tuple, channel: int, made: int = 0) -> str:
+    """The name of a configuration's group: from its ranks, what it is for, the configuration's values
+    and its channel, nothing a process made before."""
+    text = repr((purpose, tuple(ranks), values, channel, made))
+    return "lib_attn:" + hashlib.sha1(text.encode("utf-8")).hexdigest()[:24]
+
+
+def _group(dist, ranks: tuple, purpose: str, values: tuple, channel: int, backend: str, timeout):
+    c10d = _c10d()
+    world = dist.group.WORLD
+    alive = set(c10d._world.pg_map)
+    for old in [old for old, made in _groups.items() if made not in alive or old[0] is not world]:
+        del _groups[old]  # destroyed by torch.distributed.destroy_process_group
+    key = (id(world), group_name(purpose, ranks, values, channel))
+    times = _made.get(key, 0)
+    last = (world, group_name(purpose, ranks, values, channel, times - 1))
+    if times and last in _groups:
+        return _groups[last]
+    name = group_name(purpose, ranks, values, channel, times)
+    _made[key] = times + 1
+    extra = {"group_desc": f"lib_attn {purpose} {values[1]}x{values[2]} channel {channel}"} \
+        if _takes(dist.new_group, "group_desc") else {}
+    _install_naming(c10d)
+    _naming.name = name
+    try:
+        pg = dist.new_group(list(ranks), timeout=timeout, backend=backend, use_local_synchronization=True, **extra)
+    finally:
+        _naming.name = None
+    _groups[world, name] = pg
+    return pg
+
+
+def _takes(fn, argument: str) -> bool:
+    import inspect
+
+    try:
+        return argument in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _install_naming(c10d) -> None:
+    """torch names a group made with local synchronisation from its ranks and how many groups the
+    process holds (torch 2.13), or from its ranks and the names taken (2.1): members that made
+    different groups before would name one group apart and wait on different store keys. While this
+    module makes a group (on this thread), the name it chose is the one torch takes."""
+    real = c10d._process_group_name
+    if getattr(real, "_lib_attn", False):
+        return
+
+    def process_group_name(ranks, use_hashed_name):
+        wanted = getattr(_naming, "name", None)
+        if wanted and use_hashed_name:
+            return wanted
+        return real(ranks, use_hashed_name)
+    process_group_name._lib_attn = True
+    c10d._process_group_name = process_group_name
 
 
 def degrees(world: int, ulysses: int | None, ring: int | None) -> tuple[int, int]:

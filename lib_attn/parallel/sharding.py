@@ -34,12 +34,17 @@ def shard(x: torch.Tensor, dim: int, world: int, rank: int) -> torch.Tensor:
 def gather(x: torch.Tensor, dim: int, par, total: int | None = None) -> torch.Tensor:
     """Every rank's share of ``x`` along ``dim``, joined in rank order (on every rank). ``total``: the
     whole length when the caller knows it (else the ranks exchange their lengths first)."""
-    from . import comm
-
     if par is None or par.world == 1:
         return x
+    with par.in_use():
+        return _gather(x, dim, par, total)
+
+
+def _gather(x: torch.Tensor, dim: int, par, total) -> torch.Tensor:
+    from . import comm
+
     if total is None:
-        lens = [row[0] for row in comm.all_gather_ints([x.shape[dim]], par, par.comm_group, par.ranks)]
+        lens = [row[0] for row in comm.all_gather_ints([x.shape[dim]], par, par.comm_group, par.ranks, x.device)]
     else:
         lens = sizes(total, par.world)
         if lens[par.rank] != x.shape[dim]:

@@ -65,3 +65,38 @@ def test_a_stalled_rank_ends_every_rank_through_the_watchdog_by_default():
     codes = [r["returncode"] for r in ranks]
     print(codes, [(r["result"] or {}).get("error", "")[:200] for r in ranks])
     assert ranks[0]["returncode"] not in (None, 0), [r["output"][-800:] for r in ranks]
+
+
+def _layouts(how: str, ranks: int = 2):
+    seed = random.SystemRandom().randrange(2**31)
+    return launch.run_ranks(ranks, [CASES, "nccl-layouts", str(seed), how], timeout=240), seed
+
+
+@pytest.mark.parametrize("how", ["undefined", "threads", "bound"])
+def test_nccl_backend_read_for_cuda_tensors_two_threads_and_a_bound_device(how):
+    # init_process_group() without a backend: CUDA tensors go on NCCL (the configuration's own group,
+    # with its timeout). Three configurations over the same 2 ranks used at once from three threads:
+    # each its own channel. With a bound device (device_id=), a configuration over every rank works.
+    ranks, seed = _layouts(how)
+    for r in ranks:
+        assert r["returncode"] == 0 and r["result"], f"rank {r['rank']} (seed {seed}):\n{r['output']}"
+        res = r["result"]
+        assert res["error"] == "" and res["rows"], (seed, res)
+        for row in res["rows"]:
+            assert row["backend"] == "nccl" and "nccl" in row["describe"] and "undefined" not in row["describe"], row
+            assert row["err"] <= 1e-5, (seed, row)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four CUDA devices")
+def test_nccl_pairs_of_a_larger_job_and_a_bound_device_over_a_pair():
+    # Pairs whose members made different numbers of groups before: each pair's configuration works (its
+    # group's name comes from its ranks and configuration). With a bound device, a configuration over a
+    # pair is refused at once, saying what to pass.
+    ranks, seed = _layouts("pairs", 4)
+    for r in ranks:
+        assert r["returncode"] == 0 and r["result"], f"rank {r['rank']} (seed {seed}):\n{r['output']}"
+        assert len(r["result"]["rows"]) == 2 and all(row["err"] <= 1e-5 for row in r["result"]["rows"])
+    ranks, seed = _layouts("bound", 4)
+    for r in ranks:
+        assert r["returncode"] == 0 and r["result"], f"rank {r['rank']} (seed {seed}):\n{r['output']}"
+        assert "initialised with device_id=" in r["result"]["error"] and "without device_id=" in r["result"]["error"]
