@@ -26,7 +26,8 @@ from .patching import Patches
 @dataclass(frozen=True)
 class Name:
     """``module.attr`` holds an attention function; ``kind`` "heads" is ``(q, k, v, heads, ...)``,
-    "spatial" the VAE's ``(q, k, v)`` over ``(B, C, H, W)``."""
+    "exact" the same for calls the host keeps on an exact kernel, "spatial" the VAE's ``(q, k, v)``
+    over ``(B, C, H, W)``."""
 
     module: str
     attr: str
@@ -106,7 +107,8 @@ class Router:
             if kind == "spatial":
                 self._functions[key] = convention.make_spatial_function(self.precision, self.fp32_rule)
             else:
-                self._functions[key] = convention.make_heads_function(role, self.precision, self.fp32_rule)
+                self._functions[key] = convention.make_heads_function(role, self.precision, self.fp32_rule,
+                                                                      exact=kind == "exact")
         return self._functions[key]
 
     def route(self, target) -> bool:

@@ -243,3 +243,38 @@ def test_flags_are_read_from_shared_cmd_opts(webui_factory):
     with lib_attn.recording() as rec:
         unet.attention_function(q, q, q, 4)
     assert set(rec.calls) == {("unet", "sdpa-math")}
+
+
+def test_sd3_mmditx_calls_go_through_the_engine_and_match(webui_factory):
+    """SD3 / SD3.5 (``backend.nn.mmditx``) calls its own ``attention``: routed as the DiT, the blocks'
+    outputs (joint attention, and SD3.5 Medium's second self-attention) match Forge's own."""
+    webui = webui_factory("forge", argv=["--attention-pytorch"])
+    import backend.nn.mmditx as mmditx
+    own = mmditx.attention
+    torch.manual_seed(0)
+    model = mmditx.MMDiTX(hidden_size=64, num_heads=4, depth=2, context_dim=32, x_block_self_attn_layers=(0,)).double()
+    x, c, ctx = torch.randn(1, 16, 64, dtype=torch.float64), torch.randn(1, 64, dtype=torch.float64), \
+        torch.randn(1, 6, 32, dtype=torch.float64)
+    ref = model(x, c, ctx)
+    webui.load_scripts()
+    assert mmditx.attention is not own and "backend.nn.mmditx.attention" in forge.line.router.patches.targets()
+    with lib_attn.recording() as rec:
+        out = model.float()(x.float(), c.float(), ctx.float())
+    assert rec.calls == {("dit", "sdpa"): 3}              # two joint calls, one x-block self-attention
+    assert rel_err(out, ref) <= TOL[torch.float32]
+    forge.uninstall()
+    assert mmditx.attention is own
+
+
+def test_another_extensions_function_is_left_alone_and_named(webui_factory, capsys):
+    webui = webui_factory("forge", argv=["--attention-pytorch"])
+    import backend.nn.mmditx as mmditx
+
+    def theirs(q, k, v, heads, mask=None):
+        return q
+
+    mmditx.attention = theirs
+    webui.load_scripts()
+    assert mmditx.attention is theirs
+    out = capsys.readouterr().out
+    assert "left on the host's own attention: backend.nn.mmditx.attention (holds" in out and "theirs" in out

@@ -3,9 +3,13 @@
 Both choose their attention once, in ``backend/attention.py``, and their model modules hold it by
 name (``TARGETS``): the SD UNet, Flux (Chroma calls Flux's ``attention``), Wan 2.x (as
 ``optimized_attention``), Qwen-Image, Nunchaku's Qwen and Lumina / Z-Image (these three bind
-``attention_pytorch`` itself), the VAE (``attention_function_single_head_spatial``) and Wan's VAE,
-whose blocks store the function when built. Text encoders (T5 with its relative-position mask, the
-LLM encoders) keep the host's own attention.
+``attention_pytorch`` or ``attention_xformers`` itself), the VAE (``attention_function_single_head_spatial``) and Wan's VAE,
+whose blocks store the function when built. Forge's SD3 / SD3.5 (``backend.nn.mmditx``) defines its
+own ``attention(q, k, v, heads, mask=None)``, plain SDPA, and calls it by name. Neo keeps Qwen-Image,
+Nunchaku's Qwen and Lumina / Z-Image on PyTorch's or xformers' exact attention whatever kernel it
+chose: their calls are routed as exact (no approximate kernel takes them, as ComfyUI's
+``low_precision_attention=False`` calls). Text encoders (T5 with its relative-position
+mask, the LLM encoders) keep the host's own attention.
 
 ``backend.attention.attention_function`` itself (which the builtin extensions look up at call time)
 is rebound only where the host does not compare it by identity: Forge's ``KModel.memory_required``
@@ -34,9 +38,10 @@ TARGETS = (
     Name("backend.nn.flux", "attention_function", "dit"),
     Name("backend.nn.chroma", "attention_function", "dit"),
     Name("backend.nn.wan", "optimized_attention", "dit"),
-    Name("backend.nn.qwen", "attention_function", "dit"),
-    Name("backend.nn.lumina", "attention_function", "dit"),
-    Name("backend.nn.svdq", "attention_function", "dit"),
+    Name("backend.nn.mmditx", "attention", "dit"),
+    Name("backend.nn.qwen", "attention_function", "dit", "exact"),
+    Name("backend.nn.lumina", "attention_function", "dit", "exact"),
+    Name("backend.nn.svdq", "attention_function", "dit", "exact"),
     Name("backend.nn.vae", "attention_function_single_head_spatial", "vae", "spatial"),
     Stored("backend.nn.wan_vae", "AttentionBlock", "optimized_attention"),
 )
@@ -47,7 +52,10 @@ TEXT_ENCODERS = ("backend.nn.t5", "backend.nn.clip", "backend.nn.llm.llama", "ba
 
 
 def _hosts_function(value) -> bool:
-    return callable(value) and getattr(value, "__module__", None) == SOURCE
+    """The host's own: a function of its ``backend`` package (its attention module's, or one a model
+    family defines for itself, as SD3's ``mmditx.attention``); anything else was put there by another
+    extension and is left alone."""
+    return callable(value) and str(getattr(value, "__module__", None) or "").split(".")[0] == "backend"
 
 
 def compares_identity() -> bool:
