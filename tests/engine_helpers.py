@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import math
 
+import pytest
 import torch
 
 import lib_attn
@@ -126,3 +127,25 @@ def fresh_engine_with(monkeypatch, tmp_path, backends):
         backends.unregister()
         lib_attn.reset()
         tuning_file.forget_memory()
+
+
+@pytest.fixture
+def sage_on_cpu(monkeypatch):
+    """SageAttention as if installed and able to run here: its stand-in kernel is exact attention, so what
+    is tested is which backend a call reaches, never the kernel's numbers."""
+    from lib_attn.kernels import REGISTRY, Status, reset_probes
+    sage = REGISTRY["sage"]
+
+    def kernel(q, k, v, mask, scale):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    monkeypatch.setattr(sage, "devices", ("cpu",))
+    monkeypatch.setattr(sage, "dtypes", (torch.float32, torch.bfloat16))
+    monkeypatch.setattr(sage, "probe", lambda: Status(True, version="stand-in"))
+    monkeypatch.setattr(sage, "extra_reasons", lambda spec, asked: [])
+    monkeypatch.setattr(sage, "variant", lambda spec: "")
+    monkeypatch.setattr(sage, "runner", lambda spec: kernel)
+    reset_probes()
+    yield
+    monkeypatch.undo()
+    reset_probes()

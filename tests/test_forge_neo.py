@@ -7,6 +7,7 @@ import torch
 
 import lib_attn
 from tests.doubles.fixtures import webui_factory  # noqa: F401
+from tests.engine_helpers import sage_on_cpu  # noqa: F401
 from webui_attn.routing import detect, forge
 from host_attn import voice
 from webui_attn.settings import layers
@@ -327,3 +328,20 @@ def test_without_a_kernel_flag_only_the_default_order_is_shown(webui_factory):
     data = api.availability()
     assert data["chains"] == data["default_chains"]
     assert "Order in force" not in components.availability_html(data)
+
+
+@pytest.mark.parametrize("argv", [["--attention-pytorch", "--attn-backend", "sage"]])
+def test_qwen_and_nunchaku_qwen_stay_exact_as_neo_keeps_them(webui_factory, sage_on_cpu, argv):
+    """Neo binds PyTorch's attention for Qwen-Image (and Nunchaku's Qwen) whatever it chose: with sage
+    first, their calls still run on an exact kernel, the reason counted; the UNet's take sage."""
+    from lib_attn.kernels.base import EXACT_ASKED
+    start(webui_factory, argv)
+    import backend.nn.qwen as qwen
+    import backend.nn.unet as unet
+    q = torch.randn(1, 12, 64)
+    with lib_attn.recording() as rec:
+        qwen.attention_function(q, q, q, 4)
+        unet.attention_function(q, q, q, 4)
+    assert rec.calls == {("dit", "sdpa"): 1, ("unet", "sage"): 1}
+    assert rec.fallbacks == {("dit", "sage", EXACT_ASKED): 1}
+    assert forge.line.router.patches.is_patched(qwen, "attention_function")
