@@ -149,3 +149,40 @@ def sage_on_cpu(monkeypatch):
     yield
     monkeypatch.undo()
     reset_probes()
+
+
+
+@pytest.fixture
+def sage_package(monkeypatch, tmp_path):
+    """``install(version)``: an importable stand-in ``sageattention`` distribution of that version, as
+    pip lays one out (the package, whose ``sageattn`` is exact attention, and its metadata). Hosts that
+    decide by import see it installed; the engine's probe is reset so that it reads it too. Gone after
+    the test: request it before ``webui_factory``, whose end puts back the ``sys.path`` it found."""
+    import os
+    import sys
+    from lib_attn.kernels import reset_probes
+
+    def install(version="1.0.6"):
+        package = tmp_path / "sageattention"
+        package.mkdir()
+        (package / "__init__.py").write_text(
+            f"__version__ = {version!r}\n"
+            "import torch\n\n\n"
+            "def sageattn(q, k, v, tensor_layout='HND', is_causal=False, sm_scale=None, **kwargs):\n"
+            "    if tensor_layout == 'NHD':\n"
+            "        q, k, v = (t.transpose(1, 2) for t in (q, k, v))\n"
+            "    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=sm_scale)\n"
+            "    return out.transpose(1, 2) if tensor_layout == 'NHD' else out\n")
+        info = tmp_path / f"sageattention-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sageattention\nVersion: {version}\n")
+        monkeypatch.syspath_prepend(os.fspath(tmp_path))
+        sys.modules.pop("sageattention", None)
+        reset_probes()
+
+    yield install
+    monkeypatch.undo()
+    while os.fspath(tmp_path) in sys.path:
+        sys.path.remove(os.fspath(tmp_path))
+    sys.modules.pop("sageattention", None)
+    reset_probes()

@@ -9,6 +9,7 @@ import torch
 
 import lib_attn
 from tests.doubles.fixtures import webui_factory  # noqa: F401
+from tests.engine_helpers import sage_package  # noqa: F401
 from host_attn import voice
 from webui_attn.routing import detect, ldm_patched
 
@@ -244,3 +245,15 @@ def test_roles_of_the_modules_that_hold_a_copy():
     assert ldm_patched.role_of("ldm_patched.ldm.modules.attention") == "unet"
     assert ldm_patched.role_of("ldm_patched.controlnet.cldm") == "unet"
     assert ldm_patched.role_of("lib_ipadapter.IPAdapterPlus") == "unet"       # an extension's copy
+
+
+@pytest.mark.parametrize("argv,preference", [([], ("sage",)), (["--disable-sage"], None)])
+def test_classic_runs_sage_whenever_it_imports_and_so_does_the_extension(sage_package, webui_factory, capsys, argv,
+                                                                          preference):
+    """Forge Classic's --sage only installs SageAttention; it uses it whenever it imports."""
+    sage_package("2.1.1")
+    start(webui_factory, "classic", argv)
+    assert lib_attn.config().preference["unet"] == preference
+    out = capsys.readouterr().out
+    said = f"{voice.PREFIX} Forge Classic runs sage (sageattention 2.1.1 imports): UNet/DiT attention prefers sage"
+    assert (said in out) == (preference is not None)

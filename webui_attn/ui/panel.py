@@ -22,7 +22,7 @@ from host_attn import voice
 from ..routing import detect, sampling
 from ..settings import layers, stored
 from ..settings.choices import USE_SETTING, backend_from_choice
-from ..settings.flags import DENOISER_ROLES, schedule_problem, sparse_problem
+from ..settings.flags import DENOISER_ROLES, host_choice_note, schedule_problem, sparse_problem
 from . import readout, settings_page
 from .readout import (INFOTEXT_FALLBACKS_KEY, INFOTEXT_GUARD_KEY, INFOTEXT_GUARD_OVERRIDE_KEY, INFOTEXT_KEY,
                       INFOTEXT_KEYS, INFOTEXT_NOTE_KEY, INFOTEXT_OVERRIDE_KEY, INFOTEXT_SCHEDULE_KEY,
@@ -363,6 +363,9 @@ def process(p, *args):
             notes = (*notes, guard_problem)
         if lent:
             notes = (*notes, detect.adapter().lent_note())
+        chosen = host_choice_note(detect.detect().name) if route.routed and refusal is None else None
+        if chosen:
+            notes = (*notes, chosen)
         cfg = lib_attn.config() if refusal is None else None
         sparse_in_force = cfg.sparse if cfg is not None else None
         follower = None
