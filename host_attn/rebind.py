@@ -111,9 +111,10 @@ class Router:
                                                                       exact=kind == "exact")
         return self._functions[key]
 
-    def route(self, target) -> bool:
+    def route(self, target, wrap=None) -> bool:
         """Put the engine's function at ``target``; False (and the reason in ``skipped``) when it is
-        absent here or holds something that is not the host's."""
+        absent here or holds something that is not the host's. ``wrap(function, held)``: what to put
+        there instead, made from the engine's function and the host's function it replaces."""
         module, why = import_quietly(target.module)
         if module is None:
             if why:
@@ -130,7 +131,8 @@ class Router:
                 self.skipped[target.where()] = (f"holds {getattr(value, '__module__', '?')}."
                                                f"{getattr(value, '__qualname__', value)!s}, not the host's")
                 return False
-            self.patches.patch(owner, target.attr, self.function(target.role, target.kind))
+            function = self.function(target.role, target.kind)
+            self.patches.patch(owner, target.attr, wrap(function, value) if wrap is not None else function)
         elif not self.patches.is_patched(owner, target.attr):
             self.patches.patch_stored(owner, target.attr, self.function(target.role, target.kind))
         return True
