@@ -281,6 +281,8 @@ HOST_KERNELS = {
     "classic": ("ldm_patched.modules.model_management", (("SAGE_IS_AVAILABLE", "sage", "sageattention"),
                                                          ("XFORMERS_IS_AVAILABLE", "xformers", "xformers"))),
 }
+#: What a host's choice of a kernel covers, where it is not every model (said with the choice).
+HOST_KERNEL_SCOPE = {("classic", "sage"): "the host runs it on SDXL only, this extension on every model"}
 
 
 @dataclass(frozen=True)
@@ -320,7 +322,8 @@ def host_choices(host_key: str, given=()) -> list[HostChoice]:
                 backend, why = pinned.prefer, f"{why}, {pinned.spelling}"
             elif pinned is not None:
                 why += f"; {pinned.spelling} applies to SageAttention 2 only, so the host runs sageattn"
-        out.append(HostChoice(backend, why))
+        scope = HOST_KERNEL_SCOPE.get((host_key, backend))
+        out.append(HostChoice(backend, f"{why}; {scope}" if scope else why))
     return out
 
 
