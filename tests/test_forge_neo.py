@@ -251,21 +251,23 @@ def test_memory_estimate_is_unchanged(webui_factory):
 @pytest.mark.parametrize("argv,sage,preference,avoid,note", [
     # Neo runs SageAttention whenever it imports (its --sage only installs it)
     ([], "1.0.6", ("sage",), (),
-     "Forge Neo runs sage (sageattention 1.0.6 imports): UNet/DiT attention prefers sage in this extension"),
+     "Forge Neo chooses sage on an NVIDIA GPU (sageattention 1.0.6 imports): UNet/DiT attention prefers sage in "
+     "this extension"),
     (["--sage"], None, None, (), None),
     (["--disable-sage"], "1.0.6", None, ("sage",), "Forge Neo --disable-sage: sage is left out"),
     (["--attention-pytorch"], None, None, ("xformers",), "Forge Neo --attention-pytorch: xformers is left out"),
     # with SageAttention 2, the kernel --sage2-function names takes sage's place
     (["--sage2-function", "fp16_cuda"], "2.2.0", ("sage-cuda",), (),
-     "Forge Neo runs sage-cuda (sageattention 2.2.0 imports, --sage2-function fp16_cuda): UNet/DiT attention "
-     "prefers sage-cuda"),
+     "Forge Neo chooses sage-cuda on an NVIDIA GPU (sageattention 2.2.0 imports, --sage2-function fp16_cuda): "
+     "UNet/DiT attention prefers sage-cuda"),
     # with 1.x Neo ignores it and runs sageattn: so does the extension, and the line says so
     (["--sage", "--sage2-function", "fp16_cuda"], "1.0.6", ("sage",), (),
-     "Forge Neo runs sage (sageattention 1.0.6 imports; --sage2-function fp16_cuda applies to SageAttention 2 "
-     "only, so the host runs sageattn): UNet/DiT attention prefers sage"),
+     "Forge Neo chooses sage on an NVIDIA GPU (sageattention 1.0.6 imports; --sage2-function fp16_cuda applies to "
+     "SageAttention 2 only, so the host runs sageattn): UNet/DiT attention prefers sage"),
     (["--sage2-function", "fp16_triton", "--disable-sage"], "2.2.0", None, ("sage",),
      "Forge Neo --disable-sage: sage is left out"),
-    (["--sage2-function", "auto"], "2.2.0", ("sage",), (), "Forge Neo runs sage (sageattention 2.2.0 imports)"),
+    (["--sage2-function", "auto"], "2.2.0", ("sage",), (),
+     "Forge Neo chooses sage on an NVIDIA GPU (sageattention 2.2.0 imports)"),
 ])
 def test_neos_own_choice_is_a_preference(sage_package, webui_factory, capsys, argv, sage, preference, avoid, note):
     if sage:
@@ -306,7 +308,7 @@ def test_our_flag_wins_over_neos_choice_and_says_what_it_displaced(sage_package,
     start(webui_factory, ["--attn-backend", "sdpa-math"])
     assert lib_attn.config().preference["unet"] == ("sdpa-math",)
     assert layers.get_layer("host") == {"preference": {"unet": ["sage"], "dit": ["sage"]}}
-    line = next(x for x in capsys.readouterr().out.splitlines() if "Forge Neo runs sage" in x)
+    line = next(x for x in capsys.readouterr().out.splitlines() if "Forge Neo chooses sage" in x)
     assert line.endswith("this extension's flags put sdpa-math first instead")
 
 
@@ -345,13 +347,13 @@ def test_a_generation_says_sage_is_neos_choice(sage_package, webui_factory):
     p = processing.StableDiffusionProcessingTxt2Img(prompt="a cat")
     panel.process(p, "use setting")
     note = p.extra_generation_params[INFOTEXT_NOTE_KEY]()
-    assert note == "sage first as Forge Neo's own choice (sageattention 1.0.6 imports)"
+    assert note == "sage first as Forge Neo's own choice on an NVIDIA GPU (sageattention 1.0.6 imports)"
     panel.postprocess(p, processing.Processed(p, []), "use setting")
     panel.reset()
     p = processing.StableDiffusionProcessingTxt2Img(prompt="a cat")
     panel.process(p, "math")
     assert p.extra_generation_params[INFOTEXT_NOTE_KEY]() == (
-        "Forge Neo's own choice sage (sageattention 1.0.6 imports) set aside: math first")
+        "Forge Neo's own choice sage on an NVIDIA GPU (sageattention 1.0.6 imports) set aside: math first")
     panel.reset()
 
 

@@ -255,7 +255,7 @@ def test_classic_runs_sage_whenever_it_imports_and_so_does_the_extension(sage_pa
     start(webui_factory, "classic", argv)
     assert lib_attn.config().preference["unet"] == preference
     out = capsys.readouterr().out
-    said = (f"{voice.PREFIX} Forge Classic runs sage (sageattention 2.1.1 imports; the host runs it on SDXL only, "
+    said = (f"{voice.PREFIX} Forge Classic chooses sage on an NVIDIA GPU (sageattention 2.1.1 imports; the host runs it on SDXL only, "
             f"this extension on every model): UNet/DiT attention prefers sage")
     assert (said in out) == (preference is not None)
 

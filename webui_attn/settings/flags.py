@@ -375,8 +375,8 @@ def choice_notes(host_name: str, chosen, cmd_opts=None) -> list[str]:
     what this extension's own flags put first instead."""
     out = []
     for choice in chosen:
-        text = (f"{host_name} runs {choice.backend} ({choice.why}): UNet/DiT attention prefers {choice.backend} "
-                f"in this extension{_cannot_run(choice.backend)}")
+        text = (f"{host_name} chooses {choice.backend} on an NVIDIA GPU ({choice.why}): UNet/DiT attention prefers "
+                f"{choice.backend} in this extension{_cannot_run(choice.backend)}")
         chain = (valid_chain(cmd_opts, "attn_backend") or opt_flag_ids(cmd_opts)) if cmd_opts is not None else None
         if chain and chain[0] != choice.backend:
             text += f"; this extension's flags put {chain[0]} first instead"
@@ -396,9 +396,9 @@ def host_choice_note(host_name: str) -> str | None:
     choice = _chosen[0]
     chain = lib_attn.config().preference.get("unet") or ()
     if chain and chain[0] == choice.backend:
-        return f"{choice.backend} first as {host_name}'s own choice ({choice.why})"
+        return f"{choice.backend} first as {host_name}'s own choice on an NVIDIA GPU ({choice.why})"
     first = chain[0] if chain else "the default order"
-    return f"{host_name}'s own choice {choice.backend} ({choice.why}) set aside: {first} first"
+    return f"{host_name}'s own choice {choice.backend} on an NVIDIA GPU ({choice.why}) set aside: {first} first"
 
 
 def apply_host(host) -> dict | None:
