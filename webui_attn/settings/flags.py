@@ -306,8 +306,9 @@ def _package_version(package: str) -> str:
 def host_choices(host_key: str, given=()) -> list[HostChoice]:
     """The kernels the host runs because their packages import, in its order, read from the constants
     it set at import (which already hold its ``--disable-*`` and ``--attention-pytorch``). Neo runs the
-    SageAttention 2 function ``--sage2-function`` names only with SageAttention 2 installed (Neo's
-    ``IS_SAGE_2``: the version starts with "2"); with 1.x it runs ``sageattn``, whatever the flag."""
+    SageAttention 2 function ``--sage2-function`` (later ``--sage-function``) names only with SageAttention
+    2 installed (2025-10: ``IS_SAGE_2``, the version starts with "2"; later: it does not start with "1");
+    with 1.x it runs ``sageattn``, whatever the flag."""
     module_name, kernels = HOST_KERNELS.get(host_key, (None, ()))
     module = sys.modules.get(module_name) if module_name else None
     out = []
@@ -318,7 +319,7 @@ def host_choices(host_key: str, given=()) -> list[HostChoice]:
         why = f"{package} {version} imports" if version else f"{package} imports"
         if backend == "sage":
             pinned = next((f for f in given if f.instead_of == "sage"), None)
-            if pinned is not None and version.startswith("2"):
+            if pinned is not None and version and not version.startswith("1"):
                 backend, why = pinned.prefer, f"{why}, {pinned.spelling}"
             elif pinned is not None:
                 why += f"; {pinned.spelling} applies to SageAttention 2 only, so the host runs sageattn"
