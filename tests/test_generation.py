@@ -514,7 +514,7 @@ def test_denoiser_calls_that_miss_the_extension_are_named_and_the_override_not_r
     report = readout.last_report()
     assert not report.backends("dit") and not report.backends("unet")
     note = ("the denoiser's attention (backend.nn.mmditx.MMDiTX) did not go through this extension: it ran on "
-            "Forge's own attention; override 'math' not applied to it")
+            "Forge's own attention or another extension's; override 'math' not applied to it")
     assert report.notes == (note,)
     params = parse_infotext(processed.info)
     assert "Attention override" not in params and params["Attention note"] == note

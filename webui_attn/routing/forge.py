@@ -3,13 +3,13 @@
 Both choose their attention once, in ``backend/attention.py``, and their model modules hold it by
 name (``TARGETS``): the SD UNet, Flux (Chroma calls Flux's ``attention``), Wan 2.x (as
 ``optimized_attention``), Qwen-Image, Nunchaku's Qwen and Lumina / Z-Image (these three bind
-``attention_pytorch`` or ``attention_xformers`` itself), the VAE (``attention_function_single_head_spatial``) and Wan's VAE,
-whose blocks store the function when built. Forge's SD3 / SD3.5 (``backend.nn.mmditx``) defines its
-own ``attention(q, k, v, heads, mask=None)``, plain SDPA, and calls it by name. Neo keeps Qwen-Image,
-Nunchaku's Qwen and Lumina / Z-Image on PyTorch's or xformers' exact attention whatever kernel it
-chose: their calls are routed as exact (no approximate kernel takes them, as ComfyUI's
-``low_precision_attention=False`` calls). Text encoders (T5 with its relative-position
-mask, the LLM encoders) keep the host's own attention.
+``attention_pytorch`` or ``attention_xformers`` itself), the VAE
+(``attention_function_single_head_spatial``) and Wan's VAE, whose blocks store the function when
+built. Forge's SD3 / SD3.5 (``backend.nn.mmditx``) defines its own ``attention(q, k, v, heads,
+mask=None)``, plain SDPA, and calls it by name. Neo keeps Qwen-Image, Nunchaku's Qwen and Lumina /
+Z-Image on PyTorch's or xformers' exact attention whatever kernel it chose: their calls are routed as
+exact (no approximate kernel takes them, as ComfyUI's ``low_precision_attention=False`` calls). Text
+encoders (T5 with its relative-position mask, the LLM encoders) keep the host's own attention.
 
 ``backend.attention.attention_function`` itself, which the builtin extensions (IP-Adapter, SAG,
 StyleAlign, reference-only) and ``AttentionProcessorForge`` look up at call time and modules imported

@@ -292,7 +292,8 @@ def unrouted_note(gen: _Generation, part) -> str | None:
     if not gen.routing.routed or gen.steps == 0 or any(role in DENOISER_ROLES for role, _ in part.calls):
         return None
     what = f"the denoiser's attention ({gen.denoiser})" if gen.denoiser else "the denoiser's attention"
-    note = f"{what} did not go through this extension: it ran on {detect.detect().name}'s own attention"
+    host = detect.detect().name
+    note = f"{what} did not go through this extension: it ran on {host}'s own attention or another extension's"
     if gen.override is not None:
         note += f"; override {gen.override!r} not applied to it"
     return note
