@@ -115,21 +115,23 @@ class PrecisionRule:
             return requested
 
 
-def make_heads_function(role: str, precision: PrecisionRule | None = None, fp32_rule=keep_fp32):
+def make_heads_function(role: str, precision: PrecisionRule | None = None, fp32_rule=keep_fp32, exact: bool = False):
     """An attention function of ComfyUI's form (see the module docstring) that calls the engine with
     ``role``. ``precision(attn_precision, dtype)`` resolves the host's precision rule; a result of
     ``torch.float32`` makes the call run in fp32, None keeps the inputs' dtype. The same function
     serves Forge's narrower form and A1111's SD3 ``attention(q, k, v, heads, mask=None)``.
-    ``fp32_rule``: see ``heads_attention``.
+    ``fp32_rule``: see ``heads_attention``. ``exact``: every call runs on an exact kernel (calls the
+    host keeps off approximate kernels); otherwise those that pass ``low_precision_attention=False``.
     """
     def attention_function(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
                            skip_output_reshape=False, **kwargs):
         wanted = precision(attn_precision, q.dtype) if precision is not None else attn_precision
         return heads_attention(q, k, v, heads, mask, role=role, upcast=wanted == torch.float32,
                                skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape, fp32_rule=fp32_rule,
-                               exact=kwargs.get("low_precision_attention", True) is False)
+                               exact=exact or kwargs.get("low_precision_attention", True) is False)
 
-    attention_function.__qualname__ = attention_function.__name__ = f"lib_attn_{role}_attention"
+    name = f"lib_attn_{role}_exact_attention" if exact else f"lib_attn_{role}_attention"
+    attention_function.__qualname__ = attention_function.__name__ = name
     return attention_function
 
 

@@ -26,7 +26,8 @@ from .patching import Patches
 @dataclass(frozen=True)
 class Name:
     """``module.attr`` holds an attention function; ``kind`` "heads" is ``(q, k, v, heads, ...)``,
-    "spatial" the VAE's ``(q, k, v)`` over ``(B, C, H, W)``."""
+    "exact" the same for calls the host keeps on an exact kernel, "spatial" the VAE's ``(q, k, v)``
+    over ``(B, C, H, W)``."""
 
     module: str
     attr: str
@@ -106,12 +107,14 @@ class Router:
             if kind == "spatial":
                 self._functions[key] = convention.make_spatial_function(self.precision, self.fp32_rule)
             else:
-                self._functions[key] = convention.make_heads_function(role, self.precision, self.fp32_rule)
+                self._functions[key] = convention.make_heads_function(role, self.precision, self.fp32_rule,
+                                                                      exact=kind == "exact")
         return self._functions[key]
 
-    def route(self, target) -> bool:
+    def route(self, target, wrap=None) -> bool:
         """Put the engine's function at ``target``; False (and the reason in ``skipped``) when it is
-        absent here or holds something that is not the host's."""
+        absent here or holds something that is not the host's. ``wrap(function, held)``: what to put
+        there instead, made from the engine's function and the host's function it replaces."""
         module, why = import_quietly(target.module)
         if module is None:
             if why:
@@ -128,7 +131,8 @@ class Router:
                 self.skipped[target.where()] = (f"holds {getattr(value, '__module__', '?')}."
                                                f"{getattr(value, '__qualname__', value)!s}, not the host's")
                 return False
-            self.patches.patch(owner, target.attr, self.function(target.role, target.kind))
+            function = self.function(target.role, target.kind)
+            self.patches.patch(owner, target.attr, wrap(function, value) if wrap is not None else function)
         elif not self.patches.is_patched(owner, target.attr):
             self.patches.patch_stored(owner, target.attr, self.function(target.role, target.kind))
         return True

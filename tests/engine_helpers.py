@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import math
 
+import pytest
 import torch
 
 import lib_attn
@@ -126,3 +127,62 @@ def fresh_engine_with(monkeypatch, tmp_path, backends):
         backends.unregister()
         lib_attn.reset()
         tuning_file.forget_memory()
+
+
+@pytest.fixture
+def sage_on_cpu(monkeypatch):
+    """SageAttention as if installed and able to run here: its stand-in kernel is exact attention, so what
+    is tested is which backend a call reaches, never the kernel's numbers."""
+    from lib_attn.kernels import REGISTRY, Status, reset_probes
+    sage = REGISTRY["sage"]
+
+    def kernel(q, k, v, mask, scale):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    monkeypatch.setattr(sage, "devices", ("cpu",))
+    monkeypatch.setattr(sage, "dtypes", (torch.float32, torch.bfloat16))
+    monkeypatch.setattr(sage, "probe", lambda: Status(True, version="stand-in"))
+    monkeypatch.setattr(sage, "extra_reasons", lambda spec, asked: [])
+    monkeypatch.setattr(sage, "variant", lambda spec: "")
+    monkeypatch.setattr(sage, "runner", lambda spec: kernel)
+    reset_probes()
+    yield
+    monkeypatch.undo()
+    reset_probes()
+
+
+
+@pytest.fixture
+def sage_package(monkeypatch, tmp_path):
+    """``install(version)``: an importable stand-in ``sageattention`` distribution of that version, as
+    pip lays one out (the package, whose ``sageattn`` is exact attention, and its metadata). Hosts that
+    decide by import see it installed; the engine's probe is reset so that it reads it too. Gone after
+    the test: request it before ``webui_factory``, whose end puts back the ``sys.path`` it found."""
+    import os
+    import sys
+    from lib_attn.kernels import reset_probes
+
+    def install(version="1.0.6"):
+        package = tmp_path / "sageattention"
+        package.mkdir()
+        (package / "__init__.py").write_text(
+            f"__version__ = {version!r}\n"
+            "import torch\n\n\n"
+            "def sageattn(q, k, v, tensor_layout='HND', is_causal=False, sm_scale=None, **kwargs):\n"
+            "    if tensor_layout == 'NHD':\n"
+            "        q, k, v = (t.transpose(1, 2) for t in (q, k, v))\n"
+            "    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=sm_scale)\n"
+            "    return out.transpose(1, 2) if tensor_layout == 'NHD' else out\n")
+        info = tmp_path / f"sageattention-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sageattention\nVersion: {version}\n")
+        monkeypatch.syspath_prepend(os.fspath(tmp_path))
+        sys.modules.pop("sageattention", None)
+        reset_probes()
+
+    yield install
+    monkeypatch.undo()
+    while os.fspath(tmp_path) in sys.path:
+        sys.path.remove(os.fspath(tmp_path))
+    sys.modules.pop("sageattention", None)
+    reset_probes()

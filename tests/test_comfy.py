@@ -13,6 +13,7 @@ import torch
 
 import lib_attn
 from tests.doubles.comfy_fixtures import COMFY_ROOT, REPO_ROOT, comfy_factory  # noqa: F401
+from tests.engine_helpers import sage_on_cpu  # noqa: F401
 from host_attn import voice
 
 FP32 = 1e-5
@@ -812,28 +813,6 @@ def test_a_bad_default_schedule_is_said_at_startup_and_not_used(comfy_factory, c
 
 
 # --- calls ComfyUI keeps off 8-bit kernels, and the precision ComfyUI's own function runs in ----------------
-
-@pytest.fixture
-def sage_on_cpu(monkeypatch):
-    """SageAttention as if installed and able to run here: its stand-in kernel is exact attention, so what
-    is tested is which backend a call reaches, never the kernel's numbers."""
-    from lib_attn.kernels import REGISTRY, Status, reset_probes
-    sage = REGISTRY["sage"]
-
-    def kernel(q, k, v, mask, scale):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
-
-    monkeypatch.setattr(sage, "devices", ("cpu",))
-    monkeypatch.setattr(sage, "dtypes", (torch.float32, torch.bfloat16))
-    monkeypatch.setattr(sage, "probe", lambda: Status(True, version="stand-in"))
-    monkeypatch.setattr(sage, "extra_reasons", lambda spec, asked: [])
-    monkeypatch.setattr(sage, "variant", lambda spec: "")
-    monkeypatch.setattr(sage, "runner", lambda spec: kernel)
-    reset_probes()
-    yield
-    monkeypatch.undo()
-    reset_probes()
-
 
 def heads_inputs(heads=4, d=16, n=12, seed=0):
     gen = torch.Generator().manual_seed(seed)

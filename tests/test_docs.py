@@ -358,7 +358,7 @@ def test_every_host_flag_in_the_table_is_one_the_code_reads():
 
 def test_the_host_flag_check_finds_a_wrong_flag():
     path = os.path.join(ROOT, "docs", "webuis.md")
-    text = "| host | its flag | x |\n|---|---|---|\n| Neo | `--sage`, `--sagee` `fp9_cuda` | y |\n"
+    text = "| host | its flag | x |\n|---|---|---|\n| Neo | `--disable-sage`, `--sagee` `fp9_cuda` | y |\n"
     problems = host_flag_problems(path, text)
     assert problems[:2] == ["docs/webuis.md:3: --sagee is not a host flag the code reads (HOST_FLAGS, startup_flags.FLAGS)",
                             "docs/webuis.md:3: 'fp9_cuda' is no value of a host flag the code reads"]

@@ -1,4 +1,6 @@
 """The Forge adapter against the Forge double: by-name rebinding, parity with attention_pytorch, restore."""
+import sys
+
 import pytest
 import torch
 
@@ -45,10 +47,14 @@ def test_import_on_forge_raises_nothing_and_patches_by_name(webui_factory, capsy
     after = originals()
     for name in ("unet", "flux", "chroma", "vae"):
         assert after[name] is not before[name], name
-    for name in ("t5", "attention.attention_function", "attention.single_head"):
+    for name in ("t5", "attention.single_head"):
         assert after[name] is before[name], name
     import backend.attention as attention
     assert after["t5"] is attention.attention_pytorch
+    # the host's own global holds the engine's function, equal to the one Forge chose
+    assert after["attention.attention_function"] is not before["attention.attention_function"]
+    assert after["attention.attention_function"] == before["attention.attention_function"]
+    assert after["attention.attention_function"] != attention.attention_split
 
 
 @pytest.mark.parametrize("argv", [["--attention-pytorch"], []])   # SDPA, and CPU's sub-quadratic default
@@ -243,3 +249,93 @@ def test_flags_are_read_from_shared_cmd_opts(webui_factory):
     with lib_attn.recording() as rec:
         unet.attention_function(q, q, q, 4)
     assert set(rec.calls) == {("unet", "sdpa-math")}
+
+
+def test_sd3_mmditx_calls_go_through_the_engine_and_match(webui_factory):
+    """SD3 / SD3.5 (``backend.nn.mmditx``) calls its own ``attention``: routed as the DiT, the blocks'
+    outputs (joint attention, and SD3.5 Medium's second self-attention) match Forge's own."""
+    webui = webui_factory("forge", argv=["--attention-pytorch"])
+    import backend.nn.mmditx as mmditx
+    own = mmditx.attention
+    torch.manual_seed(0)
+    model = mmditx.MMDiTX(hidden_size=64, num_heads=4, depth=2, context_dim=32, x_block_self_attn_layers=(0,)).double()
+    x, c, ctx = torch.randn(1, 16, 64, dtype=torch.float64), torch.randn(1, 64, dtype=torch.float64), \
+        torch.randn(1, 6, 32, dtype=torch.float64)
+    ref = model(x, c, ctx)
+    webui.load_scripts()
+    assert mmditx.attention is not own and "backend.nn.mmditx.attention" in forge.line.router.patches.targets()
+    with lib_attn.recording() as rec:
+        out = model.float()(x.float(), c.float(), ctx.float())
+    assert rec.calls == {("dit", "sdpa"): 3}              # two joint calls, one x-block self-attention
+    assert rel_err(out, ref) <= TOL[torch.float32]
+    forge.uninstall()
+    assert mmditx.attention is own
+
+
+def test_another_extensions_function_is_left_alone_and_named(webui_factory, capsys):
+    webui = webui_factory("forge", argv=["--attention-pytorch"])
+    import backend.nn.mmditx as mmditx
+
+    def theirs(q, k, v, heads, mask=None):
+        return q
+
+    mmditx.attention = theirs
+    webui.load_scripts()
+    assert mmditx.attention is theirs
+    out = capsys.readouterr().out
+    assert "left on the host's own attention: backend.nn.mmditx.attention (holds" in out and "theirs" in out
+
+
+def test_builtin_extensions_and_forges_attention_processor_go_through_the_engine(webui_factory):
+    """IP-Adapter, SAG, StyleAlign and reference-only call ``attention.attention_function`` at call time,
+    as does ``AttentionProcessorForge``: their calls are counted, and match Forge's own."""
+    import types
+    start(webui_factory)
+    import backend.attention as attention
+    heads, d = 4, 16
+    q, k, v = (torch.randn(1, 12, heads * d, dtype=torch.float64) for _ in range(3))
+    ref = attention.attention_pytorch(q, k, v, heads)
+    with lib_attn.recording() as rec:
+        out = attention.attention_function(q.float(), k.float(), v.float(), heads=heads, mask=None)
+    assert rel_err(out, ref) <= TOL[torch.float32] and rec.calls == {("unet", "sdpa"): 1}
+    dim = heads * d
+    attn = types.SimpleNamespace(to_q=torch.nn.Linear(dim, dim), to_k=torch.nn.Linear(dim, dim),
+                                 to_v=torch.nn.Linear(dim, dim), to_out=[torch.nn.Linear(dim, dim), torch.nn.Identity()],
+                                 heads=heads, residual_connection=False, rescale_output_factor=1.0)
+    with lib_attn.recording() as rec:
+        attention.AttentionProcessorForge()(attn, torch.randn(1, 12, dim))
+    assert rec.calls == {("unet", "sdpa"): 1}
+
+
+COPYING_EXTENSION = (
+    "from backend.attention import attention_function as optimized_attention\n"
+    "from backend.attention import attention_function\n"
+    "def call(q, heads):\n"
+    "    return optimized_attention(q, q, q, heads), attention_function(q, q, q, heads)\n")
+
+
+@pytest.mark.parametrize("mode", ["forge", "neo"])
+def test_by_name_copies_in_modules_loaded_before_and_after_are_routed(webui_factory, tmp_path, monkeypatch, mode):
+    """An extension that copied the host's function by name before this one loaded (negpip's path on
+    Neo, the guidance extensions' on Forge) is routed and put back on unload; one loaded after binds
+    the routed function itself."""
+    import importlib
+    for name in ("copies_early", "copies_late"):
+        (tmp_path / f"{name}.py").write_text(COPYING_EXTENSION)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    webui = webui_factory(mode, argv=["--attention-pytorch"])
+    early = importlib.import_module("copies_early")
+    own = early.optimized_attention
+    webui.load_scripts()
+    late = importlib.import_module("copies_late")
+    targets = forge.line.router.patches.targets()
+    assert "copies_early.optimized_attention" in targets and "copies_early.attention_function" in targets
+    q = torch.randn(1, 8, 32)
+    with lib_attn.recording() as rec:
+        early.call(q, 2)
+        late.call(q, 2)
+    assert rec.calls == {("unet", "sdpa"): 4}
+    forge.uninstall()
+    assert early.optimized_attention is own and early.attention_function is own
+    for name in ("copies_early", "copies_late"):
+        sys.modules.pop(name, None)

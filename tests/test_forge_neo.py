@@ -7,6 +7,7 @@ import torch
 
 import lib_attn
 from tests.doubles.fixtures import webui_factory  # noqa: F401
+from tests.engine_helpers import sage_on_cpu, sage_package  # noqa: F401
 from webui_attn.routing import detect, forge
 from host_attn import voice
 from webui_attn.settings import layers
@@ -247,20 +248,30 @@ def test_memory_estimate_is_unchanged(webui_factory):
     assert [model.memory_required(s) for s in shapes] == estimate
 
 
-@pytest.mark.parametrize("argv,preference,avoid,note", [
-    (["--sage"], ("sage",), (), "Forge Neo --sage: UNet/DiT attention prefers sage"),
-    (["--flash", "--sage"], ("sage", "flash-attn"), (), "Forge Neo --flash: UNet/DiT attention prefers flash-attn"),
-    (["--sage", "--disable-sage"], None, ("sage",), "Forge Neo --disable-sage: sage is left out"),
-    (["--attention-pytorch"], None, ("xformers",), "Forge Neo --attention-pytorch: xformers is left out"),
-    # Neo runs only the SageAttention 2 kernel --sage2-function names: it takes sage's place.
-    (["--sage", "--sage2-function", "fp16_cuda"], ("sage-cuda",), (),
-     "Forge Neo --sage2-function fp16_cuda: UNet/DiT attention prefers sage-cuda"),
-    (["--flash", "--sage2-function", "fp8_cuda"], ("sage-fp8", "flash-attn"), (),
-     "Forge Neo --sage2-function fp8_cuda: UNet/DiT attention prefers sage-fp8"),
-    (["--sage2-function", "fp16_triton", "--disable-sage"], None, ("sage",), "Forge Neo --disable-sage: sage is left out"),
-    (["--sage2-function", "auto"], None, (), None),
+@pytest.mark.parametrize("argv,sage,preference,avoid,note", [
+    # Neo runs SageAttention whenever it imports (its --sage only installs it)
+    ([], "1.0.6", ("sage",), (),
+     "Forge Neo chooses sage on an NVIDIA GPU (sageattention 1.0.6 imports): UNet/DiT attention prefers sage in "
+     "this extension"),
+    (["--sage"], None, None, (), None),
+    (["--disable-sage"], "1.0.6", None, ("sage",), "Forge Neo --disable-sage: sage is left out"),
+    (["--attention-pytorch"], None, None, ("xformers",), "Forge Neo --attention-pytorch: xformers is left out"),
+    # with SageAttention 2, the kernel --sage2-function names takes sage's place
+    (["--sage2-function", "fp16_cuda"], "2.2.0", ("sage-cuda",), (),
+     "Forge Neo chooses sage-cuda on an NVIDIA GPU (sageattention 2.2.0 imports, --sage2-function fp16_cuda): "
+     "UNet/DiT attention prefers sage-cuda"),
+    # with 1.x Neo ignores it and runs sageattn: so does the extension, and the line says so
+    (["--sage", "--sage2-function", "fp16_cuda"], "1.0.6", ("sage",), (),
+     "Forge Neo chooses sage on an NVIDIA GPU (sageattention 1.0.6 imports; --sage2-function fp16_cuda applies to "
+     "SageAttention 2 only, so the host runs sageattn): UNet/DiT attention prefers sage"),
+    (["--sage2-function", "fp16_triton", "--disable-sage"], "2.2.0", None, ("sage",),
+     "Forge Neo --disable-sage: sage is left out"),
+    (["--sage2-function", "auto"], "2.2.0", ("sage",), (),
+     "Forge Neo chooses sage on an NVIDIA GPU (sageattention 2.2.0 imports)"),
 ])
-def test_neos_own_flags_are_a_preference(webui_factory, capsys, argv, preference, avoid, note):
+def test_neos_own_choice_is_a_preference(sage_package, webui_factory, capsys, argv, sage, preference, avoid, note):
+    if sage:
+        sage_package(sage)
     start(webui_factory, argv)
     config = lib_attn.config()
     assert config.preference["unet"] == preference and config.preference["dit"] == preference
@@ -268,49 +279,88 @@ def test_neos_own_flags_are_a_preference(webui_factory, capsys, argv, preference
     assert config.avoid == avoid
     lines = capsys.readouterr().out.splitlines()
     if note is None:
-        assert not any("Forge Neo --" in line for line in lines)
+        assert not any(line.startswith(f"{voice.PREFIX} Forge Neo ") and "routed" not in line for line in lines)
     else:
-        assert any(line.startswith(f"{voice.PREFIX} {note}") for line in lines)
+        assert any(line.startswith(f"{voice.PREFIX} {note}") for line in lines), lines
 
 
-def test_neos_later_sage_function_flag_and_its_values_are_read_by_value():
+def test_neos_later_sage_function_flag_and_its_values_are_read_by_value(monkeypatch):
+    import enum
+    import sys
     from types import SimpleNamespace
     from webui_attn.settings import flags
-    import enum
 
     class Later(enum.Enum):  # a later Neo names the flag --sage-function and adds fp8_cuda++ and sageattn3
         pp = "fp8_cuda++"
         three = "sageattn3"
 
+    monkeypatch.setitem(sys.modules, "backend.memory_management", SimpleNamespace(SAGE_IS_AVAILABLE=True))
+    monkeypatch.setattr(flags, "_package_version", lambda package: "2.2.1")
     for value, backend in (("fp8_cuda++", "sage-fp8pp"), ("sageattn3", "sage3")):
-        member = Later(value)
-        given = flags.host_flags_given("neo", [SimpleNamespace(sage_function=member, sage=True)])
-        assert flags.host_layer(given) == {"preference": {"unet": [backend], "dit": [backend]}}, value
+        given = flags.host_flags_given("neo", [SimpleNamespace(sage_function=Later(value))])
+        chosen = flags.host_choices("neo", given)
+        assert flags.host_layer(given, chosen) == {"preference": {"unet": [backend], "dit": [backend]}}, value
     assert all(b in lib_attn.BACKEND_IDS for b in flags.NEO_SAGE_FUNCTIONS.values())
 
 
-def test_our_flag_wins_over_neos(webui_factory):
-    start(webui_factory, ["--sage", "--attn-backend", "sdpa-math"])
+def test_our_flag_wins_over_neos_choice_and_says_what_it_displaced(sage_package, webui_factory, capsys):
+    sage_package("1.0.6")
+    start(webui_factory, ["--attn-backend", "sdpa-math"])
     assert lib_attn.config().preference["unet"] == ("sdpa-math",)
     assert layers.get_layer("host") == {"preference": {"unet": ["sage"], "dit": ["sage"]}}
+    line = next(x for x in capsys.readouterr().out.splitlines() if "Forge Neo chooses sage" in x)
+    assert line.endswith("this extension's flags put sdpa-math first instead")
 
 
-def test_sage_flag_without_the_package_falls_back_per_call_with_the_reason(webui_factory):
-    start(webui_factory, ["--attention-pytorch", "--sage"])
+def test_neos_sage_that_cannot_run_here_falls_back_per_call_with_the_reason(sage_package, webui_factory):
+    sage_package("1.0.6")
+    start(webui_factory, ["--attention-pytorch"])
     import backend.nn.unet as unet
     sage = {b.id: b for b in lib_attn.backends()}["sage"]
+    assert not sage.available                                   # no CUDA here
     q = torch.randn(1, 16, 64)
     with lib_attn.recording() as rec:
         unet.attention_function(q, q, q, 4)
     assert rec.calls == {("unet", "sdpa"): 1}
-    if not sage.available:
-        assert rec.fallbacks == {("unet", "sage", f"not available: {sage.reason}"): 1}
+    assert rec.fallbacks == {("unet", "sage", f"not available: {sage.reason}"): 1}
 
 
-def test_the_order_in_force_shows_the_hosts_flag(webui_factory):
+def test_qwen_under_neos_sage_runs_exact(sage_package, webui_factory, sage_on_cpu):
+    """Neo with SageAttention installed and --sage: the Qwen-Image call still runs exact, the reason counted."""
+    from lib_attn.kernels.base import EXACT_ASKED
+    sage_package("1.0.6")
+    start(webui_factory, ["--attention-pytorch", "--sage"])
+    import backend.nn.qwen as qwen
+    q = torch.randn(1, 12, 64)
+    with lib_attn.recording() as rec:
+        qwen.attention_function(q, q, q, 4)
+    assert rec.calls == {("dit", "sdpa"): 1} and rec.fallbacks == {("dit", "sage", EXACT_ASKED): 1}
+
+
+def test_a_generation_says_sage_is_neos_choice(sage_package, webui_factory):
+    """The readout and infotext of a generation name Neo's own kernel and what the extension did."""
+    from webui_attn.ui import panel
+    from webui_attn.ui.readout import INFOTEXT_NOTE_KEY
+    sage_package("1.0.6")
+    start(webui_factory, ["--attention-pytorch"])
+    from modules import processing
+    p = processing.StableDiffusionProcessingTxt2Img(prompt="a cat")
+    panel.process(p, "use setting")
+    note = p.extra_generation_params[INFOTEXT_NOTE_KEY]()
+    assert note == "sage first as Forge Neo's own choice on an NVIDIA GPU (sageattention 1.0.6 imports)"
+    panel.postprocess(p, processing.Processed(p, []), "use setting")
+    panel.reset()
+    p = processing.StableDiffusionProcessingTxt2Img(prompt="a cat")
+    panel.process(p, "math")
+    assert p.extra_generation_params[INFOTEXT_NOTE_KEY]() == (
+        "Forge Neo's own choice sage on an NVIDIA GPU (sageattention 1.0.6 imports) set aside: math first")
+    panel.reset()
+
+
+def test_the_order_in_force_shows_the_hosts_flag(sage_package, webui_factory):
     """Settings and the status route show the chain the host's flag put in force beside Auto's."""
-    from webui_attn.settings import stored
     from webui_attn.ui import components
+    sage_package("2.2.0")
     start(webui_factory, ["--sage2-function", "fp16_cuda"])
     data = api.availability()
     assert data["chains"]["unet"][0] == "sage-cuda" and "sage-cuda" not in data["default_chains"]["unet"]
@@ -327,3 +377,20 @@ def test_without_a_kernel_flag_only_the_default_order_is_shown(webui_factory):
     data = api.availability()
     assert data["chains"] == data["default_chains"]
     assert "Order in force" not in components.availability_html(data)
+
+
+@pytest.mark.parametrize("argv", [["--attention-pytorch", "--attn-backend", "sage"]])
+def test_qwen_and_nunchaku_qwen_stay_exact_as_neo_keeps_them(webui_factory, sage_on_cpu, argv):
+    """Neo binds PyTorch's attention for Qwen-Image (and Nunchaku's Qwen) whatever it chose: with sage
+    first, their calls still run on an exact kernel, the reason counted; the UNet's take sage."""
+    from lib_attn.kernels.base import EXACT_ASKED
+    start(webui_factory, argv)
+    import backend.nn.qwen as qwen
+    import backend.nn.unet as unet
+    q = torch.randn(1, 12, 64)
+    with lib_attn.recording() as rec:
+        qwen.attention_function(q, q, q, 4)
+        unet.attention_function(q, q, q, 4)
+    assert rec.calls == {("dit", "sdpa"): 1, ("unet", "sage"): 1}
+    assert rec.fallbacks == {("dit", "sage", EXACT_ASKED): 1}
+    assert forge.line.router.patches.is_patched(qwen, "attention_function")

@@ -461,3 +461,63 @@ def test_disabled_optimizations_stay_disabled(webui_factory, capsys):
     assert any("--disable-opt-split-attention (A1111)" in x for x in prefixed(capsys.readouterr().out))
     txt2img(runner, ["sdpa-math"])
     assert readout.last_report().calls == {}
+
+
+# --- a denoiser whose calls the routing does not reach ------------------------------------------------------
+
+class Sd3Checkpoint:
+    """A loaded SD3 checkpoint as Forge holds it (``forge_objects.unet.model.diffusion_model``, an
+    ``MMDiTX``); calling it samples as Forge does: the ``cfg_denoiser`` callbacks, then the model, per step."""
+
+    def __init__(self, steps=2):
+        import types
+        import backend.nn.mmditx as mmditx
+        torch.manual_seed(0)
+        self.net = mmditx.MMDiTX(hidden_size=64, num_heads=4, depth=1, context_dim=32)
+        self.forge_objects = types.SimpleNamespace(unet=types.SimpleNamespace(
+            model=types.SimpleNamespace(diffusion_model=self.net)))
+        self.steps = steps
+
+    def __call__(self, p):
+        from modules.script_callbacks import CFGDenoiserParams, cfg_denoiser_callback
+        x = torch.randn(1, 16, 64)
+        for step in range(self.steps):
+            cfg_denoiser_callback(CFGDenoiserParams(x, None, torch.ones(1), step, self.steps, None, None, None))
+            with torch.no_grad():
+                x = self.net(x, torch.randn(1, 64), torch.randn(1, 6, 32))
+
+
+def sd3_txt2img(runner, args):
+    from modules.api import api
+    return api.txt2img(runner, alwayson_scripts={"Flash Attention": {"args": args}}, sd_model=Sd3Checkpoint(),
+                       prompt="a cat")
+
+
+def test_forge_sd3_with_an_override_counts_its_calls_through_the_extension(webui_factory):
+    runner, _, _ = start(webui_factory, "forge")
+    processed, info = sd3_txt2img(runner, ["math"])
+    report = readout.last_report()
+    assert report.backends("dit") == [("math", 2)] and not report.notes
+    params = parse_infotext(processed.info)
+    assert params["Attention override"] == "math" and "Attention note" not in params
+    assert lines(report)[0].startswith("Attention: math") and "×2" in lines(report)[0]
+
+
+def test_denoiser_calls_that_miss_the_extension_are_named_and_the_override_not_recorded(webui_factory):
+    """Another extension holds SD3's attention: its calls run there, and nothing claims the override ran."""
+    runner, _, _ = start(webui_factory, "forge")
+    import backend.nn.mmditx as mmditx
+    forge.uninstall()
+    mmditx.attention = lambda q, k, v, heads, mask=None: q
+    forge.install()
+    processed, info = sd3_txt2img(runner, ["math"])
+    report = readout.last_report()
+    assert not report.backends("dit") and not report.backends("unet")
+    note = ("the denoiser's attention (backend.nn.mmditx.MMDiTX) did not go through this extension: it ran on "
+            "Forge's own attention or another extension's; override 'math' not applied to it")
+    assert report.notes == (note,)
+    params = parse_infotext(processed.info)
+    assert "Attention override" not in params and params["Attention note"] == note
+    assert "Attention override" not in info["extra_generation_params"]
+    assert info["extra_generation_params"]["Attention note"] == note
+    assert f"Attention note: {note}" in lines(report)

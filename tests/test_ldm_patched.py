@@ -9,6 +9,7 @@ import torch
 
 import lib_attn
 from tests.doubles.fixtures import webui_factory  # noqa: F401
+from tests.engine_helpers import sage_package  # noqa: F401
 from host_attn import voice
 from webui_attn.routing import detect, ldm_patched
 
@@ -244,3 +245,43 @@ def test_roles_of_the_modules_that_hold_a_copy():
     assert ldm_patched.role_of("ldm_patched.ldm.modules.attention") == "unet"
     assert ldm_patched.role_of("ldm_patched.controlnet.cldm") == "unet"
     assert ldm_patched.role_of("lib_ipadapter.IPAdapterPlus") == "unet"       # an extension's copy
+
+
+@pytest.mark.parametrize("argv,preference", [([], ("sage",)), (["--disable-sage"], None)])
+def test_classic_runs_sage_whenever_it_imports_and_so_does_the_extension(sage_package, webui_factory, capsys, argv,
+                                                                          preference):
+    """Forge Classic's --sage only installs SageAttention; it uses it whenever it imports."""
+    sage_package("2.1.1")
+    start(webui_factory, "classic", argv)
+    assert lib_attn.config().preference["unet"] == preference
+    out = capsys.readouterr().out
+    said = (f"{voice.PREFIX} Forge Classic chooses sage on an NVIDIA GPU (sageattention 2.1.1 imports; the host runs it on SDXL only, "
+            f"this extension on every model): UNet/DiT attention prefers sage")
+    assert (said in out) == (preference is not None)
+
+
+@pytest.mark.parametrize("module_name,cls,make", [
+    ("ldm_patched.ldm.wan.vae", "AttentionBlock", lambda cls: cls(32)),
+    ("ldm_patched.ldm.cosmos.cosmos_tokenizer.layers3d", "CausalAttnBlock", lambda cls: cls(32, 8)),
+])
+def test_reforges_video_vae_blocks_take_the_vae_routing(webui_factory, module_name, cls, make):
+    """The Wan VAE and the Cosmos tokenizer store ``vae_attention()`` per block: blocks built before and
+    after the extension loads run the VAE chain (``--attn-vae-backend``), match reForge's own, and get
+    their own function back on unload."""
+    import importlib
+    webui = webui_factory("reforge", argv=["--attention-pytorch", "--attn-vae-backend", "math"])
+    block_cls = getattr(importlib.import_module(module_name), cls)
+    torch.manual_seed(0)
+    early = make(block_cls).double()
+    own = early.optimized_attention
+    x = torch.randn(1, 32, 3, 4, 4, dtype=torch.float64)
+    ref = early(x)
+    webui.load_scripts()
+    late = make(block_cls).double()
+    late.load_state_dict(early.state_dict())
+    with lib_attn.recording() as rec:
+        out_early, out_late = early.float()(x.float()), late.float()(x.float())
+    assert rec.calls == {("vae", "math"): 2}
+    assert rel_err(out_early, ref) <= FP32 and rel_err(out_late, ref) <= FP32
+    ldm_patched.uninstall()
+    assert early.optimized_attention is own and late.optimized_attention is own

@@ -5,7 +5,9 @@ The host chooses ``optimized_attention`` (and ``optimized_attention_masked``) on
 module globals, and every other model module (Flux, SD3, Wan, HunyuanVideo, Lumina, …) imports
 them by name. So the two globals are rebound, and so is every by-name copy in a loaded module: a
 module attribute of one of these two names that *is* the host's chosen function. Modules imported
-later bind the rebound globals themselves. The VAE's ``AttnBlock`` stores its function when built.
+later bind the rebound globals themselves. The VAE's blocks store the function ``vae_attention()``
+chose when built: the image VAE's ``AttnBlock``, and reForge's Wan VAE ``AttentionBlock`` and Cosmos
+tokenizer ``CausalAttnBlock`` (``VAE_BLOCKS``).
 
 Text encoders ask ``optimized_attention_for_device`` for a function per call and keep the host's.
 reForge's precision rule ``get_attn_precision(requested, dtype)`` is honoured; Forge Classic's
@@ -24,7 +26,12 @@ from .line import Line
 
 SOURCE = "ldm_patched.ldm.modules.attention"
 NAMES = ("optimized_attention", "optimized_attention_masked")
-VAE = Stored("ldm_patched.ldm.modules.diffusionmodules.model", "AttnBlock", "optimized_attention")
+#: Blocks that store the VAE function when built (the video ones reForge only).
+VAE_BLOCKS = (
+    Stored("ldm_patched.ldm.modules.diffusionmodules.model", "AttnBlock", "optimized_attention"),
+    Stored("ldm_patched.ldm.wan.vae", "AttentionBlock", "optimized_attention"),
+    Stored("ldm_patched.ldm.cosmos.cosmos_tokenizer.layers3d", "CausalAttnBlock", "optimized_attention"),
+)
 
 
 def role_of(module_name: str) -> str:
@@ -60,7 +67,8 @@ def _router(attention) -> Router:
 def _route(router: Router, attention) -> None:
     for target in by_name_copies(attention):
         router.route(target)
-    router.route(VAE)
+    for target in VAE_BLOCKS:
+        router.route(target)
 
 
 line = Line(SOURCE, running, _router, _route)

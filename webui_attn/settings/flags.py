@@ -186,7 +186,7 @@ class HostFlag:
     """One of a host's own attention flags: ``prefer`` is the engine backend it makes the host use,
     ``avoid`` the one it keeps the host off; ``note`` says what the engine makes of a flag it has
     no kernel for. A flag with a ``value`` is given when its dest holds that value (Neo's enums);
-    its kernel then takes the place of ``instead_of``, as the host runs only the kernel it names."""
+    its kernel then takes the place of ``instead_of`` where the host runs that one (``host_choices``)."""
 
     spelling: str
     dest: str
@@ -216,19 +216,17 @@ def _neo_sage_functions() -> tuple:
 
 
 #: Host key (``hosts.Host.key``) -> its attention flags, in the order the host itself prefers kernels.
-#: Forge Neo and Forge Classic use SageAttention, flash-attn and xformers whenever they are installed
-#: (``--sage``/``--flash``/``--xformers`` install them) unless ``--disable-*``; reForge uses the kernel
-#: its ``--use-*`` flag names (and exits at startup when its package is missing); ``--attention-pytorch``
-#: keeps Forge, Neo, reForge and Classic off xformers.
+#: reForge uses the kernel its ``--use-*`` flag names (and exits at startup when its package is
+#: missing); ``--attention-pytorch`` keeps Forge, Neo, reForge and Classic off xformers. Forge Neo and
+#: Forge Classic use SageAttention, flash-attn and xformers whenever they import (their ``--sage`` /
+#: ``--flash`` / ``--xformers`` only install them): that choice is read where they make it
+#: (``HOST_KERNELS``), and Neo's ``--sage2-function`` with it.
 HOST_FLAGS = {
     "forge": (
         HostFlag("--disable-xformers", "disable_xformers", avoid="xformers"),
         HostFlag("--attention-pytorch", "attention_pytorch", avoid="xformers"),
     ),
     "neo": _neo_sage_functions() + (
-        HostFlag("--sage", "sage", prefer="sage"),
-        HostFlag("--flash", "flash", prefer="flash-attn"),
-        HostFlag("--xformers", "xformers", prefer="xformers"),
         HostFlag("--disable-sage", "disable_sage", avoid="sage"),
         HostFlag("--disable-flash", "disable_flash", avoid="flash-attn"),
         HostFlag("--disable-xformers", "disable_xformers", avoid="xformers"),
@@ -242,7 +240,6 @@ HOST_FLAGS = {
         HostFlag("--attention-pytorch", "attention_pytorch", avoid="xformers"),
     ),
     "classic": (
-        HostFlag("--sage", "sage", prefer="sage"),
         HostFlag("--disable-sage", "disable_sage", avoid="sage"),
         HostFlag("--disable-xformers", "disable_xformers", avoid="xformers"),
         HostFlag("--attention-pytorch", "attention_pytorch", avoid="xformers"),
@@ -275,13 +272,71 @@ def host_flags_given(host_key: str, namespaces) -> list[HostFlag]:
     return [f for f in HOST_FLAGS.get(host_key, ()) if any(f.given_in(ns) for ns in namespaces)]
 
 
-def host_layer(given) -> dict | None:
-    """The ``host`` layer for the host flags given: their kernels first for the UNet/DiT (a kernel the
-    host was told to keep off is not preferred), the kept-off ones out of the default chains."""
+#: Host key -> (the module where the host decides by import which kernels it can use, then per
+#: kernel in the host's order: that module's constant, the engine backend, the package it imports).
+HOST_KERNELS = {
+    "neo": ("backend.memory_management", (("SAGE_IS_AVAILABLE", "sage", "sageattention"),
+                                          ("FLASH_IS_AVAILABLE", "flash-attn", "flash_attn"),
+                                          ("XFORMERS_IS_AVAILABLE", "xformers", "xformers"))),
+    "classic": ("ldm_patched.modules.model_management", (("SAGE_IS_AVAILABLE", "sage", "sageattention"),
+                                                         ("XFORMERS_IS_AVAILABLE", "xformers", "xformers"))),
+}
+#: What a host's choice of a kernel covers, where it is not every model (said with the choice).
+HOST_KERNEL_SCOPE = {("classic", "sage"): "the host runs it on SDXL only, this extension on every model"}
+
+
+@dataclass(frozen=True)
+class HostChoice:
+    """A kernel the host runs of its own accord: ``backend`` (the engine's id for it), ``why`` (how the
+    host came to it, in its terms)."""
+
+    backend: str
+    why: str
+
+
+def _package_version(package: str) -> str:
+    """The installed version, as the hosts read it (``importlib.metadata``); "" when it has none."""
+    try:
+        from importlib.metadata import version
+        return version(package)
+    except Exception:  # noqa: BLE001 - PackageNotFoundError, or broken metadata: no version known
+        return ""
+
+
+def host_choices(host_key: str, given=()) -> list[HostChoice]:
+    """The kernels the host runs because their packages import, in its order, read from the constants
+    it set at import (which already hold its ``--disable-*`` and ``--attention-pytorch``). Neo runs the
+    SageAttention 2 function ``--sage2-function`` (later ``--sage-function``) names only with SageAttention
+    2 installed (2025-10: ``IS_SAGE_2``, the version starts with "2"; later: it does not start with "1");
+    with 1.x it runs ``sageattn``, whatever the flag."""
+    module_name, kernels = HOST_KERNELS.get(host_key, (None, ()))
+    module = sys.modules.get(module_name) if module_name else None
+    out = []
+    for constant, backend, package in kernels:
+        if not getattr(module, constant, False):
+            continue
+        version = _package_version(package)
+        why = f"{package} {version} imports" if version else f"{package} imports"
+        if backend == "sage":
+            pinned = next((f for f in given if f.instead_of == "sage"), None)
+            if pinned is not None and version and not version.startswith("1"):
+                backend, why = pinned.prefer, f"{why}, {pinned.spelling}"
+            elif pinned is not None:
+                why += f"; {pinned.spelling} applies to SageAttention 2 only, so the host runs sageattn"
+        scope = HOST_KERNEL_SCOPE.get((host_key, backend))
+        out.append(HostChoice(backend, f"{why}; {scope}" if scope else why))
+    return out
+
+
+def host_layer(given, chosen=()) -> dict | None:
+    """The ``host`` layer for the host flags given and the kernels the host chose (``HostChoice``): their
+    kernels first for the UNet/DiT (a kernel the host was told to keep off is not preferred), the
+    kept-off ones out of the default chains."""
     avoid = list(dict.fromkeys(f.avoid for f in given if f.avoid))
-    replaced = {f.instead_of for f in given if f.instead_of}
-    prefer = [b for b in dict.fromkeys(f.prefer for f in given if f.prefer and f.instead_of not in avoid)
-              if b not in avoid and b not in replaced]
+    # a flag that pins a kernel in another's place (Neo's --sage2-function) counts through the choice
+    prefer = [b for b in dict.fromkeys([*(c.backend for c in chosen),
+                                        *(f.prefer for f in given if f.prefer and f.instead_of is None)])
+              if b not in avoid]
     layer = {}
     if prefer:
         layer["preference"] = {role: prefer for role in DENOISER_ROLES}
@@ -309,13 +364,58 @@ def host_notes(host_name: str, given) -> list[str]:
     return out
 
 
+def _cannot_run(backend: str) -> str:
+    info = {b.id: b for b in lib_attn.backends()}.get(backend)
+    if info is None or info.available:
+        return ""
+    return f"; cannot run here: {info.reason}, so its calls fall back per call, counted with the reason in the readout"
+
+
+def choice_notes(host_name: str, chosen, cmd_opts=None) -> list[str]:
+    """One line per kernel the host chose: why the host runs it, what this extension does with it, and
+    what this extension's own flags put first instead."""
+    out = []
+    for choice in chosen:
+        text = (f"{host_name} chooses {choice.backend} on an NVIDIA GPU ({choice.why}): UNet/DiT attention prefers "
+                f"{choice.backend} in this extension{_cannot_run(choice.backend)}")
+        chain = (valid_chain(cmd_opts, "attn_backend") or opt_flag_ids(cmd_opts)) if cmd_opts is not None else None
+        if chain and chain[0] != choice.backend:
+            text += f"; this extension's flags put {chain[0]} first instead"
+        out.append(text)
+    return out
+
+
+#: The kernels the running host chose (``HostChoice``), set by ``apply_host``.
+_chosen: tuple = ()
+
+
+def host_choice_note(host_name: str) -> str | None:
+    """A generation's note on the host's own kernel: first, as the host's choice, or set aside by what
+    this generation's chain in force puts first. None when the host chose none."""
+    if not _chosen:
+        return None
+    choice = _chosen[0]
+    chain = lib_attn.config().preference.get("unet") or ()
+    if chain and chain[0] == choice.backend:
+        return f"{choice.backend} first as {host_name}'s own choice on an NVIDIA GPU ({choice.why})"
+    first = chain[0] if chain else "the default order"
+    return f"{host_name}'s own choice {choice.backend} on an NVIDIA GPU ({choice.why}) set aside: {first} first"
+
+
 def apply_host(host) -> dict | None:
-    """Set the ``host`` layer from the running host's own flags and say what each one does; ``host``
-    is a ``hosts.Host``."""
-    given = host_flags_given(host.key, host_namespaces(host.key))
-    for note in host_notes(host.name, given):
+    """Set the ``host`` layer from the running host's own flags and the kernels it chose, and say what
+    each one does; ``host`` is a ``hosts.Host``."""
+    global _chosen
+    namespaces = host_namespaces(host.key)
+    given = host_flags_given(host.key, namespaces)
+    chosen = host_choices(host.key, given)
+    shared = sys.modules.get("modules.shared")
+    notes = host_notes(host.name, [f for f in given if f.instead_of is None])
+    notes += choice_notes(host.name, chosen, getattr(shared, "cmd_opts", None))
+    for note in notes:
         voice.log_once(("host-flag", note), note)
-    layer = host_layer(given)
+    _chosen = tuple(chosen)
+    layer = host_layer(given, chosen)
     layers.set_layer("host", layer)
     return layer
 

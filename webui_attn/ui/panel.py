@@ -22,7 +22,7 @@ from host_attn import voice
 from ..routing import detect, sampling
 from ..settings import layers, stored
 from ..settings.choices import USE_SETTING, backend_from_choice
-from ..settings.flags import DENOISER_ROLES, schedule_problem, sparse_problem
+from ..settings.flags import DENOISER_ROLES, host_choice_note, schedule_problem, sparse_problem
 from . import readout, settings_page
 from .readout import (INFOTEXT_FALLBACKS_KEY, INFOTEXT_GUARD_KEY, INFOTEXT_GUARD_OVERRIDE_KEY, INFOTEXT_KEY,
                       INFOTEXT_KEYS, INFOTEXT_NOTE_KEY, INFOTEXT_OVERRIDE_KEY, INFOTEXT_SCHEDULE_KEY,
@@ -53,6 +53,12 @@ class _Generation:
     restore: dict | None = None
     #: the extension's forwards were put over the webui's own attention for this generation
     lent: bool = False
+    #: the backend chosen for this generation (its ``Attention override``), or None
+    override: str | None = None
+    #: denoiser calls (``cfg_denoiser`` callbacks) made in this generation
+    steps: int = 0
+    #: the loaded denoiser's class, as ``module.Class``, when the model shows it
+    denoiser: str | None = None
 
     def part(self, p=None, use_main_prompt: bool = False):
         """The calls of the batch ``p`` is in (``p.iteration``), or of the whole job for the grid
@@ -228,6 +234,26 @@ def _infotext_entry(gen: _Generation, key: str):
     return value
 
 
+def _note_entry(gen: _Generation):
+    """The ``Attention note`` entry: the generation's notes, and for each image whether its batch's
+    denoiser calls missed this extension (``unrouted_note``)."""
+    def value(p=None, use_main_prompt=False, **_):
+        missed = unrouted_note(gen, gen.part(p, use_main_prompt))
+        notes = (*gen.notes, *([missed] if missed else ()))
+        return readout.to_infotext(Report(notes=notes)).get(INFOTEXT_NOTE_KEY) if notes else None
+
+    return value
+
+
+def _override_entry(gen: _Generation):
+    """The ``Attention override`` entry: the backend chosen, unless the batch's denoiser calls did not
+    go through this extension (then it was not applied, and the note says so)."""
+    def value(p=None, use_main_prompt=False, **_):
+        return None if unrouted_note(gen, gen.part(p, use_main_prompt)) else gen.override
+
+    return value
+
+
 def _close_stale(job) -> None:
     # A generation that raised never reaches postprocess; one of another job (or of an unknown
     # job) is over. Nested generations (an extension running one inside another) share the job.
@@ -243,6 +269,34 @@ def asks_for_engine(override: str | None, values: dict) -> bool:
     return bool(override is not None or config.schedule is not None or config.sparse is not None
                 or backend_from_choice(values.get(stored.KEY_BACKEND))
                 or backend_from_choice(values.get(stored.KEY_VAE_BACKEND)))
+
+
+def denoiser_of(p) -> str | None:
+    """The class of the model's denoiser, ``module.Class``: Forge's lines hold it at
+    ``sd_model.forge_objects.unet.model.diffusion_model``, A1111 at ``sd_model.model.diffusion_model``."""
+    for path in (("forge_objects", "unet", "model", "diffusion_model"), ("model", "diffusion_model")):
+        found = getattr(p, "sd_model", None)
+        for attr in path:
+            found = getattr(found, attr, None)
+        if found is not None:
+            cls = type(found)
+            return f"{cls.__module__}.{cls.__qualname__}"
+    return None
+
+
+def unrouted_note(gen: _Generation, part) -> str | None:
+    """What to say when the denoiser ran (a ``cfg_denoiser`` step) but none of its attention calls in
+    ``part`` (a recording) went through this extension while its patches are in place: a model family
+    the routing does not reach, or one whose function another extension holds. Its calls ran on the
+    host's attention, and an override was not applied to them."""
+    if not gen.routing.routed or gen.steps == 0 or any(role in DENOISER_ROLES for role, _ in part.calls):
+        return None
+    what = f"the denoiser's attention ({gen.denoiser})" if gen.denoiser else "the denoiser's attention"
+    host = detect.detect().name
+    note = f"{what} did not go through this extension: it ran on {host}'s own attention or another extension's"
+    if gen.override is not None:
+        note += f"; override {gen.override!r} not applied to it"
+    return note
 
 
 def _notes(override: str | None, problem: str | None, route: voice.Routing, opts) -> tuple:
@@ -310,6 +364,9 @@ def process(p, *args):
             notes = (*notes, guard_problem)
         if lent:
             notes = (*notes, detect.adapter().lent_note())
+        chosen = host_choice_note(detect.detect().name) if route.routed and refusal is None else None
+        if chosen:
+            notes = (*notes, chosen)
         cfg = lib_attn.config() if refusal is None else None
         sparse_in_force = cfg.sparse if cfg is not None else None
         follower = None
@@ -325,7 +382,8 @@ def process(p, *args):
         probe = None if readout.host_measures(p, shared) else readout.own_probe(shared).start()
         if refusal is not None:
             notes = (*(n for n in notes if n != refusal), f"generation refused: {refusal}")
-        gen = _Generation(p, job, context, rec, probe, previous, notes, route, follower, restore=restore, lent=lent)
+        gen = _Generation(p, job, context, rec, probe, previous, notes, route, follower, restore=restore, lent=lent,
+                          override=override, denoiser=denoiser_of(p))
         _open.append(gen)
     if refusal is not None:
         refuse(p, shared, notes[-1])
@@ -336,15 +394,15 @@ def process(p, *args):
         if follower is not None and cfg.schedule is not None:
             # configuration, known now: params.txt (written before sampling) carries it too
             params[INFOTEXT_SCHEDULE_KEY] = cfg.schedule.text
-        if notes:
-            params[INFOTEXT_NOTE_KEY] = readout.to_infotext(Report(notes=notes))[INFOTEXT_NOTE_KEY]
+        params[INFOTEXT_NOTE_KEY] = _note_entry(gen)
         if sparse_in_force is not None:
             params[INFOTEXT_SPARSE_KEY] = sparse_in_force.text
         if refusal is None:
             # what the user chose, apart from what ran: paste-back restores these
-            for key, chosen in ((INFOTEXT_OVERRIDE_KEY, override), (INFOTEXT_GUARD_OVERRIDE_KEY, guard)):
-                if chosen is not None:
-                    params[key] = chosen
+            if override is not None:
+                params[INFOTEXT_OVERRIDE_KEY] = _override_entry(gen)
+            if guard is not None:
+                params[INFOTEXT_GUARD_OVERRIDE_KEY] = guard
 
 
 def refuse(p, shared, message: str) -> None:
@@ -364,6 +422,8 @@ def refuse(p, shared, message: str) -> None:
 
 def on_cfg_denoiser(params) -> None:
     """``cfg_denoiser`` callback (each denoiser call): where sampling is, for the schedule in force."""
+    if _open:
+        _open[-1].steps += 1
     follower = _open[-1].follower if _open else None
     if follower is not None:
         follower.step(params)
@@ -406,10 +466,18 @@ def postprocess(p, processed, *args):
             return
         vram = readout.host_vram(getattr(shared, "mem_mon", None)) if gen.probe is None else gen.probe.stop()
         gen.close()
-    report = dataclasses.replace(Report.from_recording(gen.rec, vram=vram), notes=gen.notes,
+    missed = unrouted_note(gen, gen.rec)
+    report = dataclasses.replace(Report.from_recording(gen.rec, vram=vram),
+                                 notes=(*gen.notes, *([missed] if missed else ())),
                                  ran_on=gen.routing.ran_on, hint=gen.routing.hint)
     readout.set_last_report(report)
     settle_infotext(p, report)
+    params = getattr(p, "extra_generation_params", None)
+    if params is not None and INFOTEXT_OVERRIDE_KEY in params:
+        if missed:
+            del params[INFOTEXT_OVERRIDE_KEY]
+        else:
+            params[INFOTEXT_OVERRIDE_KEY] = gen.override
     if stored.readout_enabled(getattr(shared, "opts", None)):
         show(p, processed, report)
 

@@ -142,3 +142,28 @@ elif memory_management.pytorch_attention_enabled():
     attention_function_single_head_spatial = pytorch_attention_single_head_spatial
 else:
     attention_function_single_head_spatial = normal_attention_single_head_spatial
+
+
+class AttentionProcessorForge:
+    """Forge's diffusers attention processor (its Spaces and geowizard): diffusers' ``Attention`` module's
+    projections around ``attention_function``, looked up in this module at call time."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, *args,
+                 **kwargs):
+        residual = hidden_states
+        input_ndim = hidden_states.ndim
+        if input_ndim == 4:
+            batch_size, channel, height, width = hidden_states.shape
+            hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
+        query = attn.to_q(hidden_states)
+        if encoder_hidden_states is None:
+            encoder_hidden_states = hidden_states
+        key = attn.to_k(encoder_hidden_states)
+        value = attn.to_v(encoder_hidden_states)
+        hidden_states = attention_function(query, key, value, heads=attn.heads, mask=attention_mask)
+        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+        if input_ndim == 4:
+            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
+        if attn.residual_connection:
+            hidden_states = hidden_states + residual
+        return hidden_states / attn.rescale_output_factor

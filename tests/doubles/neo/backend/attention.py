@@ -17,6 +17,13 @@ from backend.args import args
 
 FORCE_UPCAST_ATTENTION_DTYPE = memory_management.force_upcast_attention_dtype()
 
+#: SageAttention 2 (the installed version starts with "2"), known only where Neo uses sage; only then
+#: does ``--sage2-function`` pick a kernel of it instead of ``sageattn``.
+IS_SAGE_2 = False
+if memory_management.sage_enabled():
+    import importlib.metadata
+    IS_SAGE_2 = importlib.metadata.version("sageattention").startswith("2")
+
 
 def get_attn_precision(attn_precision, current_dtype):
     if args.dont_upcast_attention:

@@ -1,11 +1,11 @@
 """Double of Forge Neo's backend/memory_management.py: what attention selection reads.
 
-xformers, SageAttention and flash-attn count as available when they import, unless their
-``--disable-*`` flag is given (``--xformers``/``--sage``/``--flash`` only install them); each is used
-only on an NVIDIA GPU. ``--attention-pytorch`` turns SDPA on and xformers off; on a GPU SDPA is on
+xformers, SageAttention and flash-attn count as available when they import (``from sageattention
+import sageattn``, ``from flash_attn import flash_attn_func``; xformers with its compiled library),
+unless their ``--disable-*`` flag is given (``--xformers``/``--sage``/``--flash`` only install them);
+each is used only on an NVIDIA GPU. ``--attention-pytorch`` turns SDPA on and xformers off; on a GPU SDPA is on
 unless ``--attention-split``.
 """
-import importlib.util
 from enum import Enum
 
 import torch
@@ -23,16 +23,35 @@ cpu_state = CPUState.CPU if args.always_cpu or not torch.cuda.is_available() els
 OOM_EXCEPTION = torch.cuda.OutOfMemoryError
 
 
-def _importable(name: str) -> bool:
+if args.disable_xformers:
+    XFORMERS_IS_AVAILABLE = False
+else:
     try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
+        import xformers
+        import xformers.ops  # noqa: F401
+        XFORMERS_IS_AVAILABLE = getattr(xformers, "_has_cpp_library", True)
+    except Exception:
+        XFORMERS_IS_AVAILABLE = False
 
+if args.disable_sage:
+    SAGE_IS_AVAILABLE = False
+else:
+    try:
+        from sageattention import sageattn  # noqa: F401
+    except ImportError:
+        SAGE_IS_AVAILABLE = False
+    else:
+        SAGE_IS_AVAILABLE = True
 
-XFORMERS_IS_AVAILABLE = not args.disable_xformers and _importable("xformers")
-SAGE_IS_AVAILABLE = not args.disable_sage and _importable("sageattention")
-FLASH_IS_AVAILABLE = not args.disable_flash and _importable("flash_attn")
+if args.disable_flash:
+    FLASH_IS_AVAILABLE = False
+else:
+    try:
+        from flash_attn import flash_attn_func  # noqa: F401
+    except ImportError:
+        FLASH_IS_AVAILABLE = False
+    else:
+        FLASH_IS_AVAILABLE = True
 
 ENABLE_PYTORCH_ATTENTION = False
 if args.attention_pytorch:

@@ -1,10 +1,10 @@
 """Double of Forge Classic's ldm_patched/modules/model_management.py: what attention selection reads.
 
-SageAttention and xformers count when they import (unless ``--disable-sage`` / ``--disable-xformers``;
-``--attention-pytorch`` turns xformers off), and are used only on an NVIDIA GPU; SDPA is on with
+SageAttention and xformers count when they import (``from sageattention import sageattn``; xformers
+with its compiled library), unless ``--disable-sage`` / ``--disable-xformers`` (``--attention-pytorch``
+turns xformers off), and are used only on an NVIDIA GPU; SDPA is on with
 ``--attention-pytorch`` and on an NVIDIA GPU unless ``--attention-split``/``--attention-quad``.
 """
-import importlib.util
 from enum import Enum
 
 import torch
@@ -21,8 +21,25 @@ class CPUState(Enum):
 cpu_state = CPUState.CPU if args.always_cpu or not torch.cuda.is_available() else CPUState.GPU
 OOM_EXCEPTION = torch.cuda.OutOfMemoryError
 
-XFORMERS_IS_AVAILABLE = not args.disable_xformers and importlib.util.find_spec("xformers") is not None
-SAGE_IS_AVAILABLE = not args.disable_sage and importlib.util.find_spec("sageattention") is not None
+if args.disable_xformers:
+    XFORMERS_IS_AVAILABLE = False
+else:
+    try:
+        import xformers
+        import xformers.ops  # noqa: F401
+        XFORMERS_IS_AVAILABLE = getattr(xformers, "_has_cpp_library", True)
+    except Exception:
+        XFORMERS_IS_AVAILABLE = False
+
+if args.disable_sage:
+    SAGE_IS_AVAILABLE = False
+else:
+    try:
+        from sageattention import sageattn  # noqa: F401
+    except ImportError:
+        SAGE_IS_AVAILABLE = False
+    else:
+        SAGE_IS_AVAILABLE = True
 
 ENABLE_PYTORCH_ATTENTION = False
 if args.attention_pytorch:
