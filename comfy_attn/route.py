@@ -321,7 +321,9 @@ def make_sample_wrapper(config: dict, role: str = "unet", fp32: str | None = Non
     windows are in force, the blocks of the model being sampled (the guider's, ``executor.class_obj``)
     tell the engine where they start; no step is known before or after. The calls that pass no options
     are served so only while they are this model's (the guider's ``model_patcher``'s): another model a
-    guider calls runs on its own settings. ``override``: the node's, which serves this model's calls."""
+    guider calls runs on its own settings. ``override``: the node's, which serves this model's calls; an
+    override put on after it that computes calls with a kernel of its own is named in the report with
+    the calls it took (``_taken_after``)."""
     def wrapper(executor, *args, **kwargs):
         rebind_names()   # a pack loaded after the node was run (ComfyUI loads folders in no set order)
         model = getattr(getattr(executor.class_obj, "model_patcher", None), "model", None)
@@ -330,22 +332,60 @@ def make_sample_wrapper(config: dict, role: str = "unet", fp32: str | None = Non
             run.note(f"the attention override put on before this node ({replaced}) computes its calls with a kernel "
                      "of its own: this node replaced it")
         try:
-            return _sample(executor, config, *args, **kwargs)
+            return _sample(executor, config, _taken_after(executor.class_obj, override), *args, **kwargs)
         finally:
             _serving.reset(token)
     return wrapper
 
 
-def _sample(executor, config, *args, **kwargs):
+def _above(current, override):
+    """The first override in the chain from ``current`` down to ``override`` that computes calls with a
+    kernel of its own (and so keeps them from the node), or None."""
+    while current is not None and current is not override and not getattr(current, ENGINE_OVERRIDE, False):
+        if (_stem(getattr(current, "__module__", "")), getattr(current, "__qualname__", "")) != SPARSE_NODE_OVERRIDE:
+            return current
+        current = _under(current)
+    return None
+
+
+def _taken_after(guider, override):
+    """Where an override put on the model after the node (KJNodes' Patch Sage Attention, ComfyUI's Model
+    Attention Backend) would take the calls that pass options, this sampling's copy of the options gets
+    it counted; returns the note to make at the end (or None)."""
+    options = (getattr(guider, "model_options", None) or {}).get("transformer_options")
+    current = options.get("optimized_attention_override") if isinstance(options, dict) else None
+    foreign = _above(current, override) if override is not None else None
+    if foreign is None:
+        return None
+    taken = [0]
+
+    def counted(*args, **kwargs):
+        taken[0] += 1
+        return current(*args, **kwargs)
+    options["optimized_attention_override"] = counted   # the guider's copy, for this sampling only
+
+    def note():
+        if taken[0]:
+            run.note(f"{taken[0]} attention calls were computed by {describe(foreign)}, an attention override put "
+                     "on after this node, with a kernel of its own; this node's backend served the calls that "
+                     "pass no options")
+    return note
+
+
+def _sample(executor, config, note_taken, *args, **kwargs):
     with run.segment(config):
-        if lib_attn.config().positional is None:
-            return executor(*args, **kwargs)
-        steps.leave()
         try:
-            with schedule.blocks(executor.class_obj.model_patcher.model.diffusion_model):
+            if lib_attn.config().positional is None:
                 return executor(*args, **kwargs)
-        finally:
             steps.leave()
+            try:
+                with schedule.blocks(executor.class_obj.model_patcher.model.diffusion_model):
+                    return executor(*args, **kwargs)
+            finally:
+                steps.leave()
+        finally:
+            if note_taken is not None:
+                note_taken()
 
 
 def model_call_wrapper(executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options={},
@@ -599,7 +639,8 @@ def _samplings_are_segments() -> None:
     """Under the global route each sampling (``CFGGuider.outer_sample``) is a segment of the run, whose
     report goes to the page when it ends, as a node's sampling is; modules loaded since the last sampling
     (a pack loaded after this package) have their names rebound first."""
-    cls = getattr(sys.modules.get("comfy.samplers"), "CFGGuider", None)
+    samplers, _ = import_quietly("comfy.samplers")   # ComfyUI's nodes.py has it loaded already
+    cls = getattr(samplers, "CFGGuider", None)
     method = cls.__dict__.get("outer_sample") if cls is not None else None
     if method is not None and not _names.is_patched(cls, "outer_sample"):
         _names.patch(cls, "outer_sample", _as_segment(method))

@@ -193,13 +193,14 @@ class GuidedPair(torch.nn.Module):
     """The diffusion model of a sampled model whose guider also calls a second model (its own ``BaseModel``,
     its own options), as dual-model guiders do."""
 
-    def __init__(self, first, second):
+    def __init__(self, first, second, second_options=None):
         super().__init__()
-        self.first, self.second = first, second
+        self.first, self.second, self.second_options = first, second, second_options or {}
 
     def forward(self, x, timesteps=None, context=None, transformer_options={}, **kwargs):
         own = self.first(x, timesteps=timesteps, context=context, transformer_options=transformer_options)
-        return own + self.second.apply_model(x, timesteps, c_crossattn=context, transformer_options={})
+        return own + self.second.apply_model(x, timesteps, c_crossattn=context,
+                                             transformer_options=dict(self.second_options))
 
 
 def test_another_model_a_guider_calls_runs_on_comfyuis_attention_not_the_nodes(comfy_factory):
@@ -216,6 +217,46 @@ def test_another_model_a_guider_calls_runs_on_comfyuis_attention_not_the_nodes(c
         out = sample(routed, steps=2)
     assert rel_err(out, ref) <= 1e-5
     assert rec.calls == {("dit", "sdpa"): 2 * 4}                               # the first model's calls only
+
+
+def test_another_model_a_guider_calls_runs_on_its_own_nodes_settings(comfy_factory):
+    _, nodes = loaded(comfy_factory)
+    from comfy.ldm.flux.model import Flux
+    from comfy.model_base import BaseModel
+    from comfy.model_patcher import ModelPatcher
+    torch.manual_seed(5)
+    (second,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto",
+                     **dict(BACKEND, backend="sdpa-math"))
+    options = second.model_options["transformer_options"]
+    patcher = ModelPatcher(BaseModel(GuidedPair(Flux(), second.model, options)))
+    (routed,) = node(nodes, "FlashAttentionBackend", model=patcher, tune="auto", **BACKEND)
+    with lib_attn.recording() as rec:
+        sample(routed, steps=2)
+    assert rec.calls == {("dit", "sdpa"): 2, ("unet", "sdpa-math"): 4}        # each model on its own node's
+
+
+@pytest.mark.parametrize("put_on", ["ComfyUI's Model Attention Backend", "a patch node's own kernel"])
+def test_an_override_put_on_after_the_node_is_named_in_the_report_with_the_calls_it_took(comfy_factory, put_on):
+    _, nodes = loaded(comfy_factory)
+    from comfy.ldm.modules import attention
+    (routed,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto", **BACKEND)
+    later = routed.clone()
+    ran = []
+    if put_on.startswith("ComfyUI"):
+        later.set_model_optimized_attention(lambda *a, **kw: ran.append(1) or attention.attention_pytorch(*a, **kw))
+    else:
+        def own_kernel(func, *args, **kwargs):
+            ran.append(1)
+            return attention.attention_pytorch(*args, **kwargs)
+        later.model_options["transformer_options"]["optimized_attention_override"] = own_kernel
+    with lib_attn.recording() as rec:
+        out = sample(later)
+    assert len(ran) == 4 and not rec.calls
+    text = node(nodes, "FlashAttentionReport", images=out)["ui"]["text"]
+    assert any("4 attention calls were computed by" in line and "put on after this node" in line
+               for line in text), text
+    kept = later.model_options["transformer_options"]["optimized_attention_override"]
+    assert kept.__name__ != "counted"                                            # the model's own options untouched
 
 
 # --- the VAE's precision, batches over ComfyUI's limit, the precision cache --------------------------------------
@@ -264,3 +305,47 @@ def test_the_precision_check_of_a_rebound_name_is_looked_up_once(comfy_factory, 
     assert route.consults_precision(rebound)                                     # sub-quadratic asks the rule
     monkeypatch.setattr(route.inspect, "unwrap", lambda f: pytest.fail("read again"))
     assert route.consults_precision(rebound)
+
+
+# --- a bad value, once, on its input -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("inputs,where,words", [
+    (dict(chain="flash-atn"), "chain", ["unknown backend id 'flash-atn'", "valid ids"]),
+    (dict(schedule="0-50%: sdpa; 50-100%: flahs"), None, ["schedule rule 2", "'flahs'"]),
+    (dict(sparse="sol, budget=1.5"), None, ["sparse budget '1.5'"]),
+])
+def test_a_bad_value_is_reported_once_on_the_input_that_holds_it(comfy_factory, inputs, where, words):
+    """The shipped graph's inputs, all present, one of them bad: ComfyUI names every input its check takes."""
+    _, nodes = loaded(comfy_factory)
+    import execution
+    cls = nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"]
+    values = {**dict(model=None, tune="auto", guard="on", schedule="", sparse=""), **BACKEND, **inputs}
+    ok, errors = execution.validate(cls, values)
+    assert [e["extra_info"]["input_name"] for e in errors] == ([where] if where else [])
+    assert all(all(w in e["details"] for w in words) for e in errors)
+    if where is None:                                                            # refused when the node runs
+        with pytest.raises(ValueError) as raised:
+            execution.execute(cls, dict(values, model=unet_patcher()))
+        assert all(w in str(raised.value) for w in words)
+
+
+# --- the global route's report --------------------------------------------------------------------------------
+
+def test_the_global_route_sends_each_samplings_and_decodes_report_and_the_cache_note(comfy_factory):
+    comfy = comfy_factory(argv=("--cpu",), env={"ATTN_COMFY_ROUTE": "auto"})
+    assert comfy.load_node()
+    import nodes
+    from comfy.sd import VAE
+    from comfy_execution.utils import CurrentNodeContext
+    comfy.server.client_id = "page-1"                                          # the page that queued p1
+    latent = sample(unet_patcher(), prompt_id="p1")
+    with CurrentNodeContext("p1", "8"):
+        images = VAE().decode(latent)
+    sent = [(data, sid) for event, data, sid in comfy.server.sent if event == "flash-attention.report"]
+    assert len(sent) == 2 and all(data["prompt_id"] == "p1" and sid == "page-1" for data, sid in sent)
+    assert {(c["role"], c["count"]) for c in sent[0][0]["calls"]} == {("unet", 4)}
+    assert {(c["role"], c["count"]) for c in sent[1][0]["calls"]} == {("unet", 4), ("vae", 1)}
+    sample(unet_patcher(), prompt_id="p2")                                     # other work in between
+    text = node(nodes, "FlashAttentionReport", prompt_id="p3", images=images)["ui"]["text"]  # p1's, from the cache
+    assert text[0].endswith("×4") and text[1].startswith("VAE: sdpa")
+    assert "these images come from ComfyUI's cache" in text[-1] and "(prompt p1)" in text[-1]
