@@ -544,12 +544,14 @@ def _rebound(module_role: str, original, wrap):
 
     def attention_function(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
                            skip_output_reshape=False, **kwargs):
-        serving = _serving.get()
+        serving, vae = _serving.get(), _vae_config.get()
+        if serving is None and vae is None and not _everything[0]:   # no routed model or VAE runs: ComfyUI's
+            return original(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, **kwargs)
         inside = _model_call.get()
         if serving is not None and (inside is None or serving[2] is None or inside[0] is serving[2]):
             role, fp32 = serving[0], serving[1]
-        elif _vae_config.get() is not None:
-            role, fp32 = "vae", _vae_config.get().get("fp32")
+        elif vae is not None:
+            role, fp32 = "vae", vae.get("fp32")
         elif _everything[0]:
             role, fp32 = (inside[1] if inside is not None else module_role), None
             run.begin()  # counts the run a graph without the nodes is
