@@ -2,13 +2,12 @@
 Attention report (shows what the run's attention did).
 
 Choices list only valid values, which ComfyUI checks itself ("Value not in list", on the input that
-holds the value); a backend chain and a schedule typed by hand are checked before the graph runs
-(``VALIDATE_INPUTS``) and again when the node runs, with a message naming the bad part and the valid
-ones. ComfyUI 0.8.0 calls ``VALIDATE_INPUTS`` with the inputs it names that the prompt holds (an
-optional input a graph saved before it existed lacks is left out, so it keeps its default), and
-reports a failed check once for every input it was given, each time with the same text: the text
-names what is wrong (``unknown backend id …`` for the chain, ``schedule rule N (…)`` for the schedule,
-``sparse budget …`` and the like for the sparse settings).
+holds the value). ComfyUI (0.8.0 to 0.19.3) calls ``VALIDATE_INPUTS`` with the inputs its signature
+names and reports a failed check once for every one of them, with the same text: so the check takes the
+backend chain typed by hand alone, and a bad chain is refused before the graph runs once, on ``chain``.
+The schedule and the sparse settings are checked when the node runs, before anything of them is put
+in force, and refused with a message that names the input and the wrong part (``schedule rule N (…)``,
+``sparse budget …``); the chain is checked there again (the API can skip the page).
 """
 from __future__ import annotations
 
@@ -27,10 +26,9 @@ from . import route, run
 CATEGORY = "advanced/attention"
 
 
-def _validate(chain, schedule="", sparse=""):
-    """True, or what is wrong with the chain, the schedule or the sparse settings (ComfyUI's answer to
-    VALIDATE_INPUTS)."""
-    return problem(chain, schedule, sparse) or True
+def _validate(chain):
+    """True, or what is wrong with the chain (ComfyUI's answer to VALIDATE_INPUTS)."""
+    return problem(chain) or True
 
 
 def _common_inputs() -> dict:
@@ -67,8 +65,8 @@ class AttentionBackend:
     DESCRIPTION = "Runs the model's attention on the fastest kernel that takes each call, falling back per call."
 
     @classmethod
-    def VALIDATE_INPUTS(cls, chain, schedule="", sparse=""):
-        return _validate(chain, schedule, sparse)
+    def VALIDATE_INPUTS(cls, chain):
+        return _validate(chain)
 
     def apply(self, model, backend, chain, strict, fp32, tune, guard=GUARD_MODES[0], schedule="", sparse=""):
         config = config_for(("unet", "dit"), backend, chain, strict, fp32, tune, guard, schedule, sparse)

@@ -80,13 +80,15 @@ UNET_CLASS = ("comfy.ldm.modules.diffusionmodules.openaimodel", "UNetModel")
 
 #: The configuration of the routed VAE whose encode/decode runs now (None: ComfyUI's own attention).
 _vae_config: contextvars.ContextVar = contextvars.ContextVar("lib_attn_vae_config", default=None)
-#: (role, fp32) of the model an Attention backend node routes, while it samples (None: no such model).
+#: (role, fp32, ComfyUI ``BaseModel``, override) of the model an Attention backend node routes, while it
+#: samples (None: no such model).
 _serving: contextvars.ContextVar = contextvars.ContextVar("lib_attn_comfy_serving", default=None)
-#: The role of the model whose call (``BaseModel.apply_model``) runs now, under the global route (None: none).
+#: (ComfyUI ``BaseModel``, its role) of the model whose call (``BaseModel.apply_model``) runs now (None: none).
 _model_call: contextvars.ContextVar = contextvars.ContextVar("lib_attn_comfy_model_call", default=None)
 _blocks = Patches("comfy-vae")
 _names = Patches("comfy-names")
 _everything = [False]   # the global route is on
+_scanned = [0]          # len(sys.modules) when the names were last looked for
 _functions: dict = {}
 _consults: dict = {}
 
@@ -109,11 +111,11 @@ def consults_precision(func) -> bool:
         return _consults[func]
     except (KeyError, TypeError):
         pass
-    func = getattr(func, "comfy_function", func)   # a rebound name stands for ComfyUI's function
-    code = getattr(inspect.unwrap(func), "__code__", None)
+    comfy = getattr(func, "comfy_function", func)   # a rebound name stands for ComfyUI's function
+    code = getattr(inspect.unwrap(comfy), "__code__", None)
     found = code is None or "get_attn_precision" in code.co_names
     try:
-        _consults[func] = found
+        _consults[func] = found   # under the name it was asked by: a rebound name's next call finds it
     except TypeError:
         pass
     return found
@@ -139,7 +141,9 @@ def function(role: str, fp32: str | None = None, upcasts: bool = True):
         return _heads(role, fp32, upcasts)
     key = (role, fp32)
     if key not in _functions:
-        _functions[key] = convention.make_spatial_function(precision(), fp32_rule(fp32))
+        # ComfyUI's VAE attention (``vae_attention()``'s functions) never asks get_attn_precision: under
+        # --force-upcast-attention an fp16 VAE still attends in fp16.
+        _functions[key] = convention.make_spatial_function(_no_upcast, fp32_rule(fp32))
     return _functions[key]
 
 
@@ -148,10 +152,36 @@ def _heads(role: str, fp32: str | None = None, upcasts: bool = True):
     key = ("heads", role, fp32, upcasts)
     if key not in _functions:
         rule = precision() if upcasts or fp32 else _no_upcast
-        made = convention.make_heads_function(role, rule, fp32_rule(fp32))
+        made = _in_batches(convention.make_heads_function(role, rule, fp32_rule(fp32)))
         setattr(made, ENGINE_FUNCTION, upcasts)
         _functions[key] = made
     return _functions[key]
+
+
+def batch_limit():
+    """ComfyUI's ``SDP_BATCH_LIMIT``: the largest batch one attention kernel launch takes (2**15 on NVIDIA,
+    where PyTorch's kernels fail above it; ComfyUI splits larger batches), or None where it sets none."""
+    return getattr(sys.modules.get(SOURCE), "SDP_BATCH_LIMIT", None)
+
+
+def _in_batches(function_):
+    """``function_`` called on slices of at most ``batch_limit()`` batch entries, as ComfyUI's PyTorch
+    attention splits a batch (SVD's and AnimateDiff's temporal attention has one entry per pixel)."""
+    def attention_function(q, k, v, heads, mask=None, *args, **kwargs):
+        limit, b = batch_limit(), q.shape[0]
+        if limit is None or b <= limit:
+            return function_(q, k, v, heads, mask, *args, **kwargs)
+        out = None
+        for i in range(0, b, limit):
+            part = mask if mask is None or mask.dim() < 3 or mask.shape[0] == 1 else mask[i:i + limit]
+            piece = function_(q[i:i + limit], k[i:i + limit], v[i:i + limit], heads, part, *args, **kwargs)
+            if out is None:
+                out = piece.new_empty((b, *piece.shape[1:]))
+            out[i:i + limit] = piece
+        return out
+
+    attention_function.__qualname__ = attention_function.__name__ = function_.__name__
+    return attention_function
 
 
 def role_of(model_patcher) -> str:
@@ -200,7 +230,18 @@ def describe(override) -> str:
     return f"{getattr(override, '__module__', '?')}.{getattr(override, '__qualname__', repr(override))}"
 
 
-def make_override(role: str, fp32: str | None = None, previous=None):
+def _foreign(func, kwargs) -> bool:
+    """Whether a call passes a keyword the engine does not take: then ComfyUI's function ``func`` takes
+    it, and the run's report says so (never a keyword dropped)."""
+    unknown = convention.unknown_keywords(kwargs)
+    if unknown:
+        run.note(f"attention calls passing {', '.join(unknown)} ran on ComfyUI's own function "
+                 f"({getattr(getattr(func, 'comfy_function', func), '__name__', func)}): this extension's engine "
+                 f"does not take {'it' if len(unknown) == 1 else 'them'}")
+    return bool(unknown)
+
+
+def make_override(role: str, fp32: str | None = None, previous=None, config: dict | None = None):
     """``optimized_attention_override``: ComfyUI calls it as ``override(func, *args, **kwargs)`` with
     the arguments of the attention function ``func``; the engine serves the call instead. ``previous``,
     an override another node put on the model before this one, keeps its place when it hands calls on
@@ -208,7 +249,10 @@ def make_override(role: str, fp32: str | None = None, previous=None):
     the engine's function as the ``func`` it computes (or declines) with; a call it computes itself is
     said in the run's report. Any other override is replaced (the last node wins, as with ComfyUI's own
     patch nodes): ``override.replaced`` names it. A ``func`` that is the engine's function of a node put
-    on after this one (reaching this override through an override between) runs as that node says."""
+    on after this one (reaching this override through an override between) runs as that node says.
+    ``config``: the node's configuration, put in force for a call made while another model samples (a
+    guider's second model); the model's own sampling has it in force already. A call passing a keyword
+    the engine does not take goes to ``func`` (``_foreign``)."""
     upcasting, own_dtype = function(role, fp32), function(role, fp32, upcasts=False)
     if getattr(previous, ENGINE_OVERRIDE, False):  # this node again: the override before the first one stays
         previous = previous.previous
@@ -221,8 +265,17 @@ def make_override(role: str, fp32: str | None = None, previous=None):
             return func
         return upcasting if consults_precision(func) else own_dtype
 
+    def own_settings(call, func, args, kwargs):
+        serving = _serving.get()
+        if config and serving is not None and serving[3] is not override:
+            with lib_attn.use(**config):
+                return call(func, *args, **kwargs)
+        return call(func, *args, **kwargs)
+
     if previous is None:
-        def override(func, *args, **kwargs):
+        def served(func, *args, **kwargs):
+            if kwargs.keys() - convention.ORDINARY and _foreign(func, kwargs):
+                return func(*args, **kwargs)
             return engine(func)(*args, **kwargs)
     else:
         reached = [0]
@@ -232,13 +285,18 @@ def make_override(role: str, fp32: str | None = None, previous=None):
         for chosen in (upcasting, own_dtype):
             counted[chosen] = _counting(chosen, reached)
 
-        def override(func, *args, **kwargs):
+        def served(func, *args, **kwargs):
+            if kwargs.keys() - convention.ORDINARY and _foreign(func, kwargs):
+                return previous(func, *args, **kwargs)
             before = reached[0]
             chosen = engine(func)
             out = previous(counted.get(chosen) or _counting(chosen, reached), *args, **kwargs)
             if reached[0] == before:
                 run.note(took_itself)
             return out
+
+    def override(func, *args, **kwargs):
+        return own_settings(served, func, args, kwargs)
 
     override.__qualname__ = override.__name__ = f"lib_attn_{role}_override"
     setattr(override, ENGINE_OVERRIDE, True)
@@ -255,34 +313,79 @@ def _counting(function_, reached):
     return counted
 
 
-def make_sample_wrapper(config: dict, role: str = "unet", fp32: str | None = None, replaced: str | None = None):
+def make_sample_wrapper(config: dict, role: str = "unet", fp32: str | None = None, replaced: str | None = None,
+                        override=None):
     """An ``OUTER_SAMPLE`` wrapper: the model samples under ``config``, counted in the run, and the
     calls that pass no options are served as ``role`` with ``fp32``; ``replaced``, the override the node
     took the place of, is said in the run's report. While a schedule or sparse dense
     windows are in force, the blocks of the model being sampled (the guider's, ``executor.class_obj``)
-    tell the engine where they start; no step is known before or after."""
+    tell the engine where they start; no step is known before or after. The calls that pass no options
+    are served so only while they are this model's (the guider's ``model_patcher``'s): another model a
+    guider calls runs on its own settings. ``override``: the node's, which serves this model's calls; an
+    override put on after it that computes calls with a kernel of its own is named in the report with
+    the calls it took (``_taken_after``)."""
     def wrapper(executor, *args, **kwargs):
-        token = _serving.set((role, fp32))
+        rebind_names()   # a pack loaded after the node was run (ComfyUI loads folders in no set order)
+        model = getattr(getattr(executor.class_obj, "model_patcher", None), "model", None)
+        token = _serving.set((role, fp32, model, override))
         if replaced:
             run.note(f"the attention override put on before this node ({replaced}) computes its calls with a kernel "
                      "of its own: this node replaced it")
         try:
-            return _sample(executor, config, *args, **kwargs)
+            return _sample(executor, config, _taken_after(executor.class_obj, override), *args, **kwargs)
         finally:
             _serving.reset(token)
     return wrapper
 
 
-def _sample(executor, config, *args, **kwargs):
+def _above(current, override):
+    """The first override in the chain from ``current`` down to ``override`` that computes calls with a
+    kernel of its own (and so keeps them from the node), or None."""
+    while current is not None and current is not override and not getattr(current, ENGINE_OVERRIDE, False):
+        if (_stem(getattr(current, "__module__", "")), getattr(current, "__qualname__", "")) != SPARSE_NODE_OVERRIDE:
+            return current
+        current = _under(current)
+    return None
+
+
+def _taken_after(guider, override):
+    """Where an override put on the model after the node (KJNodes' Patch Sage Attention, ComfyUI's Model
+    Attention Backend) would take the calls that pass options, this sampling's copy of the options gets
+    it counted; returns the note to make at the end (or None)."""
+    options = (getattr(guider, "model_options", None) or {}).get("transformer_options")
+    current = options.get("optimized_attention_override") if isinstance(options, dict) else None
+    foreign = _above(current, override) if override is not None else None
+    if foreign is None:
+        return None
+    taken = [0]
+
+    def counted(*args, **kwargs):
+        taken[0] += 1
+        return current(*args, **kwargs)
+    options["optimized_attention_override"] = counted   # the guider's copy, for this sampling only
+
+    def note():
+        if taken[0]:
+            run.note(f"{taken[0]} attention calls were computed by {describe(foreign)}, an attention override put "
+                     "on after this node, with a kernel of its own; this node's backend served the calls that "
+                     "pass no options")
+    return note
+
+
+def _sample(executor, config, note_taken, *args, **kwargs):
     with run.segment(config):
-        if lib_attn.config().positional is None:
-            return executor(*args, **kwargs)
-        steps.leave()
         try:
-            with schedule.blocks(executor.class_obj.model_patcher.model.diffusion_model):
+            if lib_attn.config().positional is None:
                 return executor(*args, **kwargs)
-        finally:
             steps.leave()
+            try:
+                with schedule.blocks(executor.class_obj.model_patcher.model.diffusion_model):
+                    return executor(*args, **kwargs)
+            finally:
+                steps.leave()
+        finally:
+            if note_taken is not None:
+                note_taken()
 
 
 def model_call_wrapper(executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options={},
@@ -302,11 +405,11 @@ def route_model(model_patcher, config: dict, fp32: str | None = None):
     role = role_of(model)
     options = model.model_options.setdefault("transformer_options", {})
     previous = options.get("optimized_attention_override")
-    override = options["optimized_attention_override"] = make_override(role, fp32, previous)
+    override = options["optimized_attention_override"] = make_override(role, fp32, previous, config)
     for kind in (WrappersMP.OUTER_SAMPLE, WrappersMP.APPLY_MODEL):
         model.remove_wrappers_with_key(kind, WRAPPER_KEY)
     model.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY,
-                               make_sample_wrapper(config, role, fp32, override.replaced))
+                               make_sample_wrapper(config, role, fp32, override.replaced, override))
     model.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, model_call_wrapper)
     return model
 
@@ -389,7 +492,23 @@ def _comfy_model_module(module_name: str, module, root: str) -> bool:
     return _extras_file(module, root) is not None
 
 
+def _rebinds(module_name: str, module, root: str) -> bool:
+    """Whether the name a module holds is rebound: ComfyUI's model modules, and any other module (a custom
+    node pack's, such as IPAdapter_plus's patch module, which imports ``optimized_attention`` by name and
+    calls it without options) that is not one of ComfyUI's encoders or its own code outside ``comfy``."""
+    if module_name.startswith(ENCODER_MODULES):
+        return False
+    if module_name.startswith(("comfy.", "comfy_")) or module_name == "comfy":
+        return _comfy_model_module(module_name, module, root)
+    return True
+
+
 def _module_role(module_name: str, module, attention, root: str) -> str:
+    """The role a module's calls are served as under the global route outside a model call; a pack's
+    module serves as ComfyUI's attention module does (a pack loaded after this package imports that
+    module's rebound name itself)."""
+    if not (module_name.startswith("comfy.") or _extras_file(module, root) is not None):
+        return "unet"
     if module_name.startswith(VAE_MODULES):
         return "vae"
     if module_name in (attention.__name__, *UNET_MODULES) or _extras_file(module, root) in UNET_FILES:
@@ -398,41 +517,50 @@ def _module_role(module_name: str, module, attention, root: str) -> str:
 
 
 def rebind_names() -> list[str]:
-    """Rebind ComfyUI's chosen function wherever a loaded module of ComfyUI's holds it (once per
-    module; a module loaded later is reached at the next call of this); returns what is rebound."""
+    """Rebind ComfyUI's chosen function wherever a loaded module (``_rebinds``) holds it (once per
+    module; a module loaded later is reached at the next call of this, which each sampling makes when
+    modules were loaded since), and have each model call say its model; returns what is rebound."""
+    if len(sys.modules) == _scanned[0] and _names.active:
+        return _names.targets()
+    _scanned[0] = len(sys.modules)
+    _model_calls_say_their_role()
     attention = importlib.import_module(SOURCE)
     wrap = getattr(attention, "wrap_attn", None)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(attention.__file__)))))
     chosen = [_names.original(attention, name) for name in NAMES if hasattr(attention, name)]
     for module_name, module, name in copies(attention, NAMES, values=chosen):
-        if _comfy_model_module(module_name, module, root) and not _names.is_patched(module, name):
+        if _rebinds(module_name, module, root) and not _names.is_patched(module, name):
             original = getattr(module, name)
             _names.patch(module, name, _rebound(_module_role(module_name, module, attention, root), original, wrap))
     return _names.targets()
 
 
 def _rebound(module_role: str, original, wrap):
-    """The function a rebound name holds: the engine serves the call as the model sampling now, the VAE
-    running now or (global route) the model whose call runs now says, or else the module; otherwise
-    ComfyUI's ``original`` takes it."""
+    """The function a rebound name holds: the engine serves the call as the model sampling now says (while
+    the call is that model's, or no model's call), the VAE running now, or (global route) the model whose
+    call runs now or else the module; otherwise ComfyUI's ``original`` takes it, as it takes a call passing
+    a keyword the engine does not take."""
     upcasts = consults_precision(original)
 
     def attention_function(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
                            skip_output_reshape=False, **kwargs):
-        serving = _serving.get()
-        if serving is None:
-            vae = _vae_config.get()
-            if vae is not None:
-                serving = ("vae", vae.get("fp32"))
-            elif _everything[0]:
-                inside = _model_call.get()
-                serving = (inside or module_role, None)
-                run.begin()  # counts the run a graph without the nodes is
-                if inside is None and schedule.position().schedule is not None:
-                    steps.attention_call(kwargs.get("transformer_options"))
-            else:
-                return original(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, **kwargs)
-        role, fp32 = serving
+        serving, vae = _serving.get(), _vae_config.get()
+        if serving is None and vae is None and not _everything[0]:   # no routed model or VAE runs: ComfyUI's
+            return original(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, **kwargs)
+        inside = _model_call.get()
+        if serving is not None and (inside is None or serving[2] is None or inside[0] is serving[2]):
+            role, fp32 = serving[0], serving[1]
+        elif vae is not None:
+            role, fp32 = "vae", vae.get("fp32")
+        elif _everything[0]:
+            role, fp32 = (inside[1] if inside is not None else module_role), None
+            run.begin()  # counts the run a graph without the nodes is
+            if inside is None and schedule.position().schedule is not None:
+                steps.attention_call(kwargs.get("transformer_options"))
+        else:
+            role = None
+        if role is None or (kwargs.keys() - convention.ORDINARY and _foreign(original, kwargs)):
+            return original(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, **kwargs)
         return _heads(role, fp32, upcasts)(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape,
                                            **kwargs)
 
@@ -452,14 +580,15 @@ def route_everything(config: dict | None = None) -> list[str]:
     rebind_names()
     route_vae_blocks()
     _passes_as_vae()
-    _model_calls_say_their_role()
+    _samplings_are_segments()
     return _names.targets() + _blocks.targets()
 
 
 def _model_calls_say_their_role() -> None:
-    """Each model call (``BaseModel.apply_model``) that no node routes serves its calls as its model's role
-    and tells the engine its step: LTXV and LTX-2 call the UNet's attention module, and calls that pass no
-    options carry no sigma to follow."""
+    """Each model call (``BaseModel.apply_model``) says which model it is: a node's model serves only its
+    own calls through the rebound names, and under the global route a model no node routes serves its
+    calls as its role and tells the engine its step (LTXV and LTX-2 call the UNet's attention module, and
+    calls that pass no options carry no sigma to follow)."""
     base = getattr(sys.modules.get("comfy.model_base"), "BaseModel", None)
     method = base.__dict__.get("apply_model") if base is not None else None
     if method is not None and not _names.is_patched(base, "apply_model"):
@@ -467,13 +596,13 @@ def _model_calls_say_their_role() -> None:
 
 
 def _as_model_call(method):
+    """Each model call says which model it is (``_model_call``: a node's model serves only its own calls);
+    under the global route, a model no node samples also tells its step."""
     def model_call(self, *args, **kwargs):
-        if _serving.get() is not None:    # a node's model: its wrappers tell the role and the step
-            return method(self, *args, **kwargs)
-        token = _model_call.set(_denoiser_role(self))
+        token = _model_call.set((self, _denoiser_role(self)))
         try:
-            options = kwargs.get("transformer_options", args[5] if len(args) > 5 else None)
-            steps.model_call(options)
+            if _everything[0] and _serving.get() is None:   # a node's model: its wrappers tell the step
+                steps.model_call(kwargs.get("transformer_options", args[5] if len(args) > 5 else None))
             return method(self, *args, **kwargs)
         finally:
             _model_call.reset(token)
@@ -498,11 +627,36 @@ def _as_vae(method):
             return method(self, *args, **kwargs)
         token = _vae_config.set({})
         try:
-            return method(self, *args, **kwargs)
+            with run.segment() as current:   # its report goes to the page when it ends
+                images = method(self, *args, **kwargs)
+                run.remember(images, current)
+                return images
         finally:
             _vae_config.reset(token)
     vae_pass.__name__, vae_pass.__qualname__ = method.__name__, method.__qualname__
     return vae_pass
+
+
+def _samplings_are_segments() -> None:
+    """Under the global route each sampling (``CFGGuider.outer_sample``) is a segment of the run, whose
+    report goes to the page when it ends, as a node's sampling is; modules loaded since the last sampling
+    (a pack loaded after this package) have their names rebound first."""
+    samplers, _ = import_quietly("comfy.samplers")   # ComfyUI's nodes.py has it loaded already
+    cls = getattr(samplers, "CFGGuider", None)
+    method = cls.__dict__.get("outer_sample") if cls is not None else None
+    if method is not None and not _names.is_patched(cls, "outer_sample"):
+        _names.patch(cls, "outer_sample", _as_segment(method))
+
+
+def _as_segment(method):
+    def outer_sample(self, *args, **kwargs):
+        if _serving.get() is not None:   # a node's model: its own wrapper made the segment
+            return method(self, *args, **kwargs)
+        rebind_names()
+        with run.segment():
+            return method(self, *args, **kwargs)
+    outer_sample.__name__, outer_sample.__qualname__ = method.__name__, method.__qualname__
+    return outer_sample
 
 
 def routing() -> voice.Routing:
@@ -516,4 +670,7 @@ def routing() -> voice.Routing:
 def undo() -> int:
     """Every rebinding and descriptor back as ComfyUI had it (tests)."""
     _everything[0] = False
+    _scanned[0] = 0
+    _functions.clear()   # they hold the precision rule of the ComfyUI they were made for
+    _consults.clear()
     return _names.undo() + _blocks.undo()

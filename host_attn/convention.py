@@ -6,10 +6,14 @@ ComfyUI's::
 
     fn(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kwargs)
 
-so one adapter serves every host: Forge's narrower calls fit it, and keyword arguments it does not
-know (ComfyUI's ``transformer_options``, ``_inside_attn_wrapper``) are accepted and ignored.
-ComfyUI's ``low_precision_attention=False`` (calls whose model breaks under 8-bit attention, which
-ComfyUI's SageAttention function sends to PyTorch's) is honoured: the call runs on an exact kernel.
+so one adapter serves every host: Forge's narrower calls fit it. Of the keywords ComfyUI's functions
+are given, ``scale`` (the scores' factor, 1/sqrt(d) when None) and ``enable_gqa`` (keys and values with
+fewer heads than the queries, each serving a group of consecutive query heads, as PyTorch's SDPA reads
+it) are honoured; ``low_precision_attention=False`` (calls whose model breaks under 8-bit attention,
+which ComfyUI's SageAttention function sends to PyTorch's) runs the call on an exact kernel; ComfyUI's
+bookkeeping (``transformer_options``, ``_inside_attn_wrapper``) carries nothing for the call. Any other
+keyword is refused (``TypeError`` naming it), never dropped: ``unknown_keywords`` lets a host hand such
+a call to its own function first.
 Every call asks the engine, so a backend change between generations needs no re-patching.
 """
 from __future__ import annotations
@@ -22,6 +26,26 @@ import lib_attn
 from lib_attn.kernels.base import failure_text
 
 from . import voice
+
+
+#: Keywords of the hosts' attention calls that carry nothing for the call's result.
+BOOKKEEPING = frozenset(("transformer_options", "_inside_attn_wrapper"))
+#: Keywords the engine's functions act on.
+HONOURED = frozenset(("scale", "enable_gqa", "low_precision_attention"))
+#: Keywords a call may pass that need no look: the function's own parameters and the bookkeeping.
+ORDINARY = BOOKKEEPING | frozenset(("mask", "attn_precision", "skip_reshape", "skip_output_reshape"))
+
+
+def unknown_keywords(kwargs) -> list[str]:
+    """The keywords of a call that the engine's functions can neither honour nor leave out."""
+    return sorted(name for name in kwargs if name not in ORDINARY and name not in HONOURED)
+
+
+def refuse_unknown(kwargs) -> None:
+    unknown = unknown_keywords(kwargs)
+    if unknown:
+        raise TypeError(f"attention keyword {', '.join(map(repr, unknown))} is not taken by this extension's engine "
+                        f"(it takes {', '.join(sorted(HONOURED))})")
 
 
 def parameters(fn) -> dict:
@@ -46,7 +70,7 @@ def _upcast(tensors, upcast: bool):
 
 def heads_attention(q, k, v, heads: int, mask=None, *, role: str, upcast: bool = False,
                     skip_reshape: bool = False, skip_output_reshape: bool = False, fp32_rule=keep_fp32,
-                    exact: bool = False):
+                    exact: bool = False, scale=None, enable_gqa: bool = False):
     """Multi-head attention in the hosts' convention, in q's dtype.
 
     q: ``(b, n, heads*d)``, k/v: ``(b, m, heads*d)`` (or ``(b, m, heads, d)``); with ``skip_reshape`` all three are already
@@ -54,7 +78,9 @@ def heads_attention(q, k, v, heads: int, mask=None, *, role: str, upcast: bool =
     or additive, shaped ``(n, m)``, ``(b|1, n, m)`` or ``(b|1, heads|1, n, m)``, as PyTorch's SDPA reads
     it. Returns ``(b, n, heads*d)``, or ``(b, heads, n, d)`` with ``skip_output_reshape``.
     ``upcast`` runs the attention in fp32; ``fp32_rule(upcast)`` gives the per-call fp32 policy then.
-    ``exact`` keeps the call off approximate kernels.
+    ``exact`` keeps the call off approximate kernels. ``scale`` multiplies the scores (1/sqrt(d) when
+    None); ``enable_gqa`` lets k and v have fewer heads than q, a divisor of ``heads`` (then, without
+    ``skip_reshape``, their last axis holds their own heads of d channels each).
     """
     dtype = q.dtype
     b = q.shape[0]
@@ -63,19 +89,37 @@ def heads_attention(q, k, v, heads: int, mask=None, *, role: str, upcast: bool =
     else:
         layout = "bshd"
         d = q.shape[-1] // heads
+        kv_heads = -1 if enable_gqa else heads
         # As ComfyUI views each input as (b, -1, heads, d): Wan Animate passes keys of (b, m, heads, d).
-        q, k, v = (t.unflatten(-1, (heads, d)) if t.dim() == 3 else t.reshape(t.shape[0], -1, heads, d)
-                   for t in (q, k, v))
+        q = q.unflatten(-1, (heads, d)) if q.dim() == 3 else q.reshape(b, -1, heads, d)
+        k, v = (t.unflatten(-1, (kv_heads, d)) if t.dim() == 3 else t.reshape(t.shape[0], -1, kv_heads, d)
+                for t in (k, v))
+    if enable_gqa:
+        k, v = _grouped(q, k, v, 1 if skip_reshape else 2)
     q, k, v = _upcast((q, k, v), upcast)
     if mask is not None and mask.dim() == 3:
         mask = mask.unsqueeze(1)  # (b, n, m) has no heads axis: it applies to every head
-    out = lib_attn.attention(q, k, v, layout=layout, mask=mask, role=role, fp32=fp32_rule(upcast), exact=exact)
+    out = lib_attn.attention(q, k, v, layout=layout, mask=mask, scale=scale, role=role, fp32=fp32_rule(upcast),
+                             exact=exact)
     if skip_output_reshape:
         out = out if skip_reshape else out.transpose(1, 2)
         return out.to(dtype)
     if skip_reshape:
         out = out.transpose(1, 2)
     return out.reshape(b, out.shape[1], -1).to(dtype)
+
+
+def _grouped(q, k, v, axis: int):
+    """k and v with each of their heads repeated for its group of query heads (PyTorch's SDPA's
+    ``enable_gqa``: key head j serves query heads j*g … j*g+g-1)."""
+    heads, kv_heads = q.shape[axis], k.shape[axis]
+    if kv_heads == heads:
+        return k, v
+    if kv_heads != v.shape[axis] or kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"enable_gqa=True: the query heads ({heads}) must be a multiple of the key and value heads "
+                         f"({kv_heads}, {v.shape[axis]})")
+    group = heads // kv_heads
+    return k.repeat_interleave(group, dim=axis), v.repeat_interleave(group, dim=axis)
 
 
 def spatial_attention(q, k, v, *, upcast: bool = False, fp32_rule=keep_fp32):
@@ -125,10 +169,12 @@ def make_heads_function(role: str, precision: PrecisionRule | None = None, fp32_
     """
     def attention_function(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
                            skip_output_reshape=False, **kwargs):
+        refuse_unknown(kwargs)
         wanted = precision(attn_precision, q.dtype) if precision is not None else attn_precision
         return heads_attention(q, k, v, heads, mask, role=role, upcast=wanted == torch.float32,
                                skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape, fp32_rule=fp32_rule,
-                               exact=exact or kwargs.get("low_precision_attention", True) is False)
+                               exact=exact or kwargs.get("low_precision_attention", True) is False,
+                               scale=kwargs.get("scale"), enable_gqa=bool(kwargs.get("enable_gqa", False)))
 
     name = f"lib_attn_{role}_exact_attention" if exact else f"lib_attn_{role}_attention"
     attention_function.__qualname__ = attention_function.__name__ = name

@@ -93,4 +93,39 @@ seen.reloaded_before = await state(again);
 await app.loaded();
 seen.reloaded = await state(again);
 seen.fetched = api.fetched;
+
+const shown = (node) => node.widgets.find((w) => w.name === "readout")?.value ?? null;
+
+// A report node inside a subgraph node (id 5): its id in a prompt and in the history is "5:9".
+app.openWorkflow("workflow-3");
+const holder = app.addSubgraphNode(5);
+const inner = await app.addNode(9, input.nodes.FlashAttentionReport, {}, holder.subgraph);
+inner.inputs[0].link = ["8", 0];
+api.routes["/history"] = input.subgraph_history;
+await app.loaded();
+seen.subgraph_restored = shown(inner);
+api.promptIds.push("mine-5");
+await app.queuePrompt(0);
+seen.subgraph_prompt = Object.keys(api.queued.at(-1).prompt);
+api.message("flash-attention.report", { text: ["the subgraph's report"], prompt_id: "mine-5" });
+seen.subgraph_message = shown(inner);
+
+// Two workflows without an id (the frontend's zero id): neither shows the other's report.
+const NO_ID = "00000000-0000-0000-0000-000000000000";
+app.openWorkflow(NO_ID);
+const first = await app.addNode(9, input.nodes.FlashAttentionReport);
+api.routes["/history"] = input.unnamed_history;
+await app.loaded();
+seen.unnamed_restored = shown(first);
+api.promptIds.push("mine-6");
+await app.queuePrompt(0);                             // from the first unnamed workflow
+app.openWorkflow(NO_ID);
+const second = await app.addNode(9, input.nodes.FlashAttentionReport);
+await app.loaded();
+api.message("flash-attention.report", { text: ["the first unnamed workflow's report"], prompt_id: "mine-6" });
+seen.unnamed_other = shown(second);
+api.promptIds.push("mine-7");
+await app.queuePrompt(0);
+api.message("flash-attention.report", { text: ["the second unnamed workflow's report"], prompt_id: "mine-7" });
+seen.unnamed_own = shown(second);
 console.log(JSON.stringify(seen));

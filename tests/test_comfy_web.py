@@ -16,6 +16,7 @@ import lib_attn
 from tests.doubles.comfy_fixtures import REPO_ROOT, comfy_factory  # noqa: F401
 from tests.test_comfy import BACKEND, loaded, node, sample, unet_patcher
 
+NO_ID = "00000000-0000-0000-0000-000000000000"   # the frontend's id of a workflow that has none
 FRONTEND = os.path.join(os.path.dirname(os.path.abspath(__file__)), "doubles", "comfy_frontend")
 SCENARIO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "comfy_web_scenario.mjs")
 
@@ -39,11 +40,11 @@ def node_def(nodes, name):
             "output_node": getattr(cls, "OUTPUT_NODE", False)}
 
 
-def history_entry(number, workflow_id, lines):
+def history_entry(number, workflow_id, lines, report_id="9"):
     prompt = {"8": {"class_type": "VAEDecode", "inputs": {}},
-              "9": {"class_type": "FlashAttentionReport", "inputs": {"images": ["8", 0]}}}
+              report_id: {"class_type": "FlashAttentionReport", "inputs": {"images": ["8", 0]}}}
     extra = {"extra_pnginfo": {"workflow": {"id": workflow_id}}}
-    return {"prompt": [number, f"p{number}", prompt, extra, ["9"]], "outputs": {"9": {"text": lines}},
+    return {"prompt": [number, f"p{number}", prompt, extra, [report_id]], "outputs": {report_id: {"text": lines}},
             "status": {"completed": True}}
 
 
@@ -69,6 +70,9 @@ def scenario(comfy_factory, tmp_path):
         "history": {"p1": history_entry(1, "workflow-1", ["older report"]),
                     "p2": history_entry(2, "workflow-1", lines),
                     "p3": history_entry(3, "another-workflow", ["another workflow's report"])},
+        "subgraph_history": {"p4": history_entry(4, "workflow-3", ["the subgraph node's last report"], "5:9"),
+                             "p5": history_entry(5, "workflow-3", ["a report node of the root graph"])},
+        "unnamed_history": {"p6": history_entry(6, NO_ID, ["some unnamed workflow's report"])},
     }
     (tmp_path / "input.json").write_text(json.dumps(data))
     out = subprocess.run([node_binary(), SCENARIO, str(root), str(tmp_path / "input.json")], capture_output=True,
@@ -131,3 +135,17 @@ def test_backend_lists_mark_what_cannot_run_here_and_keep_the_id(scenario):
         expected = ["auto", *(bid if infos[bid].available else f"{bid} (unavailable)" for bid in lib_attn.BACKEND_IDS)]
         assert got["labels"] == expected
     assert seen["labels"]["backend"]["value"] == "flash-attn"
+
+
+def test_a_report_node_inside_a_subgraph_gets_its_message_and_its_history(scenario):
+    _, seen = scenario
+    assert seen["subgraph_prompt"] == ["5:9"]                               # its id in the prompt
+    assert seen["subgraph_restored"] == "the subgraph node's last report"   # not the root graph's node 9
+    assert seen["subgraph_message"] == "the subgraph's report"
+
+
+def test_workflows_without_an_id_never_show_anothers_report(scenario):
+    _, seen = scenario
+    assert seen["unnamed_restored"] == ""                                   # the history cannot tell whose
+    assert seen["unnamed_other"] == ""                                      # the other unnamed workflow's prompt
+    assert seen["unnamed_own"] == "the second unnamed workflow's report"

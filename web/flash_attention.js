@@ -9,7 +9,10 @@
 // queued itself (two tabs can share a client id, and a report of another tab's, user's or script's
 // prompt must not overwrite what this page's node says), and only while the workflow that queued the
 // prompt is the open one (the page keeps several workflows open in one graph; going back to that
-// workflow brings its report back from the history).
+// workflow brings its report back from the history). A workflow is known by its id; one without an id
+// (the frontend's zero id) is known only while it stays open, and gets nothing from the history, so it
+// never shows another workflow's report. Report nodes inside subgraphs are reached too: their id in a
+// prompt and in the history is the path of node ids from the root graph, joined by ":".
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
@@ -21,6 +24,8 @@ const LINE_HEIGHT = 16;   // px per line of the readout's monospace text
 const CHAR_WIDTH = 7.2;   // px per character of it
 const MAX_WIDTH = 640;    // px: longer lines wrap instead of widening the node over its neighbours
 const MIN_WIDTH = 320;    // px: room for the title and one short line
+const NO_ID = "00000000-0000-0000-0000-000000000000";   // the frontend's id of a graph that has none
+const DEPTH = 32;         // subgraphs inside subgraphs, at most
 
 export function reportText(lines) {
     return Array.isArray(lines) ? lines.join("\n") : String(lines ?? "");
@@ -74,25 +79,51 @@ export function show(node, lines) {
     globalThis.requestAnimationFrame?.(() => globalThis.requestAnimationFrame(() => widget.fit()));
 }
 
-// The newest history entry in which this node (same id, same class, same workflow) returned a report.
-export function lastOutput(history, node, workflowId) {
+// Every report node of ``graph`` and of the subgraphs inside it, each with its id in a prompt
+// ("outer:inner" for a node inside a subgraph node).
+export function reportNodes(graph, prefix = "", depth = 0) {
+    const found = [];
+    for (const node of graph?._nodes ?? graph?.nodes ?? []) {
+        const id = prefix ? `${prefix}:${node.id}` : String(node.id);
+        if (node.type === REPORT_NODE) found.push([node, id]);
+        if (node.subgraph && depth < DEPTH) found.push(...reportNodes(node.subgraph, id, depth + 1));
+    }
+    return found;
+}
+
+// The open workflow, as reports are matched to it: its id, or for a workflow without one, this
+// opening of it (a number that changes each time a workflow is opened).
+let opened = 0;
+function workflowKey() {
+    const id = app.graph?.id;
+    return id && id !== NO_ID ? id : `unnamed-${opened}`;
+}
+
+// The newest history entry in which this node (same id, same class, same workflow) returned a report;
+// nothing for a workflow without an id (the history cannot tell its prompts from another's).
+export function lastOutput(history, node, workflowId, executionId = String(node.id)) {
+    if (!workflowId || workflowId === NO_ID) return null;
     let found = null;
     for (const entry of Object.values(history ?? {})) {
         const [, , prompt, extra] = entry?.prompt ?? [];
-        const text = entry?.outputs?.[String(node.id)]?.text;
-        if (!text || prompt?.[String(node.id)]?.class_type !== REPORT_NODE) continue;
-        const id = extra?.extra_pnginfo?.workflow?.id;
-        if (workflowId && id && id !== workflowId) continue;
+        const text = entry?.outputs?.[executionId]?.text;
+        if (!text || prompt?.[executionId]?.class_type !== REPORT_NODE) continue;
+        if (extra?.extra_pnginfo?.workflow?.id !== workflowId) continue;
         found = text;   // history lists prompts oldest first
     }
     return found;
 }
 
-async function restore(node) {
+async function restore() {
+    const nodes = reportNodes(app.graph);
+    if (!nodes.length) return;
     try {
         const response = await api.fetchApi("/history?max_items=64");
-        const text = lastOutput(await response.json(), node, app.graph?.id);
-        if (text && !node.widgets?.find((w) => w.name === READOUT)?.value) show(node, text);
+        const history = await response.json();
+        for (const [node, id] of nodes) {
+            const text = lastOutput(history, node, app.graph?.id, id);
+            if (text && !node.widgets?.find((w) => w.name === READOUT)?.value) show(node, text);
+        }
     } catch (error) {
         console.warn("[flash-attention] could not read the last report from the history:", error);
     }
@@ -113,16 +144,14 @@ function keep(map, key, value, kept) {
 }
 
 function showInReportNodes(lines, graphId) {
-    if (graphId !== app.graph?.id) return;   // another workflow's prompt: its report waits in the history
-    for (const node of app.graph?._nodes ?? []) {
-        if (node.type === REPORT_NODE) show(node, lines);
-    }
+    if (graphId !== workflowKey()) return;   // another workflow's prompt: its report waits in the history
+    for (const [node] of reportNodes(app.graph)) show(node, lines);
 }
 
 export function onReport(detail) {
     const id = detail?.prompt_id;
     if (id === undefined || id === null) {
-        showInReportNodes(detail?.text, app.graph?.id);
+        showInReportNodes(detail?.text, workflowKey());
     } else if (queued.has(id)) {
         showInReportNodes(detail?.text, queued.get(id));
     } else {
@@ -145,7 +174,7 @@ function watchQueue() {
     const queue = api.queuePrompt;
     if (typeof queue !== "function" || queue.flashAttention) return;
     const watched = async function (...args) {
-        const graphId = app.graph?.id;
+        const graphId = workflowKey();
         const answer = await queue.apply(this, args);
         promptQueued(answer?.prompt_id, graphId);
         return answer;
@@ -197,8 +226,11 @@ app.registerExtension({
             if (message?.text) show(this, message.text);
         };
     },
-    async loadedGraphNode(node) {
-        if (node.type === REPORT_NODE) await restore(node);
+    // A workflow opened (also each tab switch, and after a page reload): its report nodes, subgraphs'
+    // included, show their last output from the history.
+    async afterConfigureGraph() {
+        opened += 1;
+        await restore();
     },
     setup() {
         watchQueue();

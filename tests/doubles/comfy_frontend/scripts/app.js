@@ -52,8 +52,9 @@ class App {
 
     registerExtension(extension) { this.extensions.push(extension); }
 
-    // What the page does for a node type from /object_info, then for one node of it.
-    async addNode(id, nodeData, widgets = {}) {
+    // What the page does for a node type from /object_info, then for one node of it (in ``graph``: the
+    // root graph, or a subgraph node's ``subgraph``).
+    async addNode(id, nodeData, widgets = {}, graph = this.graph) {
         class NodeType extends LGraphNode {}
         for (const ext of this.extensions) await ext.beforeRegisterNodeDef?.(NodeType, nodeData, this);
         const node = new NodeType(nodeData.display_name ?? nodeData.name);
@@ -65,7 +66,18 @@ class App {
             else node.inputs.push({ name, type: spec[0], link: null });
         }
         node.onNodeCreated?.();
-        this.graph._nodes.push(node);
+        graph._nodes.push(node);
+        return node;
+    }
+
+    // A subgraph node: its ``subgraph`` is a graph of its own (the nodes inside, ids local to it).
+    addSubgraphNode(id, graph = this.graph) {
+        const node = new LGraphNode("New Subgraph");
+        node.id = id;
+        node.type = `subgraph-${id}`;
+        node.subgraph = { id: `subgraph-definition-${id}`, _nodes: [] };
+        node.isSubgraphNode = () => true;
+        graph._nodes.push(node);
         return node;
     }
 
@@ -73,11 +85,13 @@ class App {
         toNode.inputs.find((i) => i.name === inputName).link = [String(fromId), slot];
     }
 
-    // A workflow configured: every extension's loadedGraphNode for each node.
+    // A workflow configured: every extension's loadedGraphNode for each node of the root graph, then
+    // afterConfigureGraph once.
     async loaded() {
         for (const node of this.graph._nodes) {
             for (const ext of this.extensions) await ext.loadedGraphNode?.(node, this);
         }
+        for (const ext of this.extensions) await ext.afterConfigureGraph?.([], this);
     }
 
     // Another workflow tab opened (loadGraphData): the same graph object takes that workflow's id, and its
@@ -111,9 +125,20 @@ class App {
         };
     }
 
+    // Every node to run, a subgraph's flattened in: its id the path of node ids joined by ":".
+    flattened(graph = this.graph, prefix = "") {
+        const found = [];
+        for (const node of graph._nodes) {
+            const id = prefix ? `${prefix}:${node.id}` : String(node.id);
+            if (node.subgraph) found.push(...this.flattened(node.subgraph, id));
+            else found.push([id, node]);
+        }
+        return found;
+    }
+
     async graphToPrompt() {
         const output = {};
-        for (const node of this.graph._nodes) {
+        for (const [id, node] of this.flattened()) {
             const inputs = {};
             for (const [i, w] of node.widgets.entries()) {
                 if (!w.name || w.options?.serialize === false) continue;
@@ -121,7 +146,7 @@ class App {
                 inputs[w.name] = Array.isArray(value) ? { __value__: value } : value;
             }
             for (const input of node.inputs) if (input.link) inputs[input.name] = input.link;
-            output[String(node.id)] = { inputs, class_type: node.type, _meta: { title: node.title } };
+            output[id] = { inputs, class_type: node.type, _meta: { title: node.title } };
         }
         return { workflow: this.serialize(), output };
     }

@@ -146,13 +146,22 @@ def attention_split(q, k, v, heads, mask=None, attn_precision=None, skip_reshape
                            _inside_attn_wrapper=True)
 
 
+# 0.19.3: PyTorch's kernels fail on batches above 2**15 on NVIDIA, so its function splits them there.
+SDP_BATCH_LIMIT = 2 ** 15 if model_management.is_nvidia() else 2 ** 31
+
+
 @wrap_attn
 def attention_pytorch(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
                       **kwargs):
     q, k, v, _ = _split_heads(q, k, v, heads, skip_reshape)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=_sdpa_mask(mask), dropout_p=0.0,
-                                                           is_causal=False)
-    return _merge(out, skip_output_reshape)
+    mask = _sdpa_mask(mask)
+    pieces = []
+    for i in range(0, q.shape[0], SDP_BATCH_LIMIT):
+        part = mask if mask is None or mask.shape[0] == 1 else mask[i:i + SDP_BATCH_LIMIT]
+        pieces.append(torch.nn.functional.scaled_dot_product_attention(
+            q[i:i + SDP_BATCH_LIMIT], k[i:i + SDP_BATCH_LIMIT], v[i:i + SDP_BATCH_LIMIT], attn_mask=part,
+            dropout_p=0.0, is_causal=False))
+    return _merge(torch.cat(pieces), skip_output_reshape)
 
 
 @wrap_attn

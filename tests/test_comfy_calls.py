@@ -1,0 +1,351 @@
+"""ComfyUI's attention calls as power users' setups make them, against the ComfyUI double: every keyword
+an attention function is given (honoured or refused by name), packs that call ComfyUI's function by name
+(loaded before or after this package), a guider's second model, the VAE's precision under
+``--force-upcast-attention``, batches over ComfyUI's split limit, and the precision cache of rebound names."""
+import asyncio
+import os
+import sys
+
+import pytest
+import torch
+
+import lib_attn
+from tests.doubles.comfy_fixtures import comfy_factory  # noqa: F401
+from tests.test_comfy import BACKEND, loaded, node, rel_err, sample, unet_patcher
+from host_attn import voice
+
+
+@pytest.fixture(autouse=True)
+def fresh_log(monkeypatch):
+    monkeypatch.setattr(voice, "_said", set())
+
+
+def reference(q, k, v, scale=None):
+    """Attention in float64 over (b, h, n, d), k and v with h or fewer heads (grouped as SDPA groups them)."""
+    q, k, v = (t.double() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1) @ v
+
+
+def override_options(role="dit"):
+    from comfy_attn import route
+    return {"optimized_attention_override": route.make_override(role)}
+
+
+# --- keywords ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scale", [1.0, 0.05])
+@pytest.mark.parametrize("skip_reshape", [False, True])
+def test_scale_is_honoured_as_wrap_attn_calls_an_override(comfy_factory, scale, skip_reshape):
+    loaded(comfy_factory)
+    from comfy.ldm.modules import attention
+    torch.manual_seed(0)
+    heads, d = 4, 16
+    q, k, v = (torch.randn(2, heads, n, d) for n in (12, 10, 10))
+    ref = reference(q, k, v, scale)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+    args = (q, k, v) if skip_reshape else (t.transpose(1, 2).reshape(2, -1, heads * d) for t in (q, k, v))
+    with lib_attn.recording() as rec:
+        out = attention.optimized_attention(*args, heads, skip_reshape=skip_reshape, skip_output_reshape=True,
+                                            scale=scale, transformer_options=override_options())
+    assert rec.calls == {("dit", "sdpa"): 1}
+    assert (out - sdpa).abs().max() <= 1e-4 and rel_err(out, ref) <= 1e-5
+    assert (out.double() - reference(q, k, v)).abs().max() > 1e-2          # the scale made a difference
+
+
+@pytest.mark.parametrize("skip_reshape", [False, True])
+def test_enable_gqa_equals_attention_with_grouped_heads(comfy_factory, skip_reshape):
+    loaded(comfy_factory)
+    from comfy.ldm.modules import attention
+    torch.manual_seed(1)
+    heads, kv_heads, d = 8, 2, 16
+    q = torch.randn(2, heads, 12, d)
+    k, v = (torch.randn(2, kv_heads, 10, d) for _ in range(2))
+    ref = reference(q, k, v)
+    args = (q, k, v) if skip_reshape else (t.transpose(1, 2).flatten(2) for t in (q, k, v))
+    with lib_attn.recording() as rec:
+        out = attention.optimized_attention(*args, heads, skip_reshape=skip_reshape, skip_output_reshape=True,
+                                            enable_gqa=True, transformer_options=override_options())
+    assert rec.calls == {("dit", "sdpa"): 1}
+    assert out.shape == q.shape and rel_err(out, ref) <= 1e-5
+    if "enable_gqa" in torch.nn.functional.scaled_dot_product_attention.__doc__:   # torch 2.5 and later
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        assert (out - sdpa).abs().max() <= 1e-4
+
+
+def test_enable_gqa_with_heads_that_do_not_group_is_refused_naming_it(comfy_factory):
+    loaded(comfy_factory)
+    from comfy.ldm.modules import attention
+    q, k, v = torch.randn(1, 8, 6, 16), torch.randn(1, 3, 6, 16), torch.randn(1, 3, 6, 16)
+    with pytest.raises(ValueError, match=r"enable_gqa=True.*\(8\).*\(3, 3\)"):
+        attention.optimized_attention(q, k, v, 8, skip_reshape=True, enable_gqa=True,
+                                      transformer_options=override_options())
+
+
+def test_a_keyword_the_engine_does_not_take_goes_to_comfyuis_function_and_is_named(comfy_factory):
+    _, nodes = loaded(comfy_factory)
+    from comfy.ldm.modules import attention
+    from comfy_attn import route, run
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(2, 12, 64) for _ in range(3))
+    own = attention.optimized_attention(q, k, v, 4, window=3)                 # ComfyUI's, without an override
+    with lib_attn.recording() as rec:
+        out = attention.optimized_attention(q, k, v, 4, window=3, transformer_options=override_options())
+    assert not rec.calls and torch.equal(out, own)
+    assert any("window" in n and "attention_sub_quad" in n for n in run.current_report().notes)
+    with pytest.raises(TypeError, match="'window'"):                          # the engine's function itself
+        route.function("dit")(q, k, v, 4, window=3)
+
+
+# --- packs that call ComfyUI's function by name -------------------------------------------------------------
+
+PACK = '''
+from comfy.ldm.modules.attention import optimized_attention
+
+NODE_CLASS_MAPPINGS = {}
+
+
+def cross_attention(q, k, v, ip_k, ip_v, extra_options):
+    """As IPAdapter_plus's attn2 replacement: the text's and the image's cross-attention, no options."""
+    out = optimized_attention(q, k, v, extra_options["n_heads"])
+    return out + optimized_attention(q, ip_k, ip_v, extra_options["n_heads"]) * 0.5
+'''
+
+
+def load_pack(tmp_path):
+    import nodes
+    folder = tmp_path / "custom_nodes" / "ComfyUI_IPAdapter_plus"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "__init__.py").write_text(PACK)
+    assert asyncio.run(nodes.load_custom_node(str(folder)))
+    return sys.modules[str(folder).replace(".", "_x_")]
+
+
+class PackUNet(torch.nn.Module):
+    """A UNet whose cross-attention the pack replaced (two calls of its by-name function per model call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj_in, self.to_q = torch.nn.Linear(4, 32), torch.nn.Linear(32, 32)
+        self.to_kv, self.to_ip = torch.nn.Linear(32, 64), torch.nn.Linear(32, 64)
+        self.proj_out = torch.nn.Linear(32, 4)
+        self.pack = None
+
+    def forward(self, x, timesteps=None, context=None, transformer_options={}, **kwargs):
+        b, c, h, w = x.shape
+        t = self.proj_in(x.flatten(2).transpose(1, 2))
+        k, v = self.to_kv(context).chunk(2, dim=-1)
+        ip_k, ip_v = self.to_ip(context[:, :3]).chunk(2, dim=-1)
+        t = t + self.pack.cross_attention(self.to_q(t), k, v, ip_k, ip_v, {"n_heads": 4})
+        return self.proj_out(t).transpose(1, 2).reshape(b, c, h, w)
+
+
+def pack_patcher(pack, seed=0):
+    from comfy.model_base import BaseModel
+    from comfy.model_patcher import ModelPatcher
+    torch.manual_seed(seed)
+    model = PackUNet()
+    model.pack = pack
+    return ModelPatcher(BaseModel(model))
+
+
+@pytest.mark.parametrize("when", ["before this package", "after this package", "after the node ran"])
+def test_a_packs_calls_through_comfyuis_function_by_name_reach_the_node(comfy_factory, tmp_path, when):
+    comfy = comfy_factory(argv=("--cpu",))
+    pack = load_pack(tmp_path) if when == "before this package" else None
+    assert comfy.load_node()
+    import nodes
+    if when == "after this package":
+        pack = load_pack(tmp_path)
+    (routed,) = node(nodes, "FlashAttentionBackend", model=pack_patcher(pack), tune="auto", **BACKEND)
+    if when == "after the node ran":
+        pack = routed.model.diffusion_model.pack = load_pack(tmp_path)
+    ref = sample(pack_patcher(pack))
+    with lib_attn.recording() as rec:
+        out = sample(routed, steps=2)
+    assert rel_err(out, ref) <= 1e-5
+    assert rec.calls == {("dit", "sdpa"): 2 * 2}                               # 2 steps x the pack's 2 calls
+    with lib_attn.recording() as rec:                                           # not sampling: ComfyUI's own
+        sample(pack_patcher(pack))
+    assert not rec.calls
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_under_the_global_route_a_packs_calls_are_routed_whatever_the_load_order(comfy_factory, tmp_path, before):
+    comfy = comfy_factory(argv=("--cpu",), env={"ATTN_COMFY_ROUTE": "auto"})
+    pack = load_pack(tmp_path) if before else None
+    assert comfy.load_node()
+    pack = pack or load_pack(tmp_path)
+    with lib_attn.recording() as rec:
+        sample(pack_patcher(pack), steps=2)
+    assert rec.calls == {("dit", "sdpa"): 4}
+    q, k, v = (torch.randn(1, 5, 32) for _ in range(3))
+    with lib_attn.recording() as rec:                  # outside a model call: as ComfyUI's attention module's calls
+        pack.optimized_attention(q, k, v, 4)
+    assert rec.calls == {("unet", "sdpa"): 1}
+
+
+# --- the serving marker belongs to the model being sampled -----------------------------------------------------
+
+class GuidedPair(torch.nn.Module):
+    """The diffusion model of a sampled model whose guider also calls a second model (its own ``BaseModel``,
+    its own options), as dual-model guiders do."""
+
+    def __init__(self, first, second, second_options=None):
+        super().__init__()
+        self.first, self.second, self.second_options = first, second, second_options or {}
+
+    def forward(self, x, timesteps=None, context=None, transformer_options={}, **kwargs):
+        own = self.first(x, timesteps=timesteps, context=context, transformer_options=transformer_options)
+        return own + self.second.apply_model(x, timesteps, c_crossattn=context,
+                                             transformer_options=dict(self.second_options))
+
+
+def test_another_model_a_guider_calls_runs_on_comfyuis_attention_not_the_nodes(comfy_factory):
+    _, nodes = loaded(comfy_factory)
+    from comfy.ldm.pixart.pixartms import PixArtMS
+    from comfy.model_base import BaseModel
+    from comfy.model_patcher import ModelPatcher
+    torch.manual_seed(3)
+    first, second = PixArtMS(), BaseModel(PixArtMS())
+    patcher = ModelPatcher(BaseModel(GuidedPair(first, second)))
+    ref = sample(patcher)
+    (routed,) = node(nodes, "FlashAttentionBackend", model=patcher, tune="auto", **BACKEND)
+    with lib_attn.recording() as rec:
+        out = sample(routed, steps=2)
+    assert rel_err(out, ref) <= 1e-5
+    assert rec.calls == {("dit", "sdpa"): 2 * 4}                               # the first model's calls only
+
+
+def test_another_model_a_guider_calls_runs_on_its_own_nodes_settings(comfy_factory):
+    _, nodes = loaded(comfy_factory)
+    from comfy.ldm.flux.model import Flux
+    from comfy.model_base import BaseModel
+    from comfy.model_patcher import ModelPatcher
+    torch.manual_seed(5)
+    (second,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto",
+                     **dict(BACKEND, backend="sdpa-math"))
+    options = second.model_options["transformer_options"]
+    patcher = ModelPatcher(BaseModel(GuidedPair(Flux(), second.model, options)))
+    (routed,) = node(nodes, "FlashAttentionBackend", model=patcher, tune="auto", **BACKEND)
+    with lib_attn.recording() as rec:
+        sample(routed, steps=2)
+    assert rec.calls == {("dit", "sdpa"): 2, ("unet", "sdpa-math"): 4}        # each model on its own node's
+
+
+@pytest.mark.parametrize("put_on", ["ComfyUI's Model Attention Backend", "a patch node's own kernel"])
+def test_an_override_put_on_after_the_node_is_named_in_the_report_with_the_calls_it_took(comfy_factory, put_on):
+    _, nodes = loaded(comfy_factory)
+    from comfy.ldm.modules import attention
+    (routed,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto", **BACKEND)
+    later = routed.clone()
+    ran = []
+    if put_on.startswith("ComfyUI"):
+        later.set_model_optimized_attention(lambda *a, **kw: ran.append(1) or attention.attention_pytorch(*a, **kw))
+    else:
+        def own_kernel(func, *args, **kwargs):
+            ran.append(1)
+            return attention.attention_pytorch(*args, **kwargs)
+        later.model_options["transformer_options"]["optimized_attention_override"] = own_kernel
+    with lib_attn.recording() as rec:
+        out = sample(later)
+    assert len(ran) == 4 and not rec.calls
+    text = node(nodes, "FlashAttentionReport", images=out)["ui"]["text"]
+    assert any("4 attention calls were computed by" in line and "put on after this node" in line
+               for line in text), text
+    kept = later.model_options["transformer_options"]["optimized_attention_override"]
+    assert kept.__name__ != "counted"                                            # the model's own options untouched
+
+
+# --- the VAE's precision, batches over ComfyUI's limit, the precision cache --------------------------------------
+
+def test_vae_attention_keeps_comfyuis_precision_under_force_upcast_attention(comfy_factory, monkeypatch):
+    _, nodes = loaded(comfy_factory, argv=("--cpu", "--force-upcast-attention"))
+    from comfy.ldm.modules import attention
+    from comfy_attn import route
+    assert attention.get_attn_precision(None, torch.float16) == torch.float32   # ComfyUI's rule is on
+    seen = []
+    engine = lib_attn.attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append(q.dtype)
+        return engine(q, k, v, **kwargs)
+    monkeypatch.setattr(lib_attn, "attention", spy)
+    q, k, v = (torch.randn(1, 32, 4, 4, dtype=torch.float16) for _ in range(3))
+    out = route.function("vae")(q, k, v)
+    assert seen == [torch.float16] and out.dtype == torch.float16               # as ComfyUI's VAE attention
+    route.function("dit")(*(t.flatten(2).transpose(1, 2) for t in (q, k, v)), 4)
+    assert seen[-1] == torch.float32                                            # the model's calls: its rule
+
+
+@pytest.mark.parametrize("mask_batch", [None, 1, 7])
+def test_batches_over_comfyuis_limit_are_split_as_comfyui_splits_them(comfy_factory, monkeypatch, mask_batch):
+    loaded(comfy_factory)
+    from comfy.ldm.modules import attention
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(7, 6, 32) for _ in range(3))
+    mask = None if mask_batch is None else torch.randn(mask_batch, 6, 6)
+    ref = attention.attention_pytorch(q, k, v, 4, mask)
+    monkeypatch.setattr(attention, "SDP_BATCH_LIMIT", 3)
+    assert torch.allclose(attention.attention_pytorch(q, k, v, 4, mask), ref, atol=1e-6)   # ComfyUI's own split
+    with lib_attn.recording() as rec:
+        out = attention.optimized_attention(q, k, v, 4, mask, transformer_options=override_options())
+    assert rec.calls == {("dit", "sdpa"): 3}                                     # 3 + 3 + 1
+    assert out.shape == ref.shape and (out - ref).abs().max() <= 1e-5
+
+
+def test_the_precision_check_of_a_rebound_name_is_looked_up_once(comfy_factory, monkeypatch):
+    _, nodes = loaded(comfy_factory)
+    node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto", **BACKEND)
+    from comfy.ldm.flux import math as flux_math
+    from comfy_attn import route
+    rebound = flux_math.optimized_attention.__wrapped__
+    assert route.consults_precision(rebound)                                     # sub-quadratic asks the rule
+    monkeypatch.setattr(route.inspect, "unwrap", lambda f: pytest.fail("read again"))
+    assert route.consults_precision(rebound)
+
+
+# --- a bad value, once, on its input -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("inputs,where,words", [
+    (dict(chain="flash-atn"), "chain", ["unknown backend id 'flash-atn'", "valid ids"]),
+    (dict(schedule="0-50%: sdpa; 50-100%: flahs"), None, ["schedule rule 2", "'flahs'"]),
+    (dict(sparse="sol, budget=1.5"), None, ["sparse budget '1.5'"]),
+])
+def test_a_bad_value_is_reported_once_on_the_input_that_holds_it(comfy_factory, inputs, where, words):
+    """The shipped graph's inputs, all present, one of them bad: ComfyUI names every input its check takes."""
+    _, nodes = loaded(comfy_factory)
+    import execution
+    cls = nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"]
+    values = {**dict(model=None, tune="auto", guard="on", schedule="", sparse=""), **BACKEND, **inputs}
+    ok, errors = execution.validate(cls, values)
+    assert [e["extra_info"]["input_name"] for e in errors] == ([where] if where else [])
+    assert all(all(w in e["details"] for w in words) for e in errors)
+    if where is None:                                                            # refused when the node runs
+        with pytest.raises(ValueError) as raised:
+            execution.execute(cls, dict(values, model=unet_patcher()))
+        assert all(w in str(raised.value) for w in words)
+
+
+# --- the global route's report --------------------------------------------------------------------------------
+
+def test_the_global_route_sends_each_samplings_and_decodes_report_and_the_cache_note(comfy_factory):
+    comfy = comfy_factory(argv=("--cpu",), env={"ATTN_COMFY_ROUTE": "auto"})
+    assert comfy.load_node()
+    import nodes
+    from comfy.sd import VAE
+    from comfy_execution.utils import CurrentNodeContext
+    comfy.server.client_id = "page-1"                                          # the page that queued p1
+    latent = sample(unet_patcher(), prompt_id="p1")
+    with CurrentNodeContext("p1", "8"):
+        images = VAE().decode(latent)
+    sent = [(data, sid) for event, data, sid in comfy.server.sent if event == "flash-attention.report"]
+    assert len(sent) == 2 and all(data["prompt_id"] == "p1" and sid == "page-1" for data, sid in sent)
+    assert {(c["role"], c["count"]) for c in sent[0][0]["calls"]} == {("unet", 4)}
+    assert {(c["role"], c["count"]) for c in sent[1][0]["calls"]} == {("unet", 4), ("vae", 1)}
+    sample(unet_patcher(), prompt_id="p2")                                     # other work in between
+    text = node(nodes, "FlashAttentionReport", prompt_id="p3", images=images)["ui"]["text"]  # p1's, from the cache
+    assert text[0].endswith("×4") and text[1].startswith("VAE: sdpa")
+    assert "these images come from ComfyUI's cache" in text[-1] and "(prompt p1)" in text[-1]
