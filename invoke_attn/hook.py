@@ -16,7 +16,7 @@ except Exception:  # noqa: BLE001 - an older release: VRAM measured on the curre
     session_device = None
 
 from host_attn import voice
-from host_attn.patching import Patches
+from host_attn.patching import Patches, passthrough, reads_passthrough
 
 from . import node_cache, sessions, targets
 
@@ -29,7 +29,11 @@ def install(node_type: str, nodes_module: str) -> None:
     remove()  # a copy loaded again (an update, another folder name): the hook follows its nodes' module
     original = BaseInvocation.invoke_internal
 
+    @reads_passthrough
     def invoke_internal(self, context, services):
+        below = passthrough(invoke_internal)  # another pack's wrapper put on after this one still calls it
+        if below is not None:
+            return below(self, context, services)
         if nodes_module not in sys.modules:
             removed = remove() + targets.undo()
             sessions.reset()

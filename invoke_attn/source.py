@@ -6,8 +6,8 @@ new folder cloned and its ``__init__.py`` run), in one process. The project's ow
 ``host_attn``, ``invoke_attn``) are not named after the folder, so they outlive the uninstall. When the
 root ``__init__.py`` of a copy runs while packages loaded from another folder or from other code are in
 ``sys.modules`` (``SOURCE``, the digest of the code they were loaded from, differs from this copy's),
-``replace_earlier`` takes the earlier copy's hook and stand-ins off and drops its modules, so that this
-copy's are imported; the same folder with the same code keeps them (the hook is bound to the nodes'
+``replace_earlier`` takes the earlier copy's hook and stand-ins off, unregisters its nodes and drops its
+modules (the nodes' module included), so that this copy's are imported and define the nodes again; the same folder with the same code keeps them (the hook is bound to the nodes'
 module again).
 
 One module stays: ``lib_attn.graph_op``, whose operator torch registers once per process under its
@@ -25,6 +25,8 @@ import os
 import sys
 
 PACKAGES = ("lib_attn", "host_attn", "invoke_attn")
+#: The nodes' module under the pack's package: ``<pack>.attention_nodes`` (``startup.load_nodes``).
+NODES_MODULE = "attention_nodes"
 #: Modules kept across a replacement (see above).
 KEEP = ("lib_attn.graph_op",)
 
@@ -58,6 +60,22 @@ def _take_off(old) -> None:
             undo()
 
 
+def drop_nodes() -> list[str]:
+    """Unregister the earlier copy's nodes and drop their module (``<pack>.attention_nodes``, which InvokeAI's
+    Reload keeps: it runs the root ``__init__.py`` again without purging the pack's modules), so that this
+    copy defines them again on its own packages. Returns the modules dropped."""
+    dropped = []
+    registry = getattr(sys.modules.get("invokeai.app.invocations.baseinvocation"), "InvocationRegistry", None)
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None) or ""
+        if name.endswith(f".{NODES_MODULE}") and path.endswith(os.path.join("invoke_attn", "nodes.py")):
+            if registry is not None and hasattr(registry, "unregister_pack"):
+                registry.unregister_pack(name.split(".")[0])
+            del sys.modules[name]
+            dropped.append(name)
+    return dropped
+
+
 def replace_earlier(root: str, log=print) -> str | None:
     """Take off and drop the project's packages when they were loaded from another folder (which an
     uninstall deleted: the packages read files beside them) or from other code than this copy's (under
@@ -70,6 +88,7 @@ def replace_earlier(root: str, log=print) -> str | None:
         return None
     kept_operator = sys.modules.get(KEEP[0])
     _take_off(old)
+    drop_nodes()
     for name in [n for n in sys.modules if n.split(".")[0] in PACKAGES and n not in KEEP]:
         del sys.modules[name]
     said = f"InvokeAI: this copy of the pack ({root}) replaces the code loaded from {came_from}, without a restart"

@@ -9,7 +9,7 @@ import sys
 
 from host_attn import voice
 
-from . import choices, hook, sessions
+from . import choices, hook, sessions, source
 
 NODES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nodes.py")
 
@@ -17,7 +17,7 @@ NODES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nodes.py"
 def load_nodes(pack: str):
     """``nodes.py`` as the module ``<pack>.attention_nodes``: InvokeAI takes a node's pack from its
     class's module, and lists and removes the pack's nodes by that name."""
-    name = f"{pack}.attention_nodes"
+    name = f"{pack}.{source.NODES_MODULE}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, NODES_FILE)

@@ -103,3 +103,117 @@ def test_uninstalled_alone_the_pack_leaves_invokeai_as_it_was(host, tmp_path, pr
     assert item.status == "completed", item.error_traceback
     assert BaseInvocation.invoke_internal is getattr(original, "__wrapped__", original)
     assert sys.modules["invoke_attn.targets"].routed() == []
+
+
+def _scheduled_with_report(seed):
+    """txt2img with an unconnected Attention backend node holding a schedule, and a report node after l2i."""
+    from invokeai.app.services.shared.graph import Edge, EdgeConnection
+
+    adapter = InvocationRegistry.get_invocation_typeadapter()
+    graph = txt2img_graph(seed=seed)
+    graph.add_node(adapter.validate_python({"type": "flash_attention_backend", "id": "attn", "use_cache": False,
+                                            "schedule": "0-50%: sdpa; 50-100%: sdpa-math"}))
+    graph.add_node(adapter.validate_python({"type": "flash_attention_report", "id": "report", "use_cache": False}))
+    graph.add_edge(Edge(source=EdgeConnection(node_id="l2i", field="image"),
+                        destination=EdgeConnection(node_id="report", field="image")))
+    return graph
+
+
+def test_reload_after_a_git_pull_runs_the_whole_new_pack(host, tmp_path, process, capsys):
+    """``git pull`` in the pack's folder, then the Custom Node Manager's Reload (``load_custom_nodes`` again:
+    every pack's ``__init__.py`` runs, and the pack's modules stay in ``sys.modules``): the nodes' module is
+    defined again on the new packages, and a schedule and the report work on the new code."""
+    from invokeai.app.invocations.load_custom_nodes import load_custom_nodes
+
+    nodes = tmp_path / "nodes"
+    nodes.mkdir()
+    _copy(nodes / "packA")
+    assert load_custom_nodes(nodes, logging.getLogger("InvokeAI")) == ["packA"]
+    first = host.run_graph(_scheduled_with_report(41))
+    assert first.status == "completed", first.error_traceback
+    old_nodes = sys.modules["packA.attention_nodes"]
+    with open(nodes / "packA" / "lib_attn" / "_version.py", "a", encoding="utf-8") as f:
+        f.write("__version__ = '99.0.0'\n")  # what the pull changed
+    capsys.readouterr()
+    assert load_custom_nodes(nodes, logging.getLogger("InvokeAI")) == ["packA"]
+    assert "replaces the code loaded from" in capsys.readouterr().out
+    new_nodes = sys.modules["packA.attention_nodes"]
+    assert new_nodes is not old_nodes and new_nodes.sessions is sys.modules["invoke_attn.sessions"]
+    assert sys.modules["lib_attn"].__version__ == "99.0.0"
+    registered = InvocationRegistry.get_invocations_map()
+    assert registered["flash_attention_backend"] is new_nodes.AttentionBackendInvocation
+    assert registered["flash_attention_report"] is new_nodes.AttentionReportInvocation
+    item = host.run_graph(_scheduled_with_report(42))
+    assert item.status == "completed", item.error_traceback
+    session = sys.modules["invoke_attn.sessions"]._sessions[item.session_id]
+    assert set(session.recording.calls) == {("unet", "sdpa"), ("unet", "sdpa-math"), ("vae", "sdpa")}
+    report = host.output(item, "report").report
+    assert report.startswith("UNet: ") and "sdpa-math" in report
+
+
+def test_reload_without_a_change_keeps_the_pack_as_it_is(host, tmp_path, process):
+    from invokeai.app.invocations.load_custom_nodes import load_custom_nodes
+
+    nodes = tmp_path / "nodes"
+    nodes.mkdir()
+    _copy(nodes / "packA")
+    load_custom_nodes(nodes, logging.getLogger("InvokeAI"))
+    engine, node_module = sys.modules["lib_attn"], sys.modules["packA.attention_nodes"]
+    load_custom_nodes(nodes, logging.getLogger("InvokeAI"))
+    assert sys.modules["lib_attn"] is engine and sys.modules["packA.attention_nodes"] is node_module
+    item = host.run_graph(_scheduled_with_report(43))
+    assert item.status == "completed", item.error_traceback
+    assert "sdpa-math" in host.output(item, "report").report
+
+
+@pytest.fixture
+def other_pack():
+    """Another node pack's wrapper of ``invoke_internal``, put on after this pack's hook (as a pack loaded
+    later does); counts the nodes it sees. InvokeAI's own method is put back after the test."""
+    real = BaseInvocation.__dict__["invoke_internal"]
+    while hasattr(real, "__wrapped__"):
+        real = real.__wrapped__
+    seen = []
+
+    def install():
+        below = BaseInvocation.invoke_internal
+
+        def invoke_internal(self, context, services):
+            seen.append(self.get_type())
+            return below(self, context, services)
+
+        BaseInvocation.invoke_internal = invoke_internal
+        return invoke_internal
+
+    yield install, seen
+    BaseInvocation.invoke_internal = real
+
+
+@pytest.mark.parametrize("how", ["uninstall", "update"])
+def test_another_packs_wrapper_put_on_after_this_one_keeps_working(host, tmp_path, process, other_pack, how,
+                                                                     capsys):
+    install_other, seen = other_pack
+    nodes = tmp_path / "nodes"
+    nodes.mkdir()
+    assert _install_pack(_copy(tmp_path / "source"), "packA", nodes / "packA", "system")[0]
+    theirs = install_other()
+    assert _routed_calls(host) and "l2i" in seen
+    assert _uninstall_pack("packA", nodes / "packA")[0]
+    if how == "update":
+        assert _install_pack(_copy(tmp_path / "new", version="99.0.0"), "packA", nodes / "packA", "system")[0]
+    seen.clear()
+    item = host.run_graph(txt2img_graph(seed=33))
+    assert item.status == "completed", item.error_traceback
+    assert "denoise_latents" in seen and "l2i" in seen  # the other pack still sees every node
+    said = capsys.readouterr().out
+    assert "wrapped again after this extension" in said
+    if how == "uninstall":
+        assert BaseInvocation.invoke_internal is theirs
+        assert sys.modules["invoke_attn.targets"].routed() == []
+    else:  # the new hook on top of theirs, and both work
+        assert BaseInvocation.invoke_internal.__globals__["__name__"] == "invoke_attn.hook"
+        seen.clear()
+        assert set(_routed_calls(host)) == {("unet", "sdpa-math"), ("vae", "sdpa")}
+        assert "l2i" in seen
+        sys.modules["invoke_attn.hook"].remove()
+        assert BaseInvocation.invoke_internal is theirs
