@@ -322,9 +322,15 @@ def test_undo_leaves_nothing_patched(library):
     routing = sd_scripts.route()
     routed = _bindings(library)
     assert all(hasattr(f, sd_scripts.ORIGINAL) and routed[k] is not before[k] for k, f in routed.items())
+    kept = routed["flux"]  # as a module that imported the routed function by name would keep it
     routing.undo(report=False)
     routing.undo(report=False)  # twice is once
     assert _bindings(library) == before and st.save_file is save_file and sys.meta_path == hooks
+    q = torch.randn(1, 2, 8, 16)
+    pe = library.flux_models.rope(torch.arange(8, dtype=torch.float64)[None], 16, 10000)[:, None]
+    with lib_attn.recording() as rec:
+        assert torch.equal(kept(q, q, q, pe), before["flux"](q, q, q, pe))
+    assert rec.total() == 0  # sd-scripts' own code ran
 
 
 def test_report_goes_to_the_log_and_into_saved_metadata(library, tmp_path, caplog):

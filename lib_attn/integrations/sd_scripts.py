@@ -327,8 +327,18 @@ class Routing:
                 if hasattr(current, ORIGINAL):  # bound by name from a module routed before (Chroma's import)
                     self.patched.append((owner, name, getattr(current, ORIGINAL)))
                     continue
-                setattr(owner, name, routed(current))
+                setattr(owner, name, self._live(routed(current), current))
                 self.patched.append((owner, name, current))
+
+    def _live(self, routed, original):
+        """``routed`` while this routing holds, ``original`` after ``undo``: a module that bound the routed
+        function by name where ``undo`` does not reach runs sd-scripts' own code again."""
+
+        @wraps(routed)
+        def call(*args, **kwargs):
+            return (original if self.done else routed)(*args, **kwargs)
+
+        return call
 
     def _route_saving(self) -> None:
         """Add the report to the metadata of every safetensors file saved with sd-scripts' ``ss_*`` keys."""
@@ -341,7 +351,7 @@ class Routing:
 
         @wraps(original)
         def save_file(tensors, filename, metadata=None, *args, **kwargs):
-            if isinstance(metadata, dict) and any(str(key).startswith("ss_") for key in metadata):
+            if not routing.done and isinstance(metadata, dict) and any(str(key).startswith("ss_") for key in metadata):
                 metadata = {**metadata, METADATA_KEY: json.dumps(routing.report().to_dict(), ensure_ascii=False)}
             return original(tensors, filename, metadata, *args, **kwargs)
 
