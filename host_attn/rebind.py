@@ -8,6 +8,7 @@ and their model modules hold them in two ways, each a kind of target here:
   in the host's own attention module; rebinding the global reaches every later call.
 * ``Stored``: a block class whose instances store the function when built
   (``self.optimized_attention = …``); reached through ``Patches.patch_stored``.
+* ``Held``: a global of a module the webui loaded by path (a script file), not importable by name.
 
 A target is rebound only when it holds one of the host's own attention functions (``accept``): a
 value put there by another extension is left alone and named in the log. Undo is exact (the
@@ -52,6 +53,21 @@ class Stored:
         return f"{self.module}.{self.cls}.{self.attr} (every block)"
 
 
+@dataclass(frozen=True)
+class Held:
+    """``module`` holds an attention function as ``attr`` but cannot be imported by name: a webui script
+    file, which the webui loads by path (``name``) and keeps in its own table."""
+
+    module: object
+    name: str
+    attr: str
+    role: str = "unet"
+    kind: str = "heads"
+
+    def where(self) -> str:
+        return f"{self.name}:{self.attr}"
+
+
 def import_quietly(name: str):
     """The module, or the reason it cannot be imported here; no reason when it or a package it needs
     is not installed (a model family this host line lacks, or Nunchaku's without its package)."""
@@ -63,16 +79,17 @@ def import_quietly(name: str):
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def copies(source, names, prefix: str = "", values=None) -> list[tuple[str, object, str]]:
+def copies(source, names, prefix: str = "", values=None, modules=None) -> list[tuple[str, object, str]]:
     """(module name, module, attribute) of every loaded module (whose name starts with ``prefix``) that
     holds the ``source`` module's own value of one of ``names`` under that name: the host's chosen
     function, imported by name. ``source`` itself comes first. ``values``: the chosen functions, where
-    ``source`` no longer holds them (some of its names are rebound already)."""
+    ``source`` no longer holds them (some of its names are rebound already). ``modules``: (name, module)
+    pairs to scan instead of ``sys.modules``."""
     if values is None:
         values = [getattr(source, name) for name in names if hasattr(source, name)]
     chosen = {id(value) for value in values}
     found = [(source.__name__, source, name) for name in names if id(source.__dict__.get(name)) in chosen]
-    for module_name, module in list(sys.modules.items()):
+    for module_name, module in list(sys.modules.items() if modules is None else modules):
         namespace = getattr(module, "__dict__", None)
         if module is source or not module_name.startswith(prefix) or not isinstance(namespace, dict):
             continue
@@ -115,15 +132,16 @@ class Router:
         """Put the engine's function at ``target``; False (and the reason in ``skipped``) when it is
         absent here or holds something that is not the host's. ``wrap(function, held)``: what to put
         there instead, made from the engine's function and the host's function it replaces."""
-        module, why = import_quietly(target.module)
+        module, why = (target.module, None) if isinstance(target, Held) else import_quietly(target.module)
         if module is None:
             if why:
                 self.skipped[target.where()] = why
             return False
-        owner = module if isinstance(target, Name) else getattr(module, target.cls, None)
-        if owner is None or (isinstance(target, Name) and not hasattr(owner, target.attr)):
+        named = isinstance(target, (Name, Held))
+        owner = module if named else getattr(module, target.cls, None)
+        if owner is None or (named and not hasattr(owner, target.attr)):
             return False  # this host has no such model family (an older or newer line)
-        if isinstance(target, Name):
+        if named:
             value = getattr(owner, target.attr)
             if self.patches.is_patched(owner, target.attr):
                 return True

@@ -323,19 +323,25 @@ def test_by_name_copies_in_modules_loaded_before_and_after_are_routed(webui_fact
     for name in ("copies_early", "copies_late"):
         (tmp_path / f"{name}.py").write_text(COPYING_EXTENSION)
     monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "script_copy.py").write_text(COPYING_EXTENSION)
     webui = webui_factory(mode, argv=["--attention-pytorch"])
     early = importlib.import_module("copies_early")
     own = early.optimized_attention
+    from modules import script_loading
+    script = script_loading.load_module(str(tmp_path / "script_copy.py"))   # an extension's script, by path
     webui.load_scripts()
     late = importlib.import_module("copies_late")
     targets = forge.line.router.patches.targets()
     assert "copies_early.optimized_attention" in targets and "copies_early.attention_function" in targets
+    assert "script_copy.py.optimized_attention" in targets
     q = torch.randn(1, 8, 32)
     with lib_attn.recording() as rec:
         early.call(q, 2)
         late.call(q, 2)
-    assert rec.calls == {("unet", "sdpa"): 4}
+        script.call(q, 2)
+    assert rec.calls == {("unet", "sdpa"): 6}
     forge.uninstall()
     assert early.optimized_attention is own and early.attention_function is own
+    assert script.optimized_attention is own and script.attention_function is own
     for name in ("copies_early", "copies_late"):
         sys.modules.pop(name, None)

@@ -285,3 +285,22 @@ def test_reforges_video_vae_blocks_take_the_vae_routing(webui_factory, module_na
     assert rel_err(out_early, ref) <= FP32 and rel_err(out_late, ref) <= FP32
     ldm_patched.uninstall()
     assert early.optimized_attention is own and late.optimized_attention is own
+
+
+def test_a_script_file_that_copied_the_chosen_function_is_routed(webui_factory, tmp_path):
+    """An extension's script file, loaded by path before this extension (so not in ``sys.modules``), that
+    imported ``optimized_attention`` by name: routed, and its own function back on unload."""
+    (tmp_path / "copying_script.py").write_text(
+        "from ldm_patched.ldm.modules.attention import optimized_attention\n"
+        "def call(q, heads):\n"
+        "    return optimized_attention(q, q, q, heads)\n")
+    webui = webui_factory("reforge", argv=["--attention-pytorch"])
+    from modules import script_loading
+    script = script_loading.load_module(str(tmp_path / "copying_script.py"))
+    own = script.optimized_attention
+    webui.load_scripts()
+    with lib_attn.recording() as rec:
+        script.call(torch.randn(1, 8, 32), 2)
+    assert rec.calls == {("unet", "sdpa"): 1}
+    ldm_patched.uninstall()
+    assert script.optimized_attention is own

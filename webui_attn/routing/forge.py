@@ -17,8 +17,8 @@ later bind by name, is rebound to a ``StandIn``: the engine's function, equal to
 so that Forge's ``KModel.memory_required``, which compares it with its own functions, estimates the
 same memory as without the extension. Modules loaded before this extension that copied the chosen
 function by name (``from backend.attention import attention_function [as optimized_attention]``, as
-negpip and the guidance extensions do) are found in ``sys.modules`` and rebound too (``copies``, the
-scan the ``ldm_patched`` line uses).
+negpip and the guidance extensions do) are found in ``sys.modules`` and in the script files the webui
+has loaded, and rebound too (``copies``, the scan the ``ldm_patched`` line uses).
 
 The host's precision rule is called as the host defines it (Forge: ``get_attn_precision(requested)``;
 Neo: ``get_attn_precision(requested, dtype)``, whose 2025-10 form raises on a flag Neo never defines:
@@ -33,7 +33,7 @@ from host_attn.rebind import Name, Router, Stored, copies, import_quietly
 
 from ..settings import flags
 from . import detect
-from .line import Line
+from .line import Line, script_copies
 
 SOURCE = "backend.attention"
 
@@ -115,7 +115,7 @@ def _route(router: Router, attention) -> None:
         import_quietly(name)
     chosen = attention.attention_function
     if _hosts_function(chosen):
-        for target in by_name_copies(attention, chosen):
+        for target in (*by_name_copies(attention, chosen), *script_copies(attention, COPY_NAMES, [chosen])):
             router.route(target)
     router.route(SOURCE_TARGET, wrap=StandIn)
 

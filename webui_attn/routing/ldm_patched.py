@@ -3,8 +3,9 @@
 The host chooses ``optimized_attention`` (and ``optimized_attention_masked``) once, in
 ``ldm_patched/ldm/modules/attention.py``; its own ``CrossAttention`` (SD1.5, SD2, SDXL) reads them as
 module globals, and every other model module (Flux, SD3, Wan, HunyuanVideo, Lumina, …) imports
-them by name. So the two globals are rebound, and so is every by-name copy in a loaded module: a
-module attribute of one of these two names that *is* the host's chosen function. Modules imported
+them by name. So the two globals are rebound, and so is every by-name copy in a loaded module (or a
+script file the webui loaded): a module attribute of one of these two names that *is* the host's
+chosen function. Modules imported
 later bind the rebound globals themselves. The VAE's blocks store the function ``vae_attention()``
 chose when built: the image VAE's ``AttnBlock``, and reForge's Wan VAE ``AttentionBlock`` and Cosmos
 tokenizer ``CausalAttnBlock`` (``VAE_BLOCKS``).
@@ -22,7 +23,7 @@ from host_attn.rebind import Name, Router, Stored, copies
 
 from ..settings import flags
 from . import detect
-from .line import Line
+from .line import Line, script_copies
 
 SOURCE = "ldm_patched.ldm.modules.attention"
 NAMES = ("optimized_attention", "optimized_attention_masked")
@@ -65,7 +66,8 @@ def _router(attention) -> Router:
 
 
 def _route(router: Router, attention) -> None:
-    for target in by_name_copies(attention):
+    values = [getattr(attention, name) for name in NAMES if hasattr(attention, name)]
+    for target in (*by_name_copies(attention), *script_copies(attention, NAMES, values)):
         router.route(target)
     for target in VAE_BLOCKS:
         router.route(target)

@@ -5,10 +5,23 @@ the interface their adapter modules expose to the entry script and the UI: ``ins
 """
 from __future__ import annotations
 
+import sys
+
 from host_attn import voice
-from host_attn.rebind import Router, import_quietly
+from host_attn.rebind import Held, Router, copies, import_quietly
 
 from ..settings import flags
+
+
+def script_copies(source, names, values) -> list[Held]:
+    """The extensions' script files the webui has loaded so far (by path, kept in
+    ``modules.script_loading.loaded_scripts``; not in ``sys.modules``) that hold one of ``values`` as
+    one of ``names``: copies of the host's chosen function made before this extension loaded. They
+    serve the UNet (the extensions' attention patches)."""
+    loaded = getattr(sys.modules.get("modules.script_loading"), "loaded_scripts", None) or {}
+    return [Held(module, path, name) for path, module, name in copies(source, names, values=values,
+                                                                     modules=list(loaded.items()))
+            if module is not source]
 
 
 class Line:

@@ -5,7 +5,9 @@
   the webui starts as if it had not been given.
 * The host's own attention flags make the weaker ``host`` layer, with the host's meaning (``HOST_FLAGS``):
   a flag that makes the host use a kernel puts that kernel first for the UNet/DiT, in the host's own
-  order; a flag that keeps the host off a kernel keeps it out of the default chains. They are read
+  order; a flag that keeps the host off a kernel keeps it out of the default chains. The kernels Forge
+  Neo and Forge Classic choose because their packages import (``HOST_KERNELS``) are put first the same
+  way. They are read
   where the host parsed them (``shared.cmd_opts``, and ``backend.args.args`` or ldm_patched's
   ``args_parser.args``) and never redefined.
 """
@@ -391,8 +393,9 @@ _chosen: tuple = ()
 
 def host_choice_note(host_name: str) -> str | None:
     """A generation's note on the host's own kernel: first, as the host's choice, or set aside by what
-    this generation's chain in force puts first. None when the host chose none."""
-    if not _chosen:
+    this generation's chain in force puts first. None when the host chose none (or its layer is gone)."""
+    host = (layers.get_layer("host") or {}).get("preference") or {}
+    if not _chosen or (host.get("unet") or [None])[0] != _chosen[0].backend:
         return None
     choice = _chosen[0]
     chain = lib_attn.config().preference.get("unet") or ()

@@ -1,14 +1,19 @@
-"""Double of modules/script_loading.py: load a file as a module by path, and run extensions' preload.py."""
+"""Double of modules/script_loading.py: load a file as a module by path (not entered in ``sys.modules``;
+kept in ``loaded_scripts`` by path, as A1111 1.10, Forge, Forge Neo and reForge keep it; Forge Classic
+keeps no such table), and run extensions' preload.py."""
 import importlib.util
 import os
 
 from modules import errors
+
+loaded_scripts = {}
 
 
 def load_module(path):
     module_spec = importlib.util.spec_from_file_location(os.path.basename(path), path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
+    loaded_scripts[path] = module
     return module
 
 
