@@ -89,6 +89,7 @@ _blocks = Patches("comfy-vae")
 _names = Patches("comfy-names")
 _everything = [False]   # the global route is on
 _scanned = [0]          # len(sys.modules) when the names were last looked for
+_read: set = set()      # the modules _renamed has read
 _functions: dict = {}
 _consults: dict = {}
 
@@ -258,7 +259,10 @@ def make_override(role: str, fp32: str | None = None, previous=None, config: dic
         previous = previous.previous
     replaced = None
     if previous is not None and not hands_on(previous):
-        replaced, previous = describe(previous), None
+        dropped = _above(previous, None)   # the one with a kernel of its own, under sparse nodes if any
+        replaced = describe(dropped) + ("" if dropped is previous else
+                                        f", under {describe(previous)}, which hands it the calls it declines")
+        previous = None
 
     def engine(func):
         if getattr(func, ENGINE_FUNCTION, None) is not None:
@@ -528,11 +532,29 @@ def rebind_names() -> list[str]:
     wrap = getattr(attention, "wrap_attn", None)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(attention.__file__)))))
     chosen = [_names.original(attention, name) for name in NAMES if hasattr(attention, name)]
-    for module_name, module, name in copies(attention, NAMES, values=chosen):
+    for module_name, module, name in copies(attention, NAMES, values=chosen) + _renamed(chosen):
         if _rebinds(module_name, module, root) and not _names.is_patched(module, name):
             original = getattr(module, name)
             _names.patch(module, name, _rebound(_module_role(module_name, module, attention, root), original, wrap))
     return _names.targets()
+
+
+def _renamed(chosen) -> list:
+    """(module name, module, attribute) where a module outside ComfyUI's own holds ComfyUI's chosen function
+    under a name of its own (``from comfy.ldm.modules.attention import optimized_attention as attn``, or a
+    pack's ``attention_fn = attention_pytorch`` where that is the chosen one). Each module is read once (a
+    module's names are bound when it is imported): about 0.03 ms a module."""
+    ids = {id(value) for value in chosen}
+    found = []
+    for module_name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if module_name in _read or not isinstance(namespace, dict) or module_name.startswith(
+                ("comfy", "torch", "lib_attn", "host_attn")):
+            continue
+        _read.add(module_name)
+        found.extend((module_name, module, name) for name, value in list(namespace.items())
+                     if id(value) in ids and name not in NAMES)
+    return found
 
 
 def _rebound(module_role: str, original, wrap):
@@ -671,6 +693,7 @@ def undo() -> int:
     """Every rebinding and descriptor back as ComfyUI had it (tests)."""
     _everything[0] = False
     _scanned[0] = 0
+    _read.clear()
     _functions.clear()   # they hold the precision rule of the ComfyUI they were made for
     _consults.clear()
     return _names.undo() + _blocks.undo()

@@ -11,7 +11,7 @@ import torch
 
 import lib_attn
 from tests.doubles.comfy_fixtures import comfy_factory  # noqa: F401
-from tests.test_comfy import BACKEND, loaded, node, rel_err, sample, unet_patcher
+from tests.test_comfy import BACKEND, load_extras, loaded, node, rel_err, sample, unet_patcher
 from host_attn import voice
 
 
@@ -103,6 +103,7 @@ def test_a_keyword_the_engine_does_not_take_goes_to_comfyuis_function_and_is_nam
 
 PACK = '''
 from comfy.ldm.modules.attention import optimized_attention
+from comfy.ldm.modules.attention import optimized_attention as attention_fn
 
 NODE_CLASS_MAPPINGS = {}
 
@@ -110,7 +111,7 @@ NODE_CLASS_MAPPINGS = {}
 def cross_attention(q, k, v, ip_k, ip_v, extra_options):
     """As IPAdapter_plus's attn2 replacement: the text's and the image's cross-attention, no options."""
     out = optimized_attention(q, k, v, extra_options["n_heads"])
-    return out + optimized_attention(q, ip_k, ip_v, extra_options["n_heads"]) * 0.5
+    return out + attention_fn(q, ip_k, ip_v, extra_options["n_heads"]) * 0.5   # the same, imported under its own name
 '''
 
 
@@ -257,6 +258,25 @@ def test_an_override_put_on_after_the_node_is_named_in_the_report_with_the_calls
                for line in text), text
     kept = later.model_options["transformer_options"]["optimized_attention_override"]
     assert kept.__name__ != "counted"                                            # the model's own options untouched
+
+
+def test_the_node_over_comfyuis_sparse_node_over_model_attention_backend_names_what_it_replaced(comfy_factory):
+    """ComfyUI's Model Attention Backend, then its Model Sparse Attention node (which hands what it declines to
+    the backend's override), then this node: the backend's kernel is what the node drops, and the report says so."""
+    _, nodes = loaded(comfy_factory)
+    from comfy.ldm.modules import attention
+    sparse = load_extras("nodes_sparse_attention")
+    original = unet_patcher()
+    original.set_model_optimized_attention(attention.attention_pytorch)
+    sparse.install_override(sparse.SparseAttnPatch(min_tokens=1), original.model_options["transformer_options"])
+    (routed,) = node(nodes, "FlashAttentionBackend", model=original, tune="auto", **BACKEND)
+    with lib_attn.recording() as rec:
+        out = sample(routed)
+    assert rec.calls == {("unet", "sdpa"): 4}
+    text = node(nodes, "FlashAttentionReport", images=out)["ui"]["text"]
+    assert any("set_model_optimized_attention.<locals>.optimized_attention_override, under" in line
+               and "make_attention_override.<locals>.override" in line and "this node replaced it" in line
+               for line in text), text
 
 
 # --- the VAE's precision, batches over ComfyUI's limit, the precision cache --------------------------------------
