@@ -3,7 +3,7 @@ an attention function is given (honoured or refused by name), packs that call Co
 (loaded before or after this package), a guider's second model, the VAE's precision under
 ``--force-upcast-attention``, batches over ComfyUI's split limit, and the precision cache of rebound names."""
 import asyncio
-import os
+import inspect
 import sys
 
 import pytest
@@ -279,6 +279,19 @@ def test_the_node_over_comfyuis_sparse_node_over_model_attention_backend_names_w
                for line in text), text
 
 
+def test_the_node_twice_with_the_sparse_node_between_samples_on_the_later_nodes_settings(comfy_factory):
+    _, nodes = loaded(comfy_factory)
+    sparse = load_extras("nodes_sparse_attention")
+    (first,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto",
+                    **dict(BACKEND, backend="sdpa-math"))
+    between = first.clone()
+    sparse.install_override(sparse.SparseAttnPatch(min_tokens=10 ** 6), between.model_options["transformer_options"])
+    (later,) = node(nodes, "FlashAttentionBackend", model=between, tune="auto", **BACKEND)
+    with lib_attn.recording() as rec:
+        sample(later)
+    assert rec.calls == {("unet", "sdpa"): 4}                                   # none on the first node's sdpa-math
+
+
 # --- the VAE's precision, batches over ComfyUI's limit, the precision cache --------------------------------------
 
 def test_vae_attention_keeps_comfyuis_precision_under_force_upcast_attention(comfy_factory, monkeypatch):
@@ -323,7 +336,7 @@ def test_the_precision_check_of_a_rebound_name_is_looked_up_once(comfy_factory, 
     from comfy_attn import route
     rebound = flux_math.optimized_attention.__wrapped__
     assert route.consults_precision(rebound)                                     # sub-quadratic asks the rule
-    monkeypatch.setattr(route.inspect, "unwrap", lambda f: pytest.fail("read again"))
+    monkeypatch.setattr(inspect, "unwrap", lambda f: pytest.fail("read again"))
     assert route.consults_precision(rebound)
 
 
