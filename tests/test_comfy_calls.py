@@ -314,17 +314,22 @@ def test_vae_attention_keeps_comfyuis_precision_under_force_upcast_attention(com
 
 
 @pytest.mark.parametrize("mask_batch", [None, 1, 7])
-def test_batches_over_comfyuis_limit_are_split_as_comfyui_splits_them(comfy_factory, monkeypatch, mask_batch):
+@pytest.mark.parametrize("skip_reshape", [False, True])
+def test_batches_over_comfyuis_limit_are_split_as_comfyui_splits_them(comfy_factory, monkeypatch, mask_batch,
+                                                                      skip_reshape):
     loaded(comfy_factory)
     from comfy.ldm.modules import attention
     torch.manual_seed(4)
     q, k, v = (torch.randn(7, 6, 32) for _ in range(3))
+    if skip_reshape:
+        q, k, v = (t.view(7, 6, 4, 8).transpose(1, 2) for t in (q, k, v))
     mask = None if mask_batch is None else torch.randn(mask_batch, 6, 6)
-    ref = attention.attention_pytorch(q, k, v, 4, mask)
+    form = dict(skip_reshape=skip_reshape, skip_output_reshape=skip_reshape)
+    ref = attention.attention_pytorch(q, k, v, 4, mask, **form)
     monkeypatch.setattr(attention, "SDP_BATCH_LIMIT", 3)
-    assert torch.allclose(attention.attention_pytorch(q, k, v, 4, mask), ref, atol=1e-6)   # ComfyUI's own split
+    assert torch.allclose(attention.attention_pytorch(q, k, v, 4, mask, **form), ref, atol=1e-6)   # ComfyUI's split
     with lib_attn.recording() as rec:
-        out = attention.optimized_attention(q, k, v, 4, mask, transformer_options=override_options())
+        out = attention.optimized_attention(q, k, v, 4, mask, transformer_options=override_options(), **form)
     assert rec.calls == {("dit", "sdpa"): 3}                                     # 3 + 3 + 1
     assert out.shape == ref.shape and (out - ref).abs().max() <= 1e-5
 
