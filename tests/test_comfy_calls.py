@@ -3,7 +3,7 @@ an attention function is given (honoured or refused by name), packs that call Co
 (loaded before or after this package), a guider's second model, the VAE's precision under
 ``--force-upcast-attention``, batches over ComfyUI's split limit, and the precision cache of rebound names."""
 import asyncio
-import os
+import inspect
 import sys
 
 import pytest
@@ -11,7 +11,7 @@ import torch
 
 import lib_attn
 from tests.doubles.comfy_fixtures import comfy_factory  # noqa: F401
-from tests.test_comfy import BACKEND, loaded, node, rel_err, sample, unet_patcher
+from tests.test_comfy import BACKEND, load_extras, loaded, node, rel_err, sample, unet_patcher
 from host_attn import voice
 
 
@@ -103,6 +103,7 @@ def test_a_keyword_the_engine_does_not_take_goes_to_comfyuis_function_and_is_nam
 
 PACK = '''
 from comfy.ldm.modules.attention import optimized_attention
+from comfy.ldm.modules.attention import optimized_attention as attention_fn
 
 NODE_CLASS_MAPPINGS = {}
 
@@ -110,7 +111,7 @@ NODE_CLASS_MAPPINGS = {}
 def cross_attention(q, k, v, ip_k, ip_v, extra_options):
     """As IPAdapter_plus's attn2 replacement: the text's and the image's cross-attention, no options."""
     out = optimized_attention(q, k, v, extra_options["n_heads"])
-    return out + optimized_attention(q, ip_k, ip_v, extra_options["n_heads"]) * 0.5
+    return out + attention_fn(q, ip_k, ip_v, extra_options["n_heads"]) * 0.5   # the same, imported under its own name
 '''
 
 
@@ -259,6 +260,38 @@ def test_an_override_put_on_after_the_node_is_named_in_the_report_with_the_calls
     assert kept.__name__ != "counted"                                            # the model's own options untouched
 
 
+def test_the_node_over_comfyuis_sparse_node_over_model_attention_backend_names_what_it_replaced(comfy_factory):
+    """ComfyUI's Model Attention Backend, then its Model Sparse Attention node (which hands what it declines to
+    the backend's override), then this node: the backend's kernel is what the node drops, and the report says so."""
+    _, nodes = loaded(comfy_factory)
+    from comfy.ldm.modules import attention
+    sparse = load_extras("nodes_sparse_attention")
+    original = unet_patcher()
+    original.set_model_optimized_attention(attention.attention_pytorch)
+    sparse.install_override(sparse.SparseAttnPatch(min_tokens=1), original.model_options["transformer_options"])
+    (routed,) = node(nodes, "FlashAttentionBackend", model=original, tune="auto", **BACKEND)
+    with lib_attn.recording() as rec:
+        out = sample(routed)
+    assert rec.calls == {("unet", "sdpa"): 4}
+    text = node(nodes, "FlashAttentionReport", images=out)["ui"]["text"]
+    assert any("set_model_optimized_attention.<locals>.optimized_attention_override, under" in line
+               and "make_attention_override.<locals>.override" in line and "this node replaced it" in line
+               for line in text), text
+
+
+def test_the_node_twice_with_the_sparse_node_between_samples_on_the_later_nodes_settings(comfy_factory):
+    _, nodes = loaded(comfy_factory)
+    sparse = load_extras("nodes_sparse_attention")
+    (first,) = node(nodes, "FlashAttentionBackend", model=unet_patcher(), tune="auto",
+                    **dict(BACKEND, backend="sdpa-math"))
+    between = first.clone()
+    sparse.install_override(sparse.SparseAttnPatch(min_tokens=10 ** 6), between.model_options["transformer_options"])
+    (later,) = node(nodes, "FlashAttentionBackend", model=between, tune="auto", **BACKEND)
+    with lib_attn.recording() as rec:
+        sample(later)
+    assert rec.calls == {("unet", "sdpa"): 4}                                   # none on the first node's sdpa-math
+
+
 # --- the VAE's precision, batches over ComfyUI's limit, the precision cache --------------------------------------
 
 def test_vae_attention_keeps_comfyuis_precision_under_force_upcast_attention(comfy_factory, monkeypatch):
@@ -281,17 +314,22 @@ def test_vae_attention_keeps_comfyuis_precision_under_force_upcast_attention(com
 
 
 @pytest.mark.parametrize("mask_batch", [None, 1, 7])
-def test_batches_over_comfyuis_limit_are_split_as_comfyui_splits_them(comfy_factory, monkeypatch, mask_batch):
+@pytest.mark.parametrize("skip_reshape", [False, True])
+def test_batches_over_comfyuis_limit_are_split_as_comfyui_splits_them(comfy_factory, monkeypatch, mask_batch,
+                                                                      skip_reshape):
     loaded(comfy_factory)
     from comfy.ldm.modules import attention
     torch.manual_seed(4)
     q, k, v = (torch.randn(7, 6, 32) for _ in range(3))
+    if skip_reshape:
+        q, k, v = (t.view(7, 6, 4, 8).transpose(1, 2) for t in (q, k, v))
     mask = None if mask_batch is None else torch.randn(mask_batch, 6, 6)
-    ref = attention.attention_pytorch(q, k, v, 4, mask)
+    form = dict(skip_reshape=skip_reshape, skip_output_reshape=skip_reshape)
+    ref = attention.attention_pytorch(q, k, v, 4, mask, **form)
     monkeypatch.setattr(attention, "SDP_BATCH_LIMIT", 3)
-    assert torch.allclose(attention.attention_pytorch(q, k, v, 4, mask), ref, atol=1e-6)   # ComfyUI's own split
+    assert torch.allclose(attention.attention_pytorch(q, k, v, 4, mask, **form), ref, atol=1e-6)   # ComfyUI's split
     with lib_attn.recording() as rec:
-        out = attention.optimized_attention(q, k, v, 4, mask, transformer_options=override_options())
+        out = attention.optimized_attention(q, k, v, 4, mask, transformer_options=override_options(), **form)
     assert rec.calls == {("dit", "sdpa"): 3}                                     # 3 + 3 + 1
     assert out.shape == ref.shape and (out - ref).abs().max() <= 1e-5
 
@@ -303,7 +341,7 @@ def test_the_precision_check_of_a_rebound_name_is_looked_up_once(comfy_factory, 
     from comfy_attn import route
     rebound = flux_math.optimized_attention.__wrapped__
     assert route.consults_precision(rebound)                                     # sub-quadratic asks the rule
-    monkeypatch.setattr(route.inspect, "unwrap", lambda f: pytest.fail("read again"))
+    monkeypatch.setattr(inspect, "unwrap", lambda f: pytest.fail("read again"))
     assert route.consults_precision(rebound)
 
 
