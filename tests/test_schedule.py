@@ -2,9 +2,8 @@
 blocks, roles, passes), counts per rule, tuning and the guard inside a rule, and the configuration."""
 from __future__ import annotations
 
-import logging
-
 import json
+import logging
 
 import pytest
 import torch
