@@ -173,6 +173,20 @@ def test_a_rule_with_no_window_behind_windows_that_cover_every_step_is_kept_with
     assert got == {("cross", "sdpa-math"): 1, ("0-20%", "sdpa"): 2, ("20-80%", "math"): 6, ("80-100%", "sdpa"): 2}
 
 
+def test_the_schedules_pages_examples_parse_with_no_rule_shadowed(caplog):
+    import os
+    import re
+    page = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "schedules.md"),
+                encoding="utf-8").read()
+    block = re.search(r"configuration \(backend setting, flags, Auto\):\n\n```\n(.*?)```", page, re.S)[1]
+    examples = [line for line in block.splitlines() if line.strip()]
+    assert len(examples) == 3
+    with caplog.at_level(logging.WARNING, logger="lib_attn"):
+        for text in examples:
+            assert parse(text).text == text  # each is in canonical form, as the readout writes it
+    assert not caplog.records
+
+
 def test_a_schedule_that_is_not_text_is_refused():
     with pytest.raises(ScheduleError, match="a schedule is text such as '0-20%: sdpa; 20-80%: sage; 80-100%: sdpa', "
                                             "got list"):
