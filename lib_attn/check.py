@@ -14,9 +14,11 @@ reference, at a memory cost that does not grow with the call.
   sequence cut to fit that size while keeping its length modulo ``PROBE_ALIGN`` (the partial last
   block a tiled kernel pads). The copies are then compared bit for bit with the caller's: a kernel
   that writes into its inputs is caught before it ever sees the caller's tensors.
-* **Checksums.** ``checksums`` sums the bits of q, k and v as integers, wrapping around, with no
-  temporary: a kernel that wrote into the caller's tensors at full size (where the probe did not
-  show it) changes them.
+* **Writes at full size.** ``Watch`` keeps the fingerprints of q, k and v (``fingerprint``: sums
+  of their bytes as integers that cannot wrap away a change, weighted by position, and of their
+  values, which a sign flip or a power-of-two scaling changes) and copies of them in host memory:
+  a kernel that wrote into the caller's tensors at full size (where the probe did not show it)
+  changes the fingerprints, and the copies put the tensors back.
 
 A check fails when the output has the wrong shape, a non-finite value where the reference has none,
 or a relative L2 error over the sampled rows above the bound of the dtype the kernel computes in
@@ -43,6 +45,8 @@ WROTE_INPUTS = "wrote into its inputs"
 #: A write the probe did not show, found by the checksums after a run on the caller's tensors: they
 #: have changed, so what follows runs on what they now hold.
 WROTE_AT_FULL_SIZE = f"{WROTE_INPUTS} at full size (the caller's tensors changed before it was caught)"
+#: The same write, where copies of the caller's tensors were kept (``Watch``): they hold their values again.
+WROTE_RESTORED = f"{WROTE_INPUTS} at full size (the caller's tensors were restored)"
 
 PAIRS = 64
 SAMPLES = 512
@@ -251,19 +255,83 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.detach().view(as_int), b.detach().view(as_int))
 
 
-def _bit_sum(t: torch.Tensor) -> torch.Tensor:
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as integers, without a copy: 32-bit words where the layout allows (two 16-bit
+    values, four 8-bit ones or half a 64-bit one to a word), else integers of its element's size."""
     t = t.detach()
-    try:  # two 16-bit values as one 32-bit word where the layout allows: a stronger sum
-        bits = t.view(torch.int32) if t.element_size() == 2 else t.view(_INT_OF_SIZE[t.element_size()])
+    t = t.reshape(1) if t.dim() == 0 else t
+    try:
+        return t.view(torch.int32)
     except RuntimeError:
-        bits = t.view(_INT_OF_SIZE[t.element_size()])
-    return bits.sum(dtype=bits.dtype)  # wraps around: no wider copy, and the same in any order
+        return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def _float_bits(total: torch.Tensor) -> torch.Tensor:
+    return total.reshape(1).view(_INT_OF_SIZE[total.element_size()]).to(torch.int64)
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Three int64 numbers that change when ``t``'s bytes do, from two reads of ``t`` and no copy of it:
+
+    * the sum of its words summed along the sequence (dimension -2, in the words' own type, wrapping
+      around: a change of one value changes its column's sum), the columns added in int64, where they
+      cannot wrap; and that sum with each column (batch item, head, word) weighted by its position, so
+      a value that moves to another head or place in the row changes it;
+    * the bits of the sum of its values in its own dtype: a sign flip or a scaling by a power of two
+      changes every word by a multiple of a large power of two (2^31 for an fp32 sign), which a
+      wrapping sum of words can add up to nothing, while the sum of the values changes sign or scale.
+
+    Both reductions run along the memory order of the layouts calls come in (bhsd, and bshd seen
+    as bhsd), at about the speed of one read each.
+    """
+    words = _words(t)
+    along = -2 if words.dim() > 1 else -1
+    columns = words.sum(dim=along, dtype=words.dtype).reshape(-1).to(torch.int64)
+    position = torch.arange(1, columns.numel() + 1, dtype=torch.int64, device=columns.device)
+    try:
+        values = _float_bits(t.detach().sum())
+    except (RuntimeError, TypeError):  # a dtype torch cannot sum (fp8 on some builds): the words alone
+        values = columns.new_zeros(1)
+    return torch.cat((columns.sum().reshape(1), (columns * position).sum().reshape(1), values))
 
 
 def checksums(*tensors) -> list:
-    """One integer per tensor that changes when its bits do (read with ``changed``)."""
-    return [_bit_sum(t) for t in tensors]
+    """One fingerprint per tensor, which changes when its bytes do (read with ``changed``)."""
+    return [fingerprint(t) for t in tensors]
 
 
 def changed(before: list, *tensors) -> bool:
     return any(not torch.equal(a, b) for a, b in zip(before, checksums(*tensors)))
+
+
+def _host_copies(tensors) -> tuple | None:
+    """Copies of ``tensors`` in host memory (none of the device's), or None when there is no room."""
+    try:
+        return tuple(t.detach().to("cpu", copy=True) for t in tensors)
+    except (RuntimeError, MemoryError):
+        return None
+
+
+class Watch:
+    """The caller's tensors while a kernel runs on them at full size for the first time: their
+    fingerprints before, and (``keep``) copies in host memory, so that a kernel found to have written
+    into them leaves them as they were. The copies cost host memory the size of the inputs, and their
+    transfer, once per kernel and call signature; none of the device's memory."""
+
+    def __init__(self, tensors, keep: bool = True):
+        self.tensors = tuple(tensors)
+        self.copies = _host_copies(self.tensors) if keep else None
+        self.before = checksums(*self.tensors)
+
+    def changed(self) -> bool:
+        return changed(self.before, *self.tensors)
+
+    def undo(self) -> str:
+        """Put the caller's tensors back where copies were kept; the reason to give for the kernel."""
+        if self.copies is None:
+            return WROTE_AT_FULL_SIZE
+        with torch.no_grad():
+            for t, c in zip(self.tensors, self.copies):
+                t.detach().copy_(c)
+        self.copies = None
+        return WROTE_RESTORED

@@ -8,7 +8,8 @@ The dispatcher (``dispatch``) asks this module to look at a call's output:
   part of it (the whole call when small; else one batch item and head, each sequence cut to at most
   ``check.PROBE_BYTES`` for q, k and v together), which are then compared with the caller's tensors
   bit for bit. Only a kernel that left them alone then runs on the caller's tensors (when the part
-  is not the whole call), whose bits are summed before and after (``check.checksums``), and the
+  is not the whole call), watched by ``check.Watch`` (fingerprints before and after, copies in host
+  memory that put the caller's tensors back should it write into them), and the
   call's output is checked against ``check.reference`` on ``check.samples``' rows, with the dtype's
   bound, four times looser for an ``approximate`` kernel. Whoever chose the kernel
   (Auto, a chain, a single name): a kernel that tuning checked on this signature
@@ -85,7 +86,8 @@ def first_check(run, q, k, v, mask, scale, layout: str, dtype, approximate: bool
 
     With ``probe``, the kernel first runs on ``check.probe``'s copies of a part of the call, and only
     once those are seen unchanged does it run on the caller's tensors (when the part is not the whole
-    call), whose bits are summed before and after. The output for the call is checked on
+    call), watched by ``check.Watch`` (on a first check, with copies that undo a write). The output
+    for the call is checked on
     ``check.samples``' rows. The kernel's own exceptions propagate."""
     limit = _check.bound(dtype, q.device.type, approximate)
     # The checks run without grad; the call itself runs in the caller's grad mode, so that its output
@@ -110,12 +112,12 @@ def first_check(run, q, k, v, mask, scale, layout: str, dtype, approximate: bool
                 return out, _checked(out, q, k, v, mask, scale, layout, limit)
             del out, part
         try:
-            before = _check.checksums(q, k, v)
+            watch = _check.Watch((q, k, v), keep=probe)
         except Exception as exc:  # noqa: BLE001 - as above
             return call(), _unchecked(exc)
         out = call()
-        if _check.changed(before, q, k, v):
-            return out, f"{_check.CHECK_FAILED}: {_check.WROTE_AT_FULL_SIZE}"
+        if watch.changed():
+            return out, f"{_check.CHECK_FAILED}: {watch.undo()}"
         return out, _checked(out, q, k, v, mask, scale, layout, limit)
 
 

@@ -2,7 +2,7 @@
 
 A schedule is a list of rules, typed on one line::
 
-    0-20%: sdpa; 20-80%: sage3, sage; 80-100%: sdpa; cross: sdpa; vae: sdpa-efficient
+    cross: sdpa; 0-20%: sdpa; 20-80%: sage3, sage; 80-100%: sdpa; vae: sdpa-efficient
 
 Each rule is ``conditions: chain``. A call takes the chain of the first rule whose conditions all
 hold for it; a call no rule takes keeps the ordinary configuration (the backend setting, the flags,
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import re
 from dataclasses import dataclass
 
@@ -37,6 +38,8 @@ import torch
 
 from . import scope as _scope
 from .kernels import BACKEND_IDS, not_in_chains
+
+log = logging.getLogger("lib_attn")
 
 #: The chain word that means the default chain.
 AUTO = "auto"
@@ -253,8 +256,71 @@ def parse(text) -> Schedule | None:
         if earlier is not None:
             raise _fail(i + 1, part, f"same conditions as rule {earlier.index + 1} ({earlier.label!r}), which "
                                      f"takes every call this one would: join their backends in one rule")
+        shadow = shadowing(rules, rule)
+        if shadow:
+            names = _rule_names(shadow)
+            if rule.steps is not None or not any(r.steps is not None for r in shadow):
+                raise _fail(i + 1, part, f"never holds: {names} take{'s' if len(shadow) == 1 else ''} every call "
+                                         f"it would first; move it before rule {shadow[0].index + 1}, or narrow it")
+            _warn_once(f"schedule rule {i + 1} ({part.strip()!r}) takes only calls made where no sampling step is "
+                       f"known: {names} take every call of it at a known step first; move it before rule "
+                       f"{shadow[0].index + 1} for it to hold while sampling")
         rules.append(rule)
     return Schedule(tuple(rules))
+
+
+def _rule_names(rules: list) -> str:
+    names = [f"rule {r.index + 1} ({r.label!r})" for r in rules]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+@functools.lru_cache(maxsize=64)
+def _warn_once(text: str) -> None:
+    log.warning(text)
+
+
+def shadowing(earlier: list, rule: Rule) -> list:
+    """The earlier rules that take every call ``rule`` would take at a known step ([] when some call
+    reaches it): one rule whose conditions hold wherever ``rule``'s do, or rules that do so but for
+    their step windows, whose windows together cover ``rule``'s (all steps when it names none; it
+    then still takes calls made where no step is known)."""
+    wider = [r for r in earlier if _wider_but_steps(r, rule)]
+    whole = next((r for r in wider if r.steps is None), None)
+    if whole is not None:
+        return [whole]
+    lo, hi = rule.steps if rule.steps is not None else (0.0, 1.0)
+    covering, reach = [], lo
+    for r in sorted((r for r in wider if r.steps[1] > lo and r.steps[0] < hi), key=lambda r: r.steps):
+        if r.steps[0] > reach:
+            break
+        if r.steps[1] > reach or (r.steps[1] == reach == 1.0):
+            covering.append(r)
+            reach = r.steps[1]
+    # [A, B) windows: up to 1.0 a window ending at 100% also takes 100%.
+    return sorted(covering, key=lambda r: r.index) if reach >= hi else []
+
+
+def _wider_but_steps(a: Rule, b: Rule) -> bool:
+    """``a``'s conditions other than its step window hold wherever ``b``'s do."""
+    if not b.roles <= a.roles:
+        return False
+    if a.kinds and not (b.kinds and b.kinds <= a.kinds):
+        return False
+    if a.passes and not (b.passes and b.passes <= a.passes):
+        return False
+    if a.sigmas is not None and not (b.sigmas is not None and a.sigmas[0] <= b.sigmas[0] and b.sigmas[1] <= a.sigmas[1]):
+        return False
+    return a.blocks is None or (b.blocks is not None and _blocks_within(b.blocks, a.blocks))
+
+
+def _blocks_within(inner: tuple, outer: tuple) -> bool:
+    if inner == outer:
+        return True
+    if outer[0] == "range":
+        return inner[0] == "range" and outer[1] <= inner[1] and inner[2] <= outer[2]
+    if outer[0] == "first":
+        return (inner[0] == "first" and inner[1] <= outer[1]) or (inner[0] == "range" and inner[2] < outer[1])
+    return inner[0] == "last" and inner[1] <= outer[1]
 
 
 # --- where sampling is ------------------------------------------------------------------------------

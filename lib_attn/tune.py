@@ -10,8 +10,8 @@ with no copy of the call's inputs:
 * each candidate that passed, once on the *timed part* (``timed_part``): views of the caller's
   tensors, the whole call up to ``TIMED_WORK`` FLOPs, else its first batch items and heads at full
   lengths with about that much work (never fewer heads than keep every SM busy for
-  ``TILES_PER_UNIT`` waves of query tiles). That call is checked on its sampled rows, the bits of
-  its inputs are summed before and after (``check.checksums``), and it warms the kernel up (lazy
+  ``TILES_PER_UNIT`` waves of query tiles). That call is checked on its sampled rows, its inputs
+  are watched (``check.Watch``: a write into them is caught and undone), and it warms the kernel up (lazy
   initialisation, autotuning, JIT compiles stay out of the timings). A candidate whose checked call
   took more than ``SLOWER`` times the fastest checked call, or longer than ``BUDGET_S`` and longer
   than the fastest, stops here (that call is its time);
@@ -204,11 +204,12 @@ def measure(candidates: list, q, k, v, mask, scale, layout: str) -> Ranking:
                     reason = f"{_check.CHECK_FAILED}: {_check.WROTE_INPUTS}"
                 elif not probe.whole:
                     # On the caller's tensors, now that the probe saw it leave its inputs alone.
-                    before = _check.checksums(*part[:3])
+                    watch = _check.Watch(part[:3])
                     reason, t = checked(calls[c.id], limit)
-                    if _check.changed(before, *part[:3]):
-                        reason = f"{_check.CHECK_FAILED}: {_check.WROTE_AT_FULL_SIZE}"
-                        ref = _check.reference(*part, scale, layout, rows)  # what the others now see
+                    if watch.changed():
+                        reason = f"{_check.CHECK_FAILED}: {watch.undo()}"
+                        if reason.endswith(_check.WROTE_AT_FULL_SIZE):  # not restored: what the others now see
+                            ref = _check.reference(*part, scale, layout, rows)
             except Exception as exc:  # noqa: BLE001 - a failing candidate is a reason, as at run time
                 if is_sticky(exc):
                     raise

@@ -4,7 +4,9 @@ Each computes PyTorch's SDPA and then spoils it in one way: ``fk-nan`` returns N
 ``fk-nan3`` on every third call (an approximate kernel, as the quantised ones that fail on some
 inputs are), ``fk-drift`` is 10% off, ``fk-shape`` drops the last query row, ``fk-writes`` returns
 the right answer but zeroes its v, ``fk-writes-long`` does so only on calls of more than
-``LONG`` queries (a write that a short probe cannot show). ``CALLS`` counts the calls of each, and
+``LONG`` queries (a write that a short probe cannot show), and ``fk-scale-long``, ``fk-sign-long``
+and ``fk-trade-long`` scale q by 1/8, flip its sign, or double q and halve k in place on those calls
+(writes a wrapping sum of fp32 bits adds up to nothing). ``CALLS`` counts the calls of each, and
 ``SEEN`` lists the storage of the q, k and v each call was given.
 """
 from __future__ import annotations
@@ -79,18 +81,55 @@ class WritesInputsWhenLong(_Faulty):
         return out
 
 
+class _WritesWhenLong(_Faulty):
+    """Right output (computed in fp32 from the inputs as given), then an in-place change of its inputs
+    that leaves every word a multiple of a large power of two away from what it was, on long calls."""
+
+    def run(self, q, k, v, mask, scale):
+        CALLS[self.id] += 1
+        SEEN.setdefault(self.id, []).append(tuple(t.untyped_storage().data_ptr() for t in (q, k, v)))
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale)
+        if q.shape[2] > LONG:
+            self.write(q, k)
+        return out.to(q.dtype)
+
+
+class ScalesQWhenLong(_WritesWhenLong):
+    id, label = "fk-scale-long", "pre-scales q in place by 1/8 on long calls"
+
+    def write(self, q, k):
+        q.mul_(0.125)
+
+
+class FlipsQWhenLong(_WritesWhenLong):
+    id, label = "fk-sign-long", "flips q's sign in place on long calls"
+
+    def write(self, q, k):
+        q.neg_()
+
+
+class TradesQKWhenLong(_WritesWhenLong):
+    id, label = "fk-trade-long", "doubles q and halves k in place on long calls (the scores stay the same)"
+
+    def write(self, q, k):
+        q.mul_(2)
+        k.mul_(0.5)
+
+
+LONG_WRITERS = (WritesInputsWhenLong, ScalesQWhenLong, FlipsQWhenLong, TradesQKWhenLong)
+
 #: Faulty on every call kind (``fk-writes-long`` is right on short calls, and registered beside them).
 BACKENDS = (NaNAlways, NaNEveryThird, Drift, WrongShape, WritesInputs)
 IDS = tuple(b.id for b in BACKENDS)
 
 
 def register() -> None:
-    for backend in BACKENDS + (WritesInputsWhenLong,):
+    for backend in BACKENDS + LONG_WRITERS:
         lib_attn.register_backend(backend())
     CALLS.clear()
     SEEN.clear()
 
 
 def unregister() -> None:
-    for bid in IDS + (WritesInputsWhenLong.id,):
+    for bid in IDS + tuple(b.id for b in LONG_WRITERS):
         lib_attn.unregister_backend(bid)

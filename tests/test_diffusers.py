@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import pytest
 import torch
@@ -262,6 +263,50 @@ def test_pipeline_routes_denoiser_and_vae_and_leaves_text_encoders(models):
         assert routing.processors == {"dit": 10}
 
 
+def test_the_shared_processor_of_set_default_attn_processor_is_routed_and_gives_the_same_image(models, caplog):
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+    unet, vae = build("unet"), build("vae")
+    pipe = TinyPipeline(unet, vae, torch.nn.Sequential())
+    kwargs, vae_kwargs = inputs("unet", torch.float32), inputs("vae", torch.float32)
+    want, want_vae = forward(unet, kwargs), forward(vae, vae_kwargs)
+    unet.set_default_attn_processor()
+    vae.set_default_attn_processor()
+    assert set(processor_classes(unet)) == {AttnProcessor}  # one shared object
+    own = forward(unet, kwargs)
+    with caplog.at_level(logging.WARNING, logger="lib_attn"), route(pipe) as routing, lib_attn.recording() as rec:
+        out, out_vae = forward(unet, kwargs), forward(vae, vae_kwargs)
+    assert routing.processors == {"unet": 1, "vae": 1} and not routing.skipped and not caplog.records
+    assert rec.calls == {("unet", "sdpa"): 8, ("vae", "sdpa"): 2}
+    assert rel_err(out, own) < FP32_BOUND and rel_err(out, want) < FP32_BOUND and rel_err(out_vae, want_vae) < FP32_BOUND
+    assert set(processor_classes(unet)) == {AttnProcessor}  # given back at the scope's end
+    assert AttnProcessor2_0 not in processor_classes(unet)
+
+
+def test_a_shared_processor_on_a_module_computing_other_attention_is_left_with_a_warning(caplog):
+    from diffusers.models.attention_processor import AttnProcessor
+    attn = Attention(query_dim=32, heads=2, dim_head=16, qk_norm="layer_norm")
+    attn.set_processor(AttnProcessor())
+    model = torch.nn.Sequential(attn)
+    x = torch.randn(1, 5, 32)
+    with torch.no_grad():
+        want = attn(x)
+    with caplog.at_level(logging.WARNING, logger="lib_attn"), route(model, role="dit") as routing, \
+            lib_attn.recording() as rec, torch.no_grad():
+        out = attn(x)
+    assert routing.skipped == {"AttnProcessor": 1} and not routing.processors and not rec.calls
+    assert torch.equal(out, want)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == ("route: 1 AttnProcessor left as they are, outside lib_attn and not counted: AttnProcessor: it has "
+                    "query/key norms, which AttnProcessor does not apply")
+
+
+def test_a_module_with_no_attention_gets_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="lib_attn"), route(torch.nn.Linear(4, 4), role="dit") as routing:
+        pass
+    assert not routing.processors and not routing.skipped
+    assert [r.getMessage() for r in caplog.records] == ["route: no attention module in Linear: nothing is routed"]
+
+
 def test_route_restores_everything_after_an_exception(models):
     own, before = processor_classes(models["flux"]), registry_state()
     with pytest.raises(RuntimeError, match="boom"):
@@ -443,6 +488,32 @@ def test_scheduled_image_equals_the_unscheduled_ones_within_rounding(name):
     assert {backend for *_, backend in rec.rules} == {"sdpa", "math"}
     for want in (own, images["sdpa"], images["math"]):
         assert rel_err(scheduled, want) < FP32_BOUND
+
+
+def docs_schedule(page: str) -> str:
+    """The schedule of the first ``route(pipe, schedule="...")`` example on ``docs/<page>``."""
+    import os
+    import re
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", page)
+    return re.search(r'route\(pipe, schedule="([^"]+)"\)', open(path, encoding="utf-8").read())[1]
+
+
+def test_the_diffusers_pages_schedule_runs_cross_attention_on_sdpa_at_every_step():
+    text = docs_schedule("diffusers.md")
+    assert "cross: sdpa" in text
+    pipe = build_pipeline("kandinsky", DDPMScheduler())
+    counts = {}
+    for schedule in (text, "cross: sdpa"):  # the second: every cross-attention call, and nothing else
+        with route(pipe, schedule=schedule), lib_attn.recording() as rec:
+            generate(pipe, 5)
+        counts[schedule] = {}
+        for (t, label, _, backend), n in rec.rules.items():
+            if t == sched.parse(schedule).text:
+                counts[schedule][label] = counts[schedule].get(label, 0) + n
+                assert label != "cross" or backend == "sdpa"
+    crosses = counts["cross: sdpa"]["cross"]
+    assert crosses > 0 and counts[text]["cross"] == crosses  # every cross-attention call took the cross rule
+    assert sum(n for label, n in counts[text].items() if label.endswith("%")) > 0
 
 
 def test_img2img_strength_counts_the_steps_that_run():

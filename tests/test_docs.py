@@ -498,6 +498,24 @@ def test_every_backend_id_the_docs_cite_is_registered():
     assert problems == [], "\n".join(problems)
 
 
+@pytest.mark.parametrize("command", ["doctor", "bench"])
+def test_the_command_page_names_every_option_help_lists(command):
+    import argparse
+    from lib_attn.commands import cli
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    options = [a.option_strings[0] for a in sub.choices[command]._actions
+               if a.option_strings and a.help is not argparse.SUPPRESS and a.option_strings[0] != "-h"]
+    page = open(os.path.join(ROOT, "docs", "doctor-and-bench.md"), encoding="utf-8").read()
+    assert options and [o for o in options if not re.search(re.escape(o) + r"(?![\w-])", page)] == []
+
+
+def test_the_readmes_list_of_backend_ids_names_every_one():
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    start = text.index("Backend ids: ")
+    listed = [span for _, span in code_spans(text[start:text.index("\n\n", start)])]
+    assert [i for i in dict.fromkeys(listed) if i in lib_attn.BACKEND_IDS] == list(lib_attn.BACKEND_IDS)
+
+
 def test_the_backend_id_check_finds_an_unknown_id():
     pages = [(os.path.join(ROOT, "README.md"), "`flash-attn,sdpa-cudnn`, `flash-attn-4`, `0-20%: sage; vae: math`\n"
                                                "`sdpa-fast`, `sage-fp4 2.2`")]

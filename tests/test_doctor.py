@@ -96,6 +96,26 @@ def test_the_schedule_in_force_is_in_the_config_line_and_the_json():
     assert doctor.report(device=CPU)["config"]["schedule"] is None
 
 
+def test_doctor_lists_the_sparse_backends_with_their_probes_the_sparse_settings_and_diffusers(doctor_json):
+    listed = {b["id"]: b for b in doctor_json["sparse"]["backends"]}
+    assert set(listed) == set(lib_attn.SPARSE_IDS) >= {"block-sparse", "sol"}
+    for info in lib_attn.backends(sparse=True):
+        b = listed[info.id]
+        assert b["available"] == bool(info.available) and b["reason"] == info.reason
+    assert listed["block-sparse"]["design"] in ("flex", "gather") and listed["block-sparse"].get("compiler")
+    assert doctor_json["sparse"]["settings"] is None  # none configured in that process
+    assert doctor_json["diffusers"]["supported"] == "0.35 up to 0.43 excluded"
+    with lib_attn.use(sparse="block-sparse, budget=0.1"):
+        doc = doctor.report(device=CPU)
+        text = doctor.render(doc)
+    assert doc["sparse"]["settings"].startswith("block-sparse, budget=0.1")
+    assert f"sparse attention: {doc['sparse']['settings']} (" in text
+    sol = next(line for line in text.splitlines() if line.strip().startswith("sol "))
+    assert ("yes" in sol) == bool(listed["sol"]["available"]) and (listed["sol"]["reason"] in sol)
+    assert any(line.strip().startswith("block-sparse ") and "design " in line for line in text.splitlines())
+    assert f"route() supports {doc['diffusers']['supported']}" in text
+
+
 def bench_header(doc):
     from lib_attn.commands import bench
     settings = {"timer": "t", "columns": [], "h200_floor": False, "load_average": None, "cpu_count": 2,

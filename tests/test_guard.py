@@ -234,17 +234,81 @@ def test_a_kernel_that_passes_the_first_check_of_a_long_call_runs_on_the_callers
     assert lib_attn.explain(q, k, v).backend == "fk-nan3"
 
 
-def test_a_write_the_probe_cannot_show_is_caught_by_the_checksums(caplog):
+def test_a_write_the_probe_cannot_show_is_caught_and_undone(caplog):
     lib_attn.configure(preference=["fk-writes-long"])
     q, k, v = long_qkv(3, n=faulty_backends.LONG + 500)
+    kept = tuple(t.clone() for t in (q, k, v))
     with caplog.at_level(logging.WARNING, logger="lib_attn"), lib_attn.recording() as rec:
         out = lib_attn.attention(q, k, v)
     ((_, caught, said, ran_on, _), _), = rec.guard.items()
     assert caught == "fk-writes-long" and ran_on == "sdpa"
-    assert said.endswith("wrote into its inputs at full size (the caller's tensors changed before it was caught)")
-    assert torch.equal(out, sdpa(q, k, v))  # recomputed on what the inputs now hold, and said so
-    assert not v.any()
+    assert said.endswith("wrote into its inputs at full size (the caller's tensors were restored)")
+    assert all(check.same_bits(a, b) for a, b in zip((q, k, v), kept)), "the caller's tensors were not restored"
+    assert torch.equal(out, sdpa(*kept))  # recomputed on the caller's inputs
     assert any("at full size" in r.getMessage() for r in caplog.records)
+
+
+def test_a_write_with_no_room_for_copies_is_caught_and_said(monkeypatch):
+    monkeypatch.setattr(check, "_host_copies", lambda tensors: None)
+    lib_attn.configure(preference=["fk-writes-long"])
+    q, k, v = long_qkv(3, n=faulty_backends.LONG + 500)
+    with lib_attn.recording() as rec:
+        out = lib_attn.attention(q, k, v)
+    ((_, caught, said, ran_on, _), _), = rec.guard.items()
+    assert said.endswith("wrote into its inputs at full size (the caller's tensors changed before it was caught)")
+    assert torch.equal(out, sdpa(q, k, v)) and not v.any()  # recomputed on what the inputs now hold, as said
+
+
+def reference64(q, k, v):
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("bid", ["fk-scale-long", "fk-sign-long", "fk-trade-long"])
+def test_a_sign_flip_or_power_of_two_scaling_on_long_calls_is_rejected_and_undone(bid, dtype):
+    # Every word of q changes by a multiple of 2^23 (fp32 exponent) or 2^31 (sign): 512 or 2 such
+    # changes add up to nothing in a wrapping 32-bit sum, and every row here holds 16 fp32 words.
+    lib_attn.configure(preference=[bid])
+    q, k, v = long_qkv(8, dtype, n=faulty_backends.LONG + 24)
+    kept = tuple(t.clone() for t in (q, k, v))
+    with lib_attn.recording() as rec:
+        out = lib_attn.attention(q, k, v)
+        assert all(check.same_bits(a, b) for a, b in zip((q, k, v), kept)), "the caller's tensors were not restored"
+        ((_, caught, said, _, recomputed), n), = rec.guard.items()
+        assert (caught, recomputed, n) == (bid, True, 1)
+        assert said.endswith("wrote into its inputs at full size (the caller's tensors were restored)")
+        ref = reference64(*kept)
+        assert float((out.double() - ref).norm() / ref.norm()) < check.BOUNDS[dtype]
+        runs = CALLS[bid]
+        for _ in range(3):  # it has lost the signature: the inputs stay as they were
+            lib_attn.attention(q, k, v)
+        assert CALLS[bid] == runs and all(torch.equal(a, b) for a, b in zip((q, k, v), kept))
+
+
+def test_the_fingerprint_changes_with_every_write_a_wrapping_sum_misses():
+    # 2 heads × 4 queries × 128 fp32 words: 1,024 words, a multiple of 512 (2^9 × 2^23 = 2^32) and of 2.
+    x = torch.randn(1, 2, 4, 128, dtype=torch.float64).float()
+    fp = check.fingerprint(x)
+    one_bit = x.clone()
+    one_bit.view(torch.int32)[0, 1, 2, 3] ^= 1
+    writes = {"×2": x * 2, "×0.125": x * 0.125, "sign": -x, "heads swapped": x.flip(1),
+              "values moved along the row": x.roll(1, -1), "one bit": one_bit}
+    for name, y in writes.items():
+        assert not check.same_bits(x, y)
+        assert not torch.equal(check.fingerprint(y), fp), name
+    assert torch.equal(check.fingerprint(x.clone()), fp)
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        t = x.to(dtype)
+        assert not torch.equal(check.fingerprint(-t), check.fingerprint(t)), dtype
+        assert not torch.equal(check.fingerprint(t * 2), check.fingerprint(t)), dtype
+    # Views the engine gets (a transposed bshd call, a strided timed part) are read in place.
+    big = torch.randn(1, 600, 4, 64).transpose(1, 2)
+    part = big[:, :2]
+    before = check.fingerprint(part)
+    big[:, 3].neg_()
+    assert torch.equal(check.fingerprint(part), before)
+    big[:, 1].neg_()
+    assert not torch.equal(check.fingerprint(part), before)
 
 
 @pytest.mark.parametrize("where", ["probe", "checksums", "reference"])
@@ -291,11 +355,24 @@ def test_tuning_never_runs_a_candidate_on_the_callers_tensors_before_it_is_seen_
         assert all(not set(seen) & set(storage(q, k, v)) for seen in faulty_backends.SEEN.pop("fk-writes"))
 
 
-def test_tuning_catches_a_write_at_full_size_by_the_checksums():
+def test_tuning_catches_and_undoes_a_write_at_full_size():
     lib_attn.configure(preference=["fk-writes-long", "sdpa"], tune="on")
     q, k, v = long_qkv(6, n=faulty_backends.LONG + 500)
     out = lib_attn.attention(q, k, v)
     d = lib_attn.explain(q, k, v)
     assert d.backend == "sdpa" and d.reasons_for("fk-writes-long") == [
-        "output check failed: wrote into its inputs at full size (the caller's tensors changed before it was caught)"]
-    assert torch.equal(out, sdpa(q, k, v))
+        "output check failed: wrote into its inputs at full size (the caller's tensors were restored)"]
+    assert torch.equal(out, sdpa(q, k, v)) and v.any()
+
+
+@pytest.mark.parametrize("bid", ["fk-scale-long", "fk-sign-long", "fk-trade-long"])
+def test_tuning_catches_and_undoes_a_sign_flip_or_scaling_at_full_size(bid):
+    lib_attn.configure(preference=[bid, "sdpa"], tune="on")
+    q, k, v = long_qkv(9, n=faulty_backends.LONG + 24)
+    kept = tuple(t.clone() for t in (q, k, v))
+    out = lib_attn.attention(q, k, v)
+    assert all(check.same_bits(a, b) for a, b in zip((q, k, v), kept)), "the caller's tensors were not restored"
+    d = lib_attn.explain(q, k, v)
+    assert d.backend == "sdpa" and d.reasons_for(bid) == [
+        "output check failed: wrote into its inputs at full size (the caller's tensors were restored)"]
+    assert torch.equal(out, sdpa(*kept))

@@ -3,6 +3,7 @@ blocks, roles, passes), counts per rule, tuning and the guard inside a rule, and
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -122,6 +123,68 @@ def test_each_mistake_names_the_rule_the_part_and_what_is_valid(text, message):
         parse(text)
     assert message in str(exc.value)
     assert isinstance(exc.value, ValueError)
+
+
+@pytest.mark.parametrize("text, shadowed, by", [
+    ("0-50%: sdpa; 10-20% cross: sage", 2, "rule 1 ('0-50%') takes"),
+    ("self: sdpa; self 0-20%: sage", 2, "rule 1 ('self') takes"),
+    ("first 4: sdpa; blocks 0-2 cross: sage", 2, "rule 1 ('first 4') takes"),
+    ("0-50%: sdpa; 40-100%: sage; 50-90% cross: math", 3, "rule 2 ('40-100%') takes"),
+    ("0-30%: sdpa; 30-60%: math; 60-100% cross: sage; 20-70% cross: sdpa-math", 4,
+     "rule 1 ('0-30%'), rule 2 ('30-60%') and rule 3 ('60-100% cross') take"),
+    ("sigma 0-20: sdpa; sigma 1-5 hires: sage", 2, "rule 1 ('sigma 20-0') takes"),
+    ("unet: sdpa; unet cross: sage", 2, "rule 1 ('unet') takes"),
+])
+def test_a_rule_earlier_rules_always_take_first_is_refused_naming_them(text, shadowed, by):
+    with pytest.raises(ScheduleError) as exc:
+        parse(text)
+    assert str(exc.value).startswith(f"schedule rule {shadowed} (")
+    assert f"never holds: {by} every call it would first; move it before rule " in str(exc.value)
+
+
+@pytest.mark.parametrize("text", [
+    "cross: sdpa; 0-20%: sdpa; 20-80%: sage3, sage; 80-100%: sdpa; vae: sdpa-efficient",
+    "0-50%: sdpa; 40-100% cross: sage", "0-30%: sdpa; 40-100%: math; 20-50%: sage",  # a gap from 30 to 40%
+    "cross: sdpa; 25-75% self: sage; vae: sdpa-efficient", "first 2: auto; last 2: auto; hires: sdpa; 10-90%: sage",
+    "first 2: sdpa; blocks 1-3: sage", "hires: sdpa; 0-50%: sage", "unet: sdpa; dit: sage; self: math",
+])
+def test_rules_that_some_call_reaches_are_kept(text, caplog):
+    with caplog.at_level(logging.WARNING, logger="lib_attn"):
+        assert parse(text).text
+    assert not caplog.records
+
+
+def test_a_rule_with_no_window_behind_windows_that_cover_every_step_is_kept_with_a_warning(caplog):
+    text = "0-20%: sdpa; 20-80%: math; 80-100%: sdpa; cross: sdpa-math"
+    with caplog.at_level(logging.WARNING, logger="lib_attn"):
+        lib_attn.configure(preference=["sdpa"], schedule=text)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == ("schedule rule 4 ('cross: sdpa-math') takes only calls made where no sampling step is known: "
+                    "rule 1 ('0-20%'), rule 2 ('20-80%') and rule 3 ('80-100%') take every call of it at a known step "
+                    "first; move it before rule 1 for it to hold while sampling")
+
+    def calls():
+        sched.leave()
+        lib_attn.attention(*cross_call())  # outside sampling: the rule holds, as the warning says
+        for step in range(10):
+            sched.at_step(step, 10)
+            lib_attn.attention(*cross_call())
+    got = served(text, calls)
+    assert got == {("cross", "sdpa-math"): 1, ("0-20%", "sdpa"): 2, ("20-80%", "math"): 6, ("80-100%", "sdpa"): 2}
+
+
+def test_the_schedules_pages_examples_parse_with_no_rule_shadowed(caplog):
+    import os
+    import re
+    page = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "schedules.md"),
+                encoding="utf-8").read()
+    block = re.search(r"configuration \(backend setting, flags, Auto\):\n\n```\n(.*?)```", page, re.S)[1]
+    examples = [line for line in block.splitlines() if line.strip()]
+    assert len(examples) == 3
+    with caplog.at_level(logging.WARNING, logger="lib_attn"):
+        for text in examples:
+            assert parse(text).text == text  # each is in canonical form, as the readout writes it
+    assert not caplog.records
 
 
 def test_a_schedule_that_is_not_text_is_refused():

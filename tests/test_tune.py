@@ -379,6 +379,8 @@ def test_tune_command_ranks_a_models_calls_and_clear_forgets_them(capsys):
         line = next(ln for ln in text.splitlines() if ln.startswith(call.where + " "))
         assert line.split()[-5] in ("sdpa", "math") and line.rstrip().endswith("ms") and "×" in line
     assert len(tuning_file.table()["entries"]) == len(calls)
+    # On a CPU, tuning is off in use by default: the stored rankings serve only runs with it on, as it says.
+    assert 'note: tuning is auto on cpu in use, so later runs use these rankings only with tuning on' in text
     assert lib_attn.config().tune == "auto"  # the command's tuning was scoped
     assert main(["tune", "--model", "sd15", "--res", "64"]) == 0
     assert capsys.readouterr().out.count(" stored") == len(calls)  # a second run measures nothing

@@ -97,6 +97,56 @@ def decisions(device: torch.device, dtype: Optional[torch.dtype] = None,
     return out
 
 
+def _flex_compiler(device_type: str) -> str:
+    """What compiled FlexAttention needs on ``device_type``, found or not, without compiling anything:
+    a C++ compiler on a CPU (inductor's), Triton on a GPU."""
+    import importlib.util
+    import os
+    import shutil
+
+    if device_type == "cuda":
+        return "Triton found" if importlib.util.find_spec("triton") else "no Triton: the gather design serves"
+    found = next((shutil.which(c) for c in (os.environ.get("CXX") or "", "g++", "c++", "clang++") if c and shutil.which(c)),
+                 None)
+    return f"C++ compiler {found}" if found else "no C++ compiler found: the gather design serves"
+
+
+def _sparse_dict(device: torch.device, info=None) -> dict:
+    """The sparse settings in force and every sparse backend with its probe, and block-sparse's design:
+    FlexAttention (with the compiler it needs) or the gather one."""
+    from lib_attn.kernels import REGISTRY
+    from lib_attn.kernels.block_sparse import flex
+
+    settings = lib_attn.config().sparse
+    backends = [{"id": b.id, "label": b.label, "available": bool(b.available), "version": b.version or None,
+                 "reason": b.reason or "", "packages": list(b.packages)} for b in lib_attn.backends(sparse=True)]
+    for b in backends:
+        backend = REGISTRY[b["id"]]
+        if b["available"] and hasattr(backend, "design") and info is None:
+            design = backend.design(device.type)
+            b["design"] = design
+            if design == "flex":
+                b["compiler"] = _flex_compiler(device.type)
+            elif getattr(backend, "flex_failed", ""):
+                b["compiler"] = f"FlexAttention failed here: {backend.flex_failed}"
+            elif not flex.available():
+                b["compiler"] = "this torch has no FlexAttention (torch 2.5 and later)"
+    return {"settings": settings.text if settings is not None else None, "backends": backends}
+
+
+def _diffusers_dict() -> dict:
+    """The installed diffusers (from its metadata: nothing is imported) and the releases ``route`` supports."""
+    from importlib import metadata
+
+    from lib_attn.integrations.diffusers import SUPPORTED
+    try:
+        installed = metadata.version("diffusers")
+    except metadata.PackageNotFoundError:
+        installed = None
+    low, high = (".".join(map(str, v)) for v in SUPPORTED)
+    return {"installed": installed, "supported": f"{low} up to {high} excluded"}
+
+
 def report(device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None, info=None) -> dict:
     """The whole report; ``info`` (a ``DeviceInfo``) describes a device this machine need not have."""
     if info is not None:
@@ -111,6 +161,8 @@ def report(device: Optional[torch.device] = None, dtype: Optional[torch.dtype] =
     doc["tuning"] = _tuning_dict(device, info)
     doc["guard"] = {"mode": lib_attn.config().guard, "clear": CLEAR_COMMAND,
                     "rejected": tuning_file.remembered(info or lib_attn.device_info(device))}
+    doc["sparse"] = _sparse_dict(device, info)
+    doc["diffusers"] = _diffusers_dict()
     doc["decisions"] = decisions(device, dtype, info=info)
     if info is not None:
         doc["described"] = True
@@ -163,9 +215,22 @@ def render(doc: dict) -> str:
         ver = b["version"] or "-"
         tail = f"  {b['reason']}" if not b["available"] and b["reason"] else ""
         lines.append(f"  {b['id']:<{w}}  {state}  {ver}{tail}")
+    sp = doc.get("sparse")
+    if sp is not None:
+        lines += ["", f"sparse attention: {sp['settings'] or 'off'} (lib_attn.configure(sparse=...); docs/sparse.md)"]
+        w = max((len(b["id"]) for b in sp["backends"]), default=0)
+        for b in sp["backends"]:
+            state = "yes" if b["available"] else "no "
+            tail = f"  {b['reason']}" if not b["available"] and b["reason"] else ""
+            design = f"  design {b['design']}" if b.get("design") else ""
+            compiler = f" ({b['compiler']})" if b.get("compiler") else ""
+            lines.append(f"  {b['id']:<{w}}  {state}  {b['version'] or '-'}{tail}{design}{compiler}")
+    d = doc.get("diffusers")
+    if d is not None:
+        lines += ["", f"diffusers {d['installed'] or 'not installed'}; route() supports {d['supported']}"]
     lines += ["", "packages (from their metadata; what each backend's probe looks for)"]
     users: dict = {}
-    for b in doc["backends"]:
+    for b in doc["backends"] + (doc.get("sparse") or {}).get("backends", []):
         for name in b.get("packages", ()):
             users.setdefault(name, []).append(b["id"])
     w = max(len(name) for name in v["packages"])

@@ -13,6 +13,7 @@ import torch
 
 import lib_attn
 from lib_attn import shapes, tuning_file
+from lib_attn import tune as _tune
 from lib_attn.chains import chain_for
 from lib_attn.decision import decide
 from lib_attn.spec import spec_of
@@ -69,6 +70,9 @@ def run(models: List[str], res: Optional[int], dtypes: Optional[List[torch.dtype
 def render(rows: List[dict], device: torch.device) -> str:
     """The text report: per model and dtype, a table of each candidate's time per call."""
     out = [f"lib_attn tune: {environment(device)['device']['description']}; results in {tuning_file.cache_path()}"]
+    if not _tune.enabled(lib_attn.config().tune, device.type):
+        out.append(f"note: tuning is {lib_attn.config().tune} on {device.type} in use, so later runs use these "
+                   "rankings only with tuning on (--attn-tune on, the Tune setting, or lib_attn.configure(tune=\"on\"))")
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["model"], r["res"], r["dtype"]), []).append(r)

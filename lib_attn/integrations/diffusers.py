@@ -482,8 +482,13 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
     denoiser's sequence over the ranks and puts the configuration in force for the scope
     (``diffusers_parallel``); a denoiser whose split is not known, an attention module on a rank's share
     that the split cannot reach, or a hook that cannot run on a share raises ValueError naming them,
-    before anything changes. ``AttnProcessor`` and ``SlicedAttnProcessor`` run ``AttnProcessor2_0``'s
-    code there for the scope (the same attention, which the split reaches).
+    before anything changes.
+
+    ``AttnProcessor`` and ``SlicedAttnProcessor`` (``set_default_attn_processor``'s shared processor,
+    ``enable_attention_slicing``'s) run ``AttnProcessor2_0``'s code for the scope where every module they
+    serve computes the same attention (no query/key norms, the scale 1/sqrt(head size)), and so are
+    routed; processors left as they are get a log warning naming them and why, and so does a model with
+    no attention module.
     """
     from ..spec import ROLES
 
@@ -498,8 +503,10 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
     routing = Routing()
     plan, seen = [], set()
     models = _models(model_or_pipeline, role)
-    as_sdpa = {}
-    if parallel is not None:
+    as_sdpa, differ = {}, {}
+    if parallel is None:
+        as_sdpa, differ = _split.same_as_sdpa(models, processor_kind)
+    else:
         # Split attention that the split cannot reach would attend to one rank's share of the tokens
         # as if it were the whole sequence: a wrong image on every rank, and no error.
         as_sdpa, problems = _split.plan_refusals(models, processor_kind)
@@ -523,6 +530,7 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
                 routing.skipped[name] = routing.skipped.get(name, 0) + 1
             else:
                 plan.append((processor, kind, model_role))
+    _say_what_is_left(models, plan, routing.skipped, differ)
     registry = _dispatcher_registry() if any(kind == DISPATCHER for _, kind, _ in plan) else None
     with contextlib.ExitStack() as scope:
         if parallel is not None:
@@ -552,6 +560,18 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
             routing._swapped.clear()
             if routing._registry is not None:
                 _REGISTRY.exit(routing._registry)
+
+
+def _say_what_is_left(models: list, plan: list, skipped: dict, differ: dict) -> None:
+    """A log warning for attention ``route`` leaves as it is, and for a scope with no attention at all."""
+    if skipped:
+        why = {cls: differ.get(cls, "it reaches attention neither through F.scaled_dot_product_attention nor "
+                                    "through diffusers' attention dispatcher") for cls in skipped}
+        log.warning("route: %s left as they are, outside lib_attn and not counted: %s", ", ".join(
+            f"{n} {cls}" for cls, n in skipped.items()), "; ".join(f"{cls}: {w}" for cls, w in why.items()))
+    elif not plan and not any(getattr(m, "processor", None) is not None for model, _ in models for m in model.modules()):
+        names = ", ".join(type(model).__name__ for model, _ in models) or "nothing (no denoiser or VAE found)"
+        log.warning("route: no attention module in %s: nothing is routed", names)
 
 
 def _late_router(routing: Routing, model_role: str):

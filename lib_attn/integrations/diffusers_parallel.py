@@ -294,6 +294,34 @@ def second_call(name: str, cls: str) -> str:
     return ""
 
 
+def differs_somewhere(modules, processor) -> str:
+    """'' when ``processor`` (one object may serve many modules) computes ``AttnProcessor2_0``'s attention on
+    every one of ``modules`` it serves (``substitutable``), else what differs on the first that does not."""
+    users = [m for m in modules if getattr(m, "processor", None) is processor]
+    return next((w for w in map(substitutable, users) if w), "")
+
+
+def same_as_sdpa(models: list, kind_of) -> tuple[dict, dict]:
+    """({id(processor): True} for the processors of ``SAME_AS_SDPA`` in ``models`` that may run as
+    ``AttnProcessor2_0`` on every module they serve (``set_default_attn_processor`` installs one shared
+    ``AttnProcessor``), {class name: what differs} for those that may not). ``kind_of`` as in
+    ``plan_refusals``."""
+    as_sdpa, differ = {}, {}
+    for model, _ in models:
+        modules = list(model.modules())
+        for module in modules:
+            processor = getattr(module, "processor", None)
+            cls = type(processor).__name__
+            if processor is None or id(processor) in as_sdpa or cls not in SAME_AS_SDPA or kind_of(processor):
+                continue
+            why = differs_somewhere(modules, processor)
+            if why:
+                differ[cls] = why
+            else:
+                as_sdpa[id(processor)] = True
+    return as_sdpa, differ
+
+
 def plan_refusals(models: list, kind_of) -> tuple[dict, list]:
     """({id(processor): True} for the processors of ``SAME_AS_SDPA`` to split as ``AttnProcessor2_0``,
     [why route(parallel=) cannot split a denoiser, one line each]). ``kind_of(processor)``: how a
@@ -349,8 +377,7 @@ def _adopter(model, kind_of, route_as):
             raise ValueError(f"route(parallel=...): {name} was given {cls} after the split opened: "
                              f"{second_call(name, cls)}")
         if kind is None and cls in SAME_AS_SDPA:
-            users = [m for m in model.modules() if getattr(m, "processor", None) is processor]
-            why = next((w for w in map(substitutable, users) if w), "")
+            why = differs_somewhere(model.modules(), processor)
             if not why:
                 return route_as(processor, None)
         if kind is not None:

@@ -76,3 +76,18 @@ def test_tuning_times_a_part_of_a_long_call():
     part, share = tune.timed_part(q, k, v, None, "bhsd")
     print(f"tuned on {tuple(part[0].shape)} (share {share:.3f}): {d}")
     assert d.source == "measured" and share < 1 and part[0].data_ptr() == q.data_ptr()
+
+
+@pytest.mark.parametrize("bid", ["fk-scale-long", "fk-sign-long", "fk-trade-long"])
+def test_a_sign_flip_or_scaling_at_full_size_is_rejected_and_the_callers_tensors_restored(bid, monkeypatch):
+    monkeypatch.setattr(faulty_backends._Faulty, "devices", ("cuda", "cpu"))
+    lib_attn.configure(preference=[bid, "sdpa"], tune="off")
+    n = faulty_backends.LONG * 8
+    q, k, v = cuda_qkv((1, 8, n, n, 128), torch.bfloat16, seed=2)
+    kept = tuple(t.clone() for t in (q, k, v))
+    with lib_attn.recording() as rec:
+        out = lib_attn.attention(q, k, v, role="dit")
+    assert all(check.same_bits(a, b) for a, b in zip((q, k, v), kept))
+    ((_, caught, said, _, recomputed), _), = rec.guard.items()
+    assert caught == bid and recomputed and said.endswith(check.WROTE_RESTORED)
+    assert rel_err(out[:, :2], reference(*(t[:, :2] for t in kept))) < check.BOUNDS[torch.bfloat16]

@@ -265,6 +265,7 @@ def _run(settings: BenchSettings) -> dict:
             memory_method = CUDA_MEMORY_METHOD  # measured as each cell was prepared
         elif cpu_memory:
             memory_method = CPU_MEMORY_METHOD
+            progress.starting("peak memory: one fresh process per cell")
             _cpu_memory(cells, rows_calls, progress, n_cells)
         else:
             memory_method = "unavailable: needs Linux /proc/self/clear_refs"
@@ -272,6 +273,7 @@ def _run(settings: BenchSettings) -> dict:
     overhead = None
     if settings.overhead:
         ov_dtype = torch.float32 if device.type == "cpu" else torch.float16
+        progress.starting("engine overhead: measuring")
         overhead = engine_overhead(device, ov_dtype, settings.overhead_rounds, settings.schedule)
         progress.step("engine overhead")
 

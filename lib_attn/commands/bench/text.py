@@ -50,8 +50,8 @@ def render(doc: dict) -> str:
                + f"; timer {doc['settings']['timer']}")
     if AUTO in doc["settings"]["columns"]:
         tuned = doc["settings"].get("tune", "auto")
-        out.append("auto: " + ("tuned: the engine measured (or read from "
-                               f"{doc['settings'].get('tuning_file')}) each call kind's candidates and runs the "
+        out.append("auto: " + ("tuned: the engine measured each call kind's candidates, storing the ranking in "
+                               f"{doc['settings'].get('tuning_file')} (or read it from there), and runs the "
                                "fastest correct one; 'auto ran' says measured or stored" if tuned == "on" else
                                f"tuning {tuned}: the engine's fixed order"))
     scale = doc["settings"].get("video_scale")
