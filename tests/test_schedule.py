@@ -105,7 +105,7 @@ def test_no_schedule(text):
     ("halfway: sdpa", "schedule rule 1 ('halfway: sdpa'): 'halfway' is not a condition; valid conditions: A-B%"),
     ("0-50%: sdpa, fastest", "schedule rule 1 ('0-50%: sdpa, fastest'): unknown backend id 'fastest'; valid ids: "
                              "flash-attn, "),
-    ("0-50%: sdpa, fastest", ", sdpa, sdpa-math, math, or auto"),
+    ("0-50%: sdpa, fastest", ", sdpa, sdpa-math, math, sdpa-host, or auto"),
     ("0-50%:  ", "schedule rule 1 ('0-50%:'): no backend after ':'; write backend ids (e.g. sdpa, sage) or auto"),
     ("50-20%: sdpa", "step window '50-20%' must run from a lower to a higher percentage within 0-100%"),
     ("0-120%: sdpa", "step window '0-120%' must run from a lower to a higher percentage within 0-100%"),
