@@ -18,6 +18,7 @@ from lib_attn.config import GUARD_MODES
 from lib_attn.report import Report, VramProbe
 
 from host_attn import voice
+from host_attn.patching import Patches
 
 from ..routing import detect, sampling
 from ..settings import layers, stored
@@ -51,8 +52,8 @@ class _Generation:
     batches: dict = dataclasses.field(default_factory=dict)
     #: the settings the request's ``override_settings`` replaced, put back when it ends (or None)
     restore: dict | None = None
-    #: the extension's forwards were put over the webui's own attention for this generation
-    lent: bool = False
+    #: the token of the extension's forwards put over the webui's own attention for this generation, or None
+    lent: object = None
 
     def part(self, p=None, use_main_prompt: bool = False):
         """The calls of the batch ``p`` is in (``p.iteration``), or of the whole job for the grid
@@ -66,8 +67,8 @@ class _Generation:
         self.context.__exit__(None, None, None)
         if self.probe is not None:
             self.probe.stop()   # its polling thread ends with the generation (a no-op once read)
-        if self.lent:
-            detect.adapter().end_generation()
+        if self.lent is not None:
+            detect.adapter().end_generation(self.lent)
         layers.set_layer("generation", self.previous_layer)
         if self.restore is not None:
             # the webui puts the options back with setattr, which runs no onchange: follow it here
@@ -214,8 +215,11 @@ def _shared():
 
 
 def _job(shared):
+    """The job a generation belongs to: A1111 stamps each job's start to the second (``job_timestamp``),
+    so two API requests within a second share it; the start time (``time_start``) tells them apart."""
     state = getattr(shared, "state", None) if shared is not None else None
-    return getattr(state, "job_timestamp", None)
+    stamp = getattr(state, "job_timestamp", None)
+    return None if stamp is None else (stamp, getattr(state, "time_start", None))
 
 
 def _infotext_entry(gen: _Generation, key: str):
@@ -301,14 +305,14 @@ def process(p, *args):
                 layers.set_layer("generation", generation_layer(override, guard, schedule, sparse))
             except ValueError as exc:  # set_layer has put the previous layer back
                 refusal = str(exc)
-        lent = (refusal is None and asks_for_engine(override, stored.read(opts))
-                and detect.lend_for_generation(opts))
+        lent = (detect.lend_for_generation(opts)
+                if refusal is None and asks_for_engine(override, stored.read(opts)) else None)
         route = detect.routing()
         notes = _notes(override, problem, route, opts)
         if guard_problem:
             voice.log(guard_problem)
             notes = (*notes, guard_problem)
-        if lent:
+        if lent is not None:
             notes = (*notes, detect.adapter().lent_note())
         cfg = lib_attn.config() if refusal is None else None
         sparse_in_force = cfg.sparse if cfg is not None else None
@@ -386,6 +390,49 @@ def postprocess_batch(p, batch_number=None) -> None:
     marks = gen.batches.get(batch_number) if gen is not None else None
     if marks is not None:
         marks[1] = gen.rec.mark()
+
+
+def generation_left(p) -> None:
+    """``process_images_inner`` returned or raised for ``p``: a generation of ``p`` still open never reached
+    ``postprocess`` (it raised, an X/Y/Z cell the grid script caught included), and ends here, with what it
+    put in force (settings layer, lent forwards, VRAM polling) and the generations nested in it."""
+    with _lock:
+        gen = _take(p)
+        if gen is not None:
+            gen.close()
+
+
+def _watched_inner(process_images_inner):
+    def watched_process_images_inner(p, *args, **kwargs):
+        try:
+            return process_images_inner(p, *args, **kwargs)
+        finally:
+            generation_left(p)
+
+    watched_process_images_inner.__wrapped__ = process_images_inner
+    return watched_process_images_inner
+
+
+_watch = Patches("webui-generations")
+
+
+def watch_generations() -> None:
+    """Follow each generation's end in the webui's ``processing.process_images_inner`` (``process_images``
+    calls it by its module name in A1111 and the Forge lines), so that one that raised ends at once."""
+    global _watch
+    try:
+        import modules.processing as processing
+    except ImportError:
+        return
+    if not hasattr(processing, "process_images_inner") or (_watch.active and _watch.intact()):
+        return
+    _watch = Patches("webui-generations")   # wrapped over since by another: ours stays inside theirs
+    _watch.patch(processing, "process_images_inner", _watched_inner(processing.process_images_inner))
+
+
+def unwatch_generations() -> None:
+    if _watch.intact():
+        _watch.undo()
 
 
 def _take(p) -> _Generation | None:
