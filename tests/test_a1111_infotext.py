@@ -191,6 +191,22 @@ def test_paste_and_params_txt_restore_the_choice_and_send_to_carries_it(webui_fa
     assert [sent[c] for c in tabs.controls("img2img")[:3]] == chosen
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_pasting_an_image_made_without_sparse_empties_the_sparse_field(webui_factory, mode):
+    webui_factory(mode).load_scripts()
+    tabs = Tabs(mode)
+    sparse_field = tabs.controls()[3]
+    with_sparse = ui_generation(tabs, ["use setting", "use setting", "", "block-sparse, budget=0.2"],
+                                sd_model=sample)
+    text = with_sparse.infotexts[0]
+    assert pasted(tabs.paste_text(text), sparse_field).startswith("block-sparse, budget=0.2")
+    without = ui_generation(tabs, ["use setting", "use setting", "", ""], sd_model=sample)
+    assert "Sparse attention" not in parse_infotext(without.infotexts[0])
+    # the field holds the pasted settings: an image made without them empties it (its setting's then)
+    assert pasted(tabs.paste_text(without.infotexts[0]), sparse_field) == ""
+    assert pasted(tabs.paste_text("a dog\nSteps: 20, Sampler: Euler a, Seed: 1"), sparse_field) == ""
+
+
 # --- 5: a request's override_settings last as long as the request ----------------------------------------
 
 @pytest.mark.parametrize("mode", MODES)

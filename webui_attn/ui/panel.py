@@ -180,10 +180,19 @@ def schedule_from_params(params: dict) -> str | None:
     return readout.schedule_from_infotext(params)
 
 
+def sparse_from_params(params: dict) -> str | None:
+    """Paste-back of the sparse field: the sparse settings that generation ran under, empty (the setting's)
+    when it ran under none, so that a pasted image made without reproduces without; None (the field is
+    left as it is) when the text cannot be read here."""
+    if not str((params or {}).get(INFOTEXT_SPARSE_KEY) or "").strip():
+        return ""
+    return readout.sparse_from_infotext(params)
+
+
 #: The paste-back readers, one per field in the order of ``ui``'s components. The webui's "Send to
 #: txt2img/img2img" copies a field whose reader is in ``paste_field_names``: each reader is one function
 #: object, the same in both tabs, so the fields of the two tabs match up.
-PASTE_READERS = (override_from_params, guard_from_params, schedule_from_params, readout.sparse_from_infotext)
+PASTE_READERS = (override_from_params, guard_from_params, schedule_from_params, sparse_from_params)
 
 
 #: The webui's element updated at the end of every generation (the comments and time under the image),
@@ -342,7 +351,8 @@ def process(p, *args):
             params[INFOTEXT_SCHEDULE_KEY] = cfg.schedule.text
         if notes:
             params[INFOTEXT_NOTE_KEY] = readout.to_infotext(Report(notes=notes))[INFOTEXT_NOTE_KEY]
-        if sparse_in_force is not None:
+        if sparse_in_force is not None and route.routed:
+            # only where it applies: pasted back, the key turns sparse attention on
             params[INFOTEXT_SPARSE_KEY] = sparse_in_force.text
         if refusal is None:
             # what the user chose, apart from what ran: paste-back restores these
