@@ -380,8 +380,9 @@ def a1111_flags_note(cmd_opts) -> str | None:
     picks = "; ".join(f"{spelling} picks {what}" for spelling, what in given)
     return (f"{names} (A1111): with Cross attention optimization \"Automatic\" A1111 applies the optimizer of the "
             f"first such flag before it looks at priorities ({picks}), so attention goes through this extension "
-            f"only in generations that ask for it: a backend, VAE backend or schedule set in this extension's "
-            f"settings, or a backend or schedule chosen for the generation. To route every generation, "
+            f"only in generations that ask for it: a backend, VAE backend, schedule or sparse attention set in this "
+            f"extension's settings or flags, or a backend, schedule or sparse attention chosen for the generation. "
+            f"To route every generation, "
             f"{route_hint().removeprefix('to route attention through this extension, ')}")
 
 
