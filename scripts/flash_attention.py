@@ -59,8 +59,5 @@ class FlashAttentionScript(scripts.Script):
     def before_process_batch(self, p, *args, **kwargs):
         panel.before_process_batch(p, kwargs.get("batch_number"))
 
-    def postprocess_batch(self, p, *args, **kwargs):
-        panel.postprocess_batch(p, kwargs.get("batch_number"))
-
     def postprocess(self, p, processed, *args):
         panel.postprocess(p, processed, *args)

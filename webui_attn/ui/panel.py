@@ -4,7 +4,7 @@ The entry script's ``Script`` delegates here. One generation runs from ``process
 (both on the thread that generates, Forge's worker thread included); its counters are a
 ``lib_attn.recording()`` opened in ``process`` and closed in ``postprocess``, so they hold the calls
 that thread makes for the generation (a live preview that another thread decodes is not among them).
-Each batch (``before_process_batch`` to ``postprocess_batch``) is marked in them, so that each image's
+Each batch (``before_process_batch`` to the next one's) is marked in them, so that each image's
 infotext counts the calls of its own batch.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ class _Generation:
     notes: tuple
     routing: voice.Routing
     follower: sampling.Follower | None = None
-    #: batch number -> [mark at its start, mark at its end or None]
+    #: batch number -> [mark at its start ({}: the generation's), mark at the next batch's start or None]
     batches: dict = dataclasses.field(default_factory=dict)
     #: the settings the request's ``override_settings`` replaced, put back when it ends (or None)
     restore: dict | None = None
@@ -388,18 +388,20 @@ def _generation_of(p) -> _Generation | None:
 
 
 def before_process_batch(p, batch_number=None) -> None:
-    """A batch starts: mark the counters, so that its images' infotexts count its calls alone."""
-    gen = _generation_of(p)
-    if gen is not None and batch_number is not None:
-        gen.batches[batch_number] = [gen.rec.mark(), None]
+    """A batch starts: mark the counters, so that its images' infotexts count its calls alone.
 
-
-def postprocess_batch(p, batch_number=None) -> None:
-    """A batch is sampled and decoded; its images' infotexts are written next."""
+    A batch's calls run from its start to the next batch's: after its sampling and decoding come the
+    passes run on its images before their infotexts are written (an extension's ``postprocess_image``,
+    such as ADetailer's), and an image's infotext counts those run so far. The first batch's start is the
+    generation's, so that the passes before it (img2img's encoding of its init image) count in it."""
     gen = _generation_of(p)
-    marks = gen.batches.get(batch_number) if gen is not None else None
-    if marks is not None:
-        marks[1] = gen.rec.mark()
+    if gen is None or batch_number is None:
+        return
+    mark = gen.rec.mark()
+    for marks in gen.batches.values():
+        if marks[1] is None:
+            marks[1] = mark
+    gen.batches[batch_number] = [mark if gen.batches else {}, None]
 
 
 def generation_left(p) -> None:

@@ -46,6 +46,10 @@ class StableDiffusionProcessing:
     def comment(self, text):
         self.comments[text] = 1
 
+    def init(self, all_prompts, all_seeds, all_subseeds):
+        """Called once after the scripts' ``process``, before the first batch (img2img encodes its
+        init images here)."""
+
 
 class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
     def __init__(self, enable_hr=False, hr_second_pass_steps=0, denoising_strength=0.75, hr_checkpoint_info=None,
@@ -178,16 +182,17 @@ def process_images(p):
 
 
 def process_images_inner(p):
-    """Always-on scripts' ``process``; per batch (``n_iter``): a stop when ``state.interrupted``, the switch
+    """Always-on scripts' ``process``, ``p.init``; per batch (``n_iter``): a stop when ``state.interrupted``, the switch
     back to the selected checkpoint, ``before_process_batch``, ``process_batch``, ``params.txt`` (in ``paths_internal.data_path``) from the first batch, before sampling,
     sampling and decoding (here: the callable ``p.sd_model(p)``, if any), ``postprocess_batch``, then each
-    image of the batch with its infotext (``index`` in the batch, ``p.iteration`` the batch); the grid
+    image of the batch, ``postprocess_image`` then its infotext (``index`` in the batch, ``p.iteration`` the batch); the grid
     (more than one image, not over the API) with the main prompt's infotext first; ``Processed`` (with
     ``p``'s comments), scripts' ``postprocess``."""
     from modules import devices
     devices.torch_gc()
     if p.scripts is not None:
         p.scripts.process(p)
+    p.init(p.all_prompts, p.all_seeds, None)
     infotexts = []
     output_images = []
     for n in range(p.n_iter):
@@ -219,6 +224,11 @@ def process_images_inner(p):
 
         for i, image in enumerate(images):
             p.batch_index = i
+            if p.scripts is not None:
+                from modules import scripts
+                pp = scripts.PostprocessImageArgs(image)
+                p.scripts.postprocess_image(p, pp)
+                image = pp.image
             infotexts.append(infotext(i))
             output_images.append(image)
     if not infotexts:
