@@ -34,6 +34,8 @@ script_callbacks.on_ui_settings(_on_ui_settings)
 script_callbacks.on_cfg_denoiser(_on_cfg_denoiser)
 script_callbacks.on_app_started(_on_app_started)
 script_callbacks.on_script_unloaded(voice.unprefix_engine_log)
+panel.watch_generations()
+script_callbacks.on_script_unloaded(panel.unwatch_generations)
 
 
 class FlashAttentionScript(scripts.Script):
@@ -56,9 +58,6 @@ class FlashAttentionScript(scripts.Script):
 
     def before_process_batch(self, p, *args, **kwargs):
         panel.before_process_batch(p, kwargs.get("batch_number"))
-
-    def postprocess_batch(self, p, *args, **kwargs):
-        panel.postprocess_batch(p, kwargs.get("batch_number"))
 
     def postprocess(self, p, processed, *args):
         panel.postprocess(p, processed, *args)

@@ -475,6 +475,8 @@ def stub_panel(monkeypatch):
     panel.postprocess = lambda p, processed, *args: calls.append(("postprocess", p, processed, args))
     panel.on_ui_settings = lambda: calls.append(("on_ui_settings",))
     panel.on_app_started = lambda demo, app: calls.append(("on_app_started", demo, app))
+    panel.watch_generations = lambda: calls.append(("watch_generations",))
+    panel.unwatch_generations = lambda: calls.append(("unwatch_generations",))
     monkeypatch.setitem(sys.modules, "webui_attn.ui.panel", panel)
     monkeypatch.setattr(webui_attn.ui, "panel", panel, raising=False)
     return calls
@@ -494,6 +496,6 @@ def test_entry_script_delegates_to_the_panel(webui_factory, stub_panel, mode):
     script.postprocess("p", "processed", "flash-attn")
     script_callbacks.ui_settings_callback()
     script_callbacks.app_started_callback("demo", "app")
-    assert stub_panel == [("ui", True), ("process", "p", ("flash-attn",)),
+    assert stub_panel == [("watch_generations",), ("ui", True), ("process", "p", ("flash-attn",)),
                           ("postprocess", "p", "processed", ("flash-attn",)), ("on_ui_settings",),
                           ("on_app_started", "demo", "app")]

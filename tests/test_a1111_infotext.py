@@ -155,6 +155,52 @@ def test_images_of_one_batch_share_its_counts_and_the_grid_counts_the_job(webui_
     assert grid["Attention fallbacks"].startswith("flash-attn ×2: ")    # the job's: batch 0's two, batch 1 none
 
 
+def fallbacks(n):
+    with torch.no_grad(), lib_attn.use(preference={"unet": ["flash-attn", "sdpa"]}):
+        for _ in range(n):
+            denoiser_call()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_passes_before_the_first_batch_and_on_each_image_count_in_an_image(webui_factory, mode):
+    """img2img's encoding of its init image runs before the first batch; an extension such as ADetailer
+    runs a pass on each image in ``postprocess_image``, after its batch was decoded and before its
+    infotext is written: both count in an image's infotext (the first batch's; the image's own batch)."""
+    webui_factory(mode).load_scripts()
+    tabs = Tabs(mode)
+    from modules import processing, scripts, shared
+
+    class Detailer(scripts.Script):   # a tiny extension of the test's own
+        def show(self, is_img2img):
+            return scripts.AlwaysVisible
+
+        def postprocess_image(self, p, pp, *args):
+            fallbacks(5)
+
+    runner = tabs.runners["txt2img"]
+    detailer = Detailer()
+    detailer.args_from = detailer.args_to = 0
+    runner.alwayson_scripts.append(detailer)
+
+    class Img2Img(processing.StableDiffusionProcessingTxt2Img):
+        def init(self, all_prompts, all_seeds, all_subseeds):
+            fallbacks(7)                 # the init image's encoding
+
+    p = Img2Img(prompt="a cat", n_iter=2, batch_size=1, sd_model=batches_model([1, 2]))
+    p.scripts, p.script_args = runner, (0, "use setting", "use setting", "")
+    shared.state.begin(job="task(2)")
+    try:
+        processed = processing.process_images(p)
+    finally:
+        shared.state.end()
+        runner.alwayson_scripts.remove(detailer)
+    grid, first, second = [parse_infotext(text) for text in processed.infotexts]
+    assert first["Attention fallbacks"].startswith("flash-attn ×13: ")     # encode 7, batch 1, its pass 5
+    assert second["Attention fallbacks"].startswith("flash-attn ×7: ")     # batch 2, its pass 5
+    assert grid["Attention fallbacks"].startswith("flash-attn ×20: ")      # the whole generation
+    assert sum(readout.last_report().fallbacks.values()) == 20
+
+
 # --- 3: paste-back restores what was chosen; "Send to" carries it -----------------------------------------
 
 @pytest.mark.parametrize("mode", MODES)
@@ -189,6 +235,22 @@ def test_paste_and_params_txt_restore_the_choice_and_send_to_carries_it(webui_fa
     sent, inputs = tabs.send_to_img2img(dict(zip(tabs.controls(), chosen)))
     assert [c for c in inputs if c in tabs.controls()] == list(tabs.controls())
     assert [sent[c] for c in tabs.controls("img2img")[:3]] == chosen
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pasting_an_image_made_without_sparse_empties_the_sparse_field(webui_factory, mode):
+    webui_factory(mode).load_scripts()
+    tabs = Tabs(mode)
+    sparse_field = tabs.controls()[3]
+    with_sparse = ui_generation(tabs, ["use setting", "use setting", "", "block-sparse, budget=0.2"],
+                                sd_model=sample)
+    text = with_sparse.infotexts[0]
+    assert pasted(tabs.paste_text(text), sparse_field).startswith("block-sparse, budget=0.2")
+    without = ui_generation(tabs, ["use setting", "use setting", "", ""], sd_model=sample)
+    assert "Sparse attention" not in parse_infotext(without.infotexts[0])
+    # the field holds the pasted settings: an image made without them empties it (its setting's then)
+    assert pasted(tabs.paste_text(without.infotexts[0]), sparse_field) == ""
+    assert pasted(tabs.paste_text("a dog\nSteps: 20, Sampler: Euler a, Seed: 1"), sparse_field) == ""
 
 
 # --- 5: a request's override_settings last as long as the request ----------------------------------------

@@ -418,6 +418,8 @@ def test_a1111_flag_keeps_its_optimizer_and_startup_line_says_so(webui_factory, 
     line = next(x for x in prefixed(capsys.readouterr().out) if SDP_FLAG in x)
     assert f"{SDP_FLAG} (A1111): with Cross attention optimization \"Automatic\"" in line
     assert f"{SDP_FLAG} picks sdp" in line and "only in generations that ask for it" in line
+    assert "schedule or sparse attention set in this extension's settings or flags" in line
+    assert "a backend, schedule or sparse attention chosen for the generation" in line
     assert AUTO_TITLE in line and "--opt-flash-attention" in line
     txt2img(runner)                                                  # asks for nothing: A1111's sdp runs
     report = readout.last_report()

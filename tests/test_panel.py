@@ -231,7 +231,7 @@ def test_paste_back_restores_what_was_chosen_never_what_ran(webui_factory, mode)
     assert isinstance(override, gr.Dropdown) and override.value == "use setting"
     assert script.infotext_fields == list(zip(components, panel.PASTE_READERS))
     assert script.paste_field_names == list(panel.PASTE_READERS)   # "Send to" matches fields by these
-    assert panel.PASTE_READERS[3] is readout.sparse_from_infotext
+    assert panel.PASTE_READERS[3] is panel.sparse_from_params
     read_override, read_guard, read_schedule = panel.PASTE_READERS[:3]
 
     _, _, infotext = _generate(script, "sdpa-math", "full")

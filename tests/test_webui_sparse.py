@@ -100,6 +100,25 @@ def test_sparse_for_one_generation_is_recorded_pasted_back_and_below_its_minimum
     assert field is script.controls[3] and reader in script.paste_field_names   # "Send to" carries it
     assert reader(parse_infotext(processed.info)) == canonical
     assert reader(parse_infotext("a cat\nSteps: 10, Sparse attention: \"radial, budget=2\"")) is None
+    assert reader(parse_infotext(processed.info.replace("Sparse attention", "Other"))) == ""   # made without
+
+
+def test_sparse_that_did_not_apply_is_not_recorded_and_pasting_the_image_empties_the_field(webui_factory):
+    """A1111's own sdp chosen by name: the generation does not go through the extension, so its sparse
+    settings do not apply; the infotext says so in its note and carries no ``Sparse attention`` that a paste
+    (or the API's infotext) would turn on."""
+    from tests import sampling_model
+    from tests.test_generation import start
+    runner, _, _ = start(webui_factory, "a1111", optimization="sdp - scaled dot product")
+    from modules import shared
+    shared.sd_model = sampling_model.build("a1111")
+    processed, info, _ = generate(runner, "a1111", ["use setting", "use setting", "", LONG_ONLY])
+    params = parse_infotext(processed.info)
+    assert "Sparse attention" not in params and "Sparse attention" not in info["extra_generation_params"]
+    assert "sparse attention 'block-sparse, budget=0.2, min_tokens=100000" in params["Attention note"]
+    assert "not applied: attention runs on A1111's sdp optimizer" in params["Attention note"]
+    reader = runner.alwayson_scripts[0].infotext_fields[3][1]
+    assert reader(params) == ""
 
 
 @pytest.mark.parametrize("mode", ("a1111", "neo"))

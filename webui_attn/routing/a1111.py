@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import types
 from dataclasses import dataclass
 
 import torch
@@ -207,23 +208,48 @@ def install() -> None:
         if patches.intact():
             return
         patches.undo()
+    _patch_forwards(patches)
+
+
+def _patch_forwards(patches: Patches, lent: bool = False) -> list:
+    """Put the engine's forwards on every attention class A1111 has loaded, recorded in ``patches``.
+
+    ``lent``: copies of the forwards (the same code, other function objects), so that whether the lent ones
+    are still in place never mistakes an entry's, applied over them since, for them."""
+    cross, attnblock = forwards.cross_attention_forward, forwards.attnblock_forward
+    if lent:
+        cross, attnblock = _copy_function(cross), _copy_function(attnblock)
+    done = []
+
+    def patch(owner, attr, replacement, **kwargs):
+        patches.patch(owner, attr, replacement, **kwargs)
+        done.append((owner, attr))
+
     for name in ("ldm.modules.attention", "sgm.modules.attention"):
         module = _module(name)
         if module is not None and hasattr(module, "CrossAttention"):
-            patches.patch(module.CrossAttention, "forward", forwards.cross_attention_forward)
+            patch(module.CrossAttention, "forward", cross)
     ldm_model = _module("ldm.modules.diffusionmodules.model")
     if ldm_model is not None:
         for cls_name in ("AttnBlock", "MemoryEfficientAttnBlock"):
             cls = getattr(ldm_model, cls_name, None)
             if cls is not None:
-                patches.patch(cls, "forward", forwards.attnblock_forward)
+                patch(cls, "forward", attnblock)
     sgm_model = _module("sgm.modules.diffusionmodules.model")
     if sgm_model is not None and hasattr(sgm_model, "AttnBlock"):
-        patches.patch(sgm_model.AttnBlock, "forward", forwards.attnblock_forward, **_sgm_attnblock_restore(sgm_model))
+        patch(sgm_model.AttnBlock, "forward", attnblock, **_sgm_attnblock_restore(sgm_model))
     # SD3 binds ``attention`` by name at import; patch only once an SD3 model has imported it
     mmdit = sys.modules.get("modules.models.sd3.mmdit")
     if mmdit is not None and hasattr(mmdit, "attention"):
-        patches.patch(mmdit, "attention", make_heads_function("dit", fp32_rule=flags.fp32_for_upcast))
+        patch(mmdit, "attention", make_heads_function("dit", fp32_rule=flags.fp32_for_upcast))
+    return done
+
+
+def _copy_function(fn):
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+    copy.__module__ = fn.__module__
+    return copy
 
 
 def _sgm_attnblock_restore(sgm_model) -> dict:
@@ -239,8 +265,6 @@ def _sgm_attnblock_restore(sgm_model) -> dict:
 
 def uninstall() -> int:
     """Restore every patched object and clear the optimizer layer; safe to call again."""
-    global _lent
-    _lent = False
     count = patches.undo()
     layers.set_layer("optimizer", None)
     return count
@@ -373,14 +397,30 @@ def a1111_flags_note(cmd_opts) -> str | None:
     picks = "; ".join(f"{spelling} picks {what}" for spelling, what in given)
     return (f"{names} (A1111): with Cross attention optimization \"Automatic\" A1111 applies the optimizer of the "
             f"first such flag before it looks at priorities ({picks}), so attention goes through this extension "
-            f"only in generations that ask for it: a backend, VAE backend or schedule set in this extension's "
-            f"settings, or a backend or schedule chosen for the generation. To route every generation, "
+            f"only in generations that ask for it: a backend, VAE backend, schedule or sparse attention set in this "
+            f"extension's settings or flags, or a backend, schedule or sparse attention chosen for the generation. "
+            f"To route every generation, "
             f"{route_hint().removeprefix('to route attention through this extension, ')}")
 
 
 # --- a generation that asks for the engine while "Automatic" applied one of A1111's optimizers ----------
+#
+# The extension's forwards are lent over A1111's optimizer from the generation's ``process`` to its end. A1111
+# re-applies its optimizer inside a generation whenever it loads weights (``reload_model_weights``: the
+# refiner's switch, a hires checkpoint, the switch back at the next batch; ``sd_hijack.apply_optimizations``
+# from ``hijack``), which first resets the forwards. ``apply_optimizations`` is watched for that: after it,
+# what was lent is forgotten (A1111's own forwards are there now) and, while a generation that asked is open
+# and "Automatic" still put one of A1111's own optimizers there, lent again over the new ones. A generation's
+# end takes back only its own lend; the forwards go back to A1111's when no open generation holds one.
 
-_lent = False
+#: One token per open generation that holds a lend (nested generations share the forwards).
+_lends: list = []
+#: The forwards lent over A1111's; replaced by a fresh record when A1111 re-applies its optimizer.
+_lent_forwards = Patches("a1111-lend")
+#: (owner, attribute, the lent function, what it replaced) of each lent forward.
+_lent_targets: list = []
+#: The watch on ``modules.sd_hijack.apply_optimizations`` (from ``register`` to the script's unload).
+_watch = Patches("a1111-watch")
 
 
 def may_lend(opts) -> bool:
@@ -393,41 +433,115 @@ def may_lend(opts) -> bool:
             and not getattr(_cmd_opts(), "disable_opt_split_attention", False) and not patches.active)
 
 
-def lend_for_generation(opts) -> bool:
-    """Put this extension's forwards over A1111's optimizer for one generation (``may_lend``); True when done.
-    ``end_generation`` puts A1111's back."""
-    global _lent
+def _own_value(owner, attr):
+    return owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+
+
+def _lend_forwards() -> None:
+    """Lend the forwards over what is there now, unless the lent ones are still in place."""
+    global _lent_forwards, _lent_targets
+    if _lent_forwards.active and _lent_forwards.intact():
+        return
+    _take_back_lend()
+    _lent_targets = [(owner, attr, _own_value(owner, attr), _lent_forwards.original(owner, attr))
+                     for owner, attr in _patch_forwards(_lent_forwards, lent=True)]
+
+
+def _take_back_lend() -> None:
+    """Put back what the lent forwards replaced, where they are still in place: A1111 resets the forwards
+    it knows when it re-applies an optimizer, and what it (or an entry chosen since) put there stays."""
+    global _lent_forwards, _lent_targets
+    for owner, attr, lent, replaced in _lent_targets:
+        if _own_value(owner, attr) is lent:
+            setattr(owner, attr, replaced)
+    _lent_forwards, _lent_targets = Patches("a1111-lend"), []
+
+
+def lend_for_generation(opts):
+    """Put this extension's forwards over A1111's optimizer for one generation (``may_lend``); returns the
+    generation's token (None when not lent), which ``end_generation`` takes back."""
     if not may_lend(opts):
-        return False
-    install()
-    _lent = True
-    return True
+        return None
+    token = object()
+    _lends.append(token)
+    _lend_forwards()
+    return token
 
 
-def end_generation() -> None:
-    global _lent
-    if _lent:
-        _lent = False
-        patches.undo()
+def end_generation(token) -> None:
+    """The generation of ``token`` is over: its lend is taken back, and A1111's forwards put back when no
+    other open generation holds one."""
+    if token in _lends:
+        _lends.remove(token)
+    if not _lends:
+        _take_back_lend()
+
+
+def _shared_opts():
+    return getattr(sys.modules.get("modules.shared"), "opts", None)
+
+
+def _after_apply_optimizations() -> None:
+    """A1111 has just reset the forwards and applied an optimizer: lend again over it while a generation
+    holds a lend and the user's choice still lets one (an entry chosen since stays in force)."""
+    if _lent_forwards.active and _lent_forwards.intact():
+        return   # lent already over what this call applied (a second watch further in)
+    if _lends and may_lend(_shared_opts()):
+        _lend_forwards()
+    else:
+        _take_back_lend()
+
+
+def _watched(apply_optimizations):
+    def watched_apply_optimizations(option=None):
+        try:
+            return apply_optimizations(option)
+        finally:
+            _after_apply_optimizations()
+
+    watched_apply_optimizations.__wrapped__ = apply_optimizations
+    return watched_apply_optimizations
+
+
+def watch() -> None:
+    """Watch A1111's ``apply_optimizations`` (its module function, which ``model_hijack`` calls by name)."""
+    global _watch
+    sd_hijack = sys.modules.get("modules.sd_hijack") or _module("modules.sd_hijack")
+    if sd_hijack is None or not hasattr(sd_hijack, "apply_optimizations"):
+        return
+    if _watch.active and _watch.intact():
+        return
+    # wrapped over since by someone else: their wrapper stays, and ours inside it keeps working
+    _watch = Patches("a1111-watch")
+    _watch.patch(sd_hijack, "apply_optimizations", _watched(sd_hijack.apply_optimizations))
+
+
+def unload() -> None:
+    """The entry script is unloaded (Reload UI): every lend taken back, the watch and the forwards undone."""
+    _lends.clear()
+    _take_back_lend()
+    if _watch.intact():
+        _watch.undo()
+    uninstall()
 
 
 def lent_note() -> str | None:
     """What the readout says of a generation routed here over A1111's "Automatic" choice."""
     current = getattr(sys.modules.get("modules.sd_hijack"), "current_optimizer", None)
-    if not _lent or current is None:
+    if not _lends or current is None:
         return None
     flags_text = " ".join(spelling for spelling, _ in a1111_flags_given(_cmd_opts()))
     why = f" (from {flags_text})" if flags_text else ""
     return (f"this generation went through this extension, as its settings or the generation's choice ask, over "
-            f"A1111's {current.name} optimizer that \"Automatic\" applied{why}")
+            f"A1111's {current.name} optimizer that \"Automatic\" applied{why}; A1111's is put back when it ends")
 
 
 def routing() -> voice.Routing:
     """Whether attention runs through the engine: A1111's applied optimizer is one of ours and the
     forwards it patched are still in place, or a generation asked for the engine over A1111's "Automatic"
-    choice (``lend_for_generation``). Otherwise what runs instead, and how to route it here."""
+    choice (``lend_for_generation``) and they are in place. Otherwise what runs instead, and how to route it here."""
     current = getattr(sys.modules.get("modules.sd_hijack"), "current_optimizer", None)
-    if _lent and patches.active and patches.intact():
+    if _lends and _lent_forwards.active and _lent_forwards.intact():
         return voice.ROUTED
     if is_ours(current):
         if patches.active and patches.intact():
@@ -455,7 +569,8 @@ def register(script_callbacks) -> None:
     if note:
         voice.log_once(("a1111-flags", note), note)
     script_callbacks.on_list_optimizers(list_optimizers)
-    script_callbacks.on_script_unloaded(uninstall)
+    script_callbacks.on_script_unloaded(unload)
+    watch()
     current = getattr(sys.modules.get("modules.sd_hijack"), "current_optimizer", None)
     if is_ours(current):
         apply_entry(current.webui_attn_entry)

@@ -104,9 +104,9 @@ def routing() -> voice.Routing:
     return routes.routing()
 
 
-def lend_for_generation(opts) -> bool:
+def lend_for_generation(opts):
     """Route one generation that asks for the engine through it where the webui's own choice runs
-    attention now and the adapter can put its forwards over it (A1111 under "Automatic"); True when done.
-    The adapter's ``end_generation`` puts the webui's own back."""
+    attention now and the adapter can put its forwards over it (A1111 under "Automatic"); returns the
+    generation's token, None when not lent. The adapter's ``end_generation(token)`` takes it back."""
     lend = getattr(adapter(), "lend_for_generation", None)
-    return bool(lend(opts)) if lend is not None else False
+    return lend(opts) if lend is not None else None

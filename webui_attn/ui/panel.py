@@ -4,7 +4,7 @@ The entry script's ``Script`` delegates here. One generation runs from ``process
 (both on the thread that generates, Forge's worker thread included); its counters are a
 ``lib_attn.recording()`` opened in ``process`` and closed in ``postprocess``, so they hold the calls
 that thread makes for the generation (a live preview that another thread decodes is not among them).
-Each batch (``before_process_batch`` to ``postprocess_batch``) is marked in them, so that each image's
+Each batch (``before_process_batch`` to the next one's) is marked in them, so that each image's
 infotext counts the calls of its own batch.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from lib_attn.config import GUARD_MODES
 from lib_attn.report import Report, VramProbe
 
 from host_attn import voice
+from host_attn.patching import Patches
 
 from ..routing import detect, sampling
 from ..settings import layers, stored
@@ -47,12 +48,12 @@ class _Generation:
     notes: tuple
     routing: voice.Routing
     follower: sampling.Follower | None = None
-    #: batch number -> [mark at its start, mark at its end or None]
+    #: batch number -> [mark at its start ({}: the generation's), mark at the next batch's start or None]
     batches: dict = dataclasses.field(default_factory=dict)
     #: the settings the request's ``override_settings`` replaced, put back when it ends (or None)
     restore: dict | None = None
-    #: the extension's forwards were put over the webui's own attention for this generation
-    lent: bool = False
+    #: the token of the extension's forwards put over the webui's own attention for this generation, or None
+    lent: object = None
     #: the backend chosen for this generation (its ``Attention override``), or None
     override: str | None = None
     #: denoiser calls (``cfg_denoiser`` callbacks) made in this generation
@@ -72,8 +73,8 @@ class _Generation:
         self.context.__exit__(None, None, None)
         if self.probe is not None:
             self.probe.stop()   # its polling thread ends with the generation (a no-op once read)
-        if self.lent:
-            detect.adapter().end_generation()
+        if self.lent is not None:
+            detect.adapter().end_generation(self.lent)
         layers.set_layer("generation", self.previous_layer)
         if self.restore is not None:
             # the webui puts the options back with setattr, which runs no onchange: follow it here
@@ -185,10 +186,19 @@ def schedule_from_params(params: dict) -> str | None:
     return readout.schedule_from_infotext(params)
 
 
+def sparse_from_params(params: dict) -> str | None:
+    """Paste-back of the sparse field: the sparse settings that generation ran under, empty (the setting's)
+    when it ran under none, so that a pasted image made without reproduces without; None (the field is
+    left as it is) when the text cannot be read here."""
+    if not str((params or {}).get(INFOTEXT_SPARSE_KEY) or "").strip():
+        return ""
+    return readout.sparse_from_infotext(params)
+
+
 #: The paste-back readers, one per field in the order of ``ui``'s components. The webui's "Send to
 #: txt2img/img2img" copies a field whose reader is in ``paste_field_names``: each reader is one function
 #: object, the same in both tabs, so the fields of the two tabs match up.
-PASTE_READERS = (override_from_params, guard_from_params, schedule_from_params, readout.sparse_from_infotext)
+PASTE_READERS = (override_from_params, guard_from_params, schedule_from_params, sparse_from_params)
 
 
 #: The webui's element updated at the end of every generation (the comments and time under the image),
@@ -220,8 +230,11 @@ def _shared():
 
 
 def _job(shared):
+    """The job a generation belongs to: A1111 stamps each job's start to the second (``job_timestamp``),
+    so two API requests within a second share it; the start time (``time_start``) tells them apart."""
     state = getattr(shared, "state", None) if shared is not None else None
-    return getattr(state, "job_timestamp", None)
+    stamp = getattr(state, "job_timestamp", None)
+    return None if stamp is None else (stamp, getattr(state, "time_start", None))
 
 
 def _infotext_entry(gen: _Generation, key: str):
@@ -355,14 +368,14 @@ def process(p, *args):
                 layers.set_layer("generation", generation_layer(override, guard, schedule, sparse))
             except ValueError as exc:  # set_layer has put the previous layer back
                 refusal = str(exc)
-        lent = (refusal is None and asks_for_engine(override, stored.read(opts))
-                and detect.lend_for_generation(opts))
+        lent = (detect.lend_for_generation(opts)
+                if refusal is None and asks_for_engine(override, stored.read(opts)) else None)
         route = detect.routing()
         notes = _notes(override, problem, route, opts)
         if guard_problem:
             voice.log(guard_problem)
             notes = (*notes, guard_problem)
-        if lent:
+        if lent is not None:
             notes = (*notes, detect.adapter().lent_note())
         chosen = host_choice_note(detect.detect().name) if route.routed and refusal is None else None
         if chosen:
@@ -395,7 +408,8 @@ def process(p, *args):
             # configuration, known now: params.txt (written before sampling) carries it too
             params[INFOTEXT_SCHEDULE_KEY] = cfg.schedule.text
         params[INFOTEXT_NOTE_KEY] = _note_entry(gen)
-        if sparse_in_force is not None:
+        if sparse_in_force is not None and route.routed:
+            # only where it applies: pasted back, the key turns sparse attention on
             params[INFOTEXT_SPARSE_KEY] = sparse_in_force.text
         if refusal is None:
             # what the user chose, apart from what ran: paste-back restores these
@@ -434,18 +448,63 @@ def _generation_of(p) -> _Generation | None:
 
 
 def before_process_batch(p, batch_number=None) -> None:
-    """A batch starts: mark the counters, so that its images' infotexts count its calls alone."""
+    """A batch starts: mark the counters, so that its images' infotexts count its calls alone.
+
+    A batch's calls run from its start to the next batch's: after its sampling and decoding come the
+    passes run on its images before their infotexts are written (an extension's ``postprocess_image``,
+    such as ADetailer's), and an image's infotext counts those run so far. The first batch's start is the
+    generation's, so that the passes before it (img2img's encoding of its init image) count in it."""
     gen = _generation_of(p)
-    if gen is not None and batch_number is not None:
-        gen.batches[batch_number] = [gen.rec.mark(), None]
+    if gen is None or batch_number is None:
+        return
+    mark = gen.rec.mark()
+    for marks in gen.batches.values():
+        if marks[1] is None:
+            marks[1] = mark
+    gen.batches[batch_number] = [mark if gen.batches else {}, None]
 
 
-def postprocess_batch(p, batch_number=None) -> None:
-    """A batch is sampled and decoded; its images' infotexts are written next."""
-    gen = _generation_of(p)
-    marks = gen.batches.get(batch_number) if gen is not None else None
-    if marks is not None:
-        marks[1] = gen.rec.mark()
+def generation_left(p) -> None:
+    """``process_images_inner`` returned or raised for ``p``: a generation of ``p`` still open never reached
+    ``postprocess`` (it raised, an X/Y/Z cell the grid script caught included), and ends here, with what it
+    put in force (settings layer, lent forwards, VRAM polling) and the generations nested in it."""
+    with _lock:
+        gen = _take(p)
+        if gen is not None:
+            gen.close()
+
+
+def _watched_inner(process_images_inner):
+    def watched_process_images_inner(p, *args, **kwargs):
+        try:
+            return process_images_inner(p, *args, **kwargs)
+        finally:
+            generation_left(p)
+
+    watched_process_images_inner.__wrapped__ = process_images_inner
+    return watched_process_images_inner
+
+
+_watch = Patches("webui-generations")
+
+
+def watch_generations() -> None:
+    """Follow each generation's end in the webui's ``processing.process_images_inner`` (``process_images``
+    calls it by its module name in A1111 and the Forge lines), so that one that raised ends at once."""
+    global _watch
+    try:
+        import modules.processing as processing
+    except ImportError:
+        return
+    if not hasattr(processing, "process_images_inner") or (_watch.active and _watch.intact()):
+        return
+    _watch = Patches("webui-generations")   # wrapped over since by another: ours stays inside theirs
+    _watch.patch(processing, "process_images_inner", _watched_inner(processing.process_images_inner))
+
+
+def unwatch_generations() -> None:
+    if _watch.intact():
+        _watch.undo()
 
 
 def _take(p) -> _Generation | None:

@@ -3,7 +3,9 @@ with a request's ``override_settings`` (set without callbacks, put back with ``s
 of ``process_images_inner`` in A1111 1.10.1's order (its stop on ``state.interrupted``, the script hooks
 around each batch, ``params.txt`` written from the first batch before sampling, one infotext per image
 written after its batch is decoded, the grid's from the main prompt), and txt2img's sampling with its
-hires fix pass (``is_hr_pass``)."""
+hires fix pass (``is_hr_pass``). The model switches A1111 makes are here too: back to the selected
+checkpoint (``sd_models.reload_model_weights()``) before the generation and at the start of every batch
+(after a refiner), and to the hires checkpoint before the hires pass."""
 import json
 import os
 
@@ -44,11 +46,17 @@ class StableDiffusionProcessing:
     def comment(self, text):
         self.comments[text] = 1
 
+    def init(self, all_prompts, all_seeds, all_subseeds):
+        """Called once after the scripts' ``process``, before the first batch (img2img encodes its
+        init images here)."""
+
 
 class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
-    def __init__(self, enable_hr=False, hr_second_pass_steps=0, denoising_strength=0.75, **kwargs):
+    def __init__(self, enable_hr=False, hr_second_pass_steps=0, denoising_strength=0.75, hr_checkpoint_info=None,
+                 **kwargs):
         super().__init__(**kwargs)
         self.enable_hr = enable_hr
+        self.hr_checkpoint_info = hr_checkpoint_info   # A1111 resolves p.hr_checkpoint_name to it
         self.hr_second_pass_steps = hr_second_pass_steps
         self.denoising_strength = denoising_strength
 
@@ -60,6 +68,9 @@ class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
         samples = self.sampler.sample(self, x, conditioning, unconditional_conditioning)
         if not self.enable_hr:
             return samples
+        from modules import sd_models
+        with sd_models.SkipWritingToConfig():
+            sd_models.reload_model_weights(info=self.hr_checkpoint_info)
         return self.sample_hr_pass(samples, conditioning, unconditional_conditioning)
 
     def sample_hr_pass(self, samples, conditioning, unconditional_conditioning):
@@ -153,8 +164,15 @@ def process_images(p):
     stored_opts = {k: opts.data[k] if k in opts.data else opts.get_default(k) for k in p.override_settings.keys()
                    if k in opts.data}
     try:
+        from modules import sd_models
+        # no checkpoint override (or one not found): back to the selected checkpoint, after a refiner
+        if sd_models.checkpoint_aliases.get(p.override_settings.get("sd_model_checkpoint")) is None:
+            p.override_settings.pop("sd_model_checkpoint", None)
+            sd_models.reload_model_weights()
         for k, v in p.override_settings.items():
             opts.set(k, v, is_api=True, run_callbacks=False)
+            if k == "sd_model_checkpoint":
+                sd_models.reload_model_weights()
         res = process_images_inner(p)
     finally:
         if p.override_settings_restore_afterwards:
@@ -164,16 +182,17 @@ def process_images(p):
 
 
 def process_images_inner(p):
-    """Always-on scripts' ``process``; per batch (``n_iter``): a stop when ``state.interrupted``,
-    ``before_process_batch``, ``process_batch``, ``params.txt`` (in ``paths_internal.data_path``) from the first batch, before sampling,
+    """Always-on scripts' ``process``, ``p.init``; per batch (``n_iter``): a stop when ``state.interrupted``, the switch
+    back to the selected checkpoint, ``before_process_batch``, ``process_batch``, ``params.txt`` (in ``paths_internal.data_path``) from the first batch, before sampling,
     sampling and decoding (here: the callable ``p.sd_model(p)``, if any), ``postprocess_batch``, then each
-    image of the batch with its infotext (``index`` in the batch, ``p.iteration`` the batch); the grid
+    image of the batch, ``postprocess_image`` then its infotext (``index`` in the batch, ``p.iteration`` the batch); the grid
     (more than one image, not over the API) with the main prompt's infotext first; ``Processed`` (with
     ``p``'s comments), scripts' ``postprocess``."""
     from modules import devices
     devices.torch_gc()
     if p.scripts is not None:
         p.scripts.process(p)
+    p.init(p.all_prompts, p.all_seeds, None)
     infotexts = []
     output_images = []
     for n in range(p.n_iter):
@@ -182,6 +201,8 @@ def process_images_inner(p):
             shared.state.skipped = False
         if shared.state.interrupted or shared.state.stopping_generation:
             break
+        from modules import sd_models
+        sd_models.reload_model_weights()   # the refiner may have changed the model
         p.prompts = p.all_prompts[n * p.batch_size:(n + 1) * p.batch_size]
         p.seeds = p.all_seeds[n * p.batch_size:(n + 1) * p.batch_size]
         if p.scripts is not None:
@@ -203,6 +224,11 @@ def process_images_inner(p):
 
         for i, image in enumerate(images):
             p.batch_index = i
+            if p.scripts is not None:
+                from modules import scripts
+                pp = scripts.PostprocessImageArgs(image)
+                p.scripts.postprocess_image(p, pp)
+                image = pp.image
             infotexts.append(infotext(i))
             output_images.append(image)
     if not infotexts:

@@ -8,7 +8,8 @@ while it loads. Calling it again is what "Reload UI" does.
 ``initialize_scripts`` makes one instance per script, ``setup_ui`` builds their UI (inside a gr.Blocks)
 and gives each its ``args_from``/``args_to``, ``after_component`` runs the callbacks scripts registered
 with ``on_after_component`` for that elem_id, and ``before_process``, ``process``, ``before_process_batch``,
-``process_batch``, ``postprocess_batch`` and ``postprocess`` call each script with its slice of ``p.script_args``, catching and reporting (``errors.report``) each script's exception and going on.
+``process_batch``, ``postprocess_batch``, ``postprocess_image`` (each image, after its batch's
+``postprocess_batch`` and before its infotext is written) and ``postprocess`` call each script with its slice of ``p.script_args``, catching and reporting (``errors.report``) each script's exception and going on.
 """
 import os
 import sys
@@ -22,6 +23,11 @@ AlwaysVisible = object()
 @dataclass
 class OnComponent:
     component: object
+
+class PostprocessImageArgs:
+    def __init__(self, image):
+        self.image = image
+
 
 current_basedir = None
 scripts_data = []      # (script class, path, basedir, module)
@@ -227,6 +233,9 @@ class ScriptRunner:
 
     def postprocess_batch(self, p, images, **kwargs):
         self._each("postprocess_batch", p, images=images, **kwargs)
+
+    def postprocess_image(self, p, pp):
+        self._each("postprocess_image", p, pp)
 
     def postprocess(self, p, processed):
         for script in self.alwayson_scripts:

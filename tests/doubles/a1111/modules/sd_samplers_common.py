@@ -4,7 +4,8 @@
 (``state.sampling_steps``, ``state.sampling_step = 0``) before sampling; ``callback_state``, which the
 k-diffusion sampler calls after each step, sets ``state.sampling_step`` to that step. ``apply_refiner``
 switches to the refiner's checkpoint once the share of the denoiser's calls done reaches
-``p.refiner_switch_at`` (A1111's rule when switching by sampling steps). Forge, Forge Neo, reForge and
+``p.refiner_switch_at`` (A1111's rule when switching by sampling steps), without writing the refiner as the
+selected checkpoint. Forge, Forge Neo, reForge and
 Forge Classic have the same ``callback_state``/``launch_sampling``.
 """
 from modules import sd_models, shared
@@ -25,7 +26,8 @@ def apply_refiner(cfg_denoiser, sigma=None):
         return False
     cfg_denoiser.p.extra_generation_params["Refiner"] = refiner_checkpoint_info.short_title
     cfg_denoiser.p.extra_generation_params["Refiner switch at"] = refiner_switch_at
-    sd_models.reload_model_weights(info=refiner_checkpoint_info)
+    with sd_models.SkipWritingToConfig():   # the selected checkpoint stays the base: the next batch goes back
+        sd_models.reload_model_weights(info=refiner_checkpoint_info)
     cfg_denoiser.update_inner_model()
     return True
 

@@ -1,6 +1,7 @@
 """Double of modules/shared.py: cmd_opts (after every extension's preload), opts with the attention
 settings preloaded, and the module globals an attention extension reads (host-contract D1)."""
 import datetime
+import time
 
 import torch
 
@@ -47,13 +48,17 @@ class State:
     stopping_generation = False
     job = ""
     job_count = 0
-    job_timestamp = "0"  # A1111 sets a new timestamp string when each job begins
+    job_timestamp = "0"  # A1111 sets a new timestamp string (to the second) when each job begins
+    job_no = 0
+    time_start = None    # and time.time() then
     sampling_step = 0
     sampling_steps = 0
 
     def begin(self, job="(unknown)"):
         self.sampling_step = 0
         self.job_count = -1
+        self.time_start = time.time()
+        self.job_no = 0
         self.job_timestamp = datetime.datetime.now().strftime("%Y%m%d%H%M%S")
         self.skipped = False
         self.interrupted = False
