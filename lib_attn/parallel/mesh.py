@@ -104,8 +104,9 @@ class Parallel:
         u = self.ulysses
         values = (self.ranks, u, self.ring, float(self.timeout), made_with)
         self.channel = _take_channel(dist, values, self)
-        make = lambda purpose, ranks: _group(dist, ranks, purpose, values, self.channel, made_with,  # noqa: E731
-                                             self.wait_for)
+
+        def make(purpose: str, ranks: tuple):
+            return _group(dist, ranks, purpose, values, self.channel, made_with, self.wait_for)
         self.comm_group = make("all", self.ranks)
         self.ulysses_group, self.ring_group = self.comm_group, self.comm_group
         if u > 1 and self.ring > 1:
