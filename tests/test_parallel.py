@@ -200,6 +200,7 @@ def test_each_live_configuration_has_its_own_groups_and_a_later_one_reuses_them(
         groups = res["groups"]
         assert groups["channels"] == [0, 1] and groups["own_groups"], (seed, groups)
         assert groups["reused"], (seed, groups)  # made after both were gone: channel 0's groups again
+        assert groups["cycle_channel"] == 1, (seed, groups)  # one freed by a cycle: alike on every rank
         assert groups["err"] <= BOUNDS["torch.float64"], (seed, groups)
         # A group torch destroyed is dropped from the cache and made anew under another name.
         remade = groups["remade"]

@@ -15,7 +15,8 @@ members of a group name it alike whatever else each process made before, and gro
 world never meet on one store key.
 
 Channels: a configuration takes the lowest channel number not held by another live configuration of
-the same ranks and values, and gives it back when it is no longer referenced. Two configurations in use
+the same ranks and values, and gives it back when it is no longer referenced (configurations held only
+by reference cycles are collected first, so every rank frees the same ones). Two configurations in use
 at once (two pipelines in two threads) so never share a group; one made again per generation reuses the
 groups of the one before it (a NCCL group holds a communicator and its GPU buffers until the process
 ends, or until ``torch.distributed.destroy_process_group``, after which it is made anew).
@@ -23,6 +24,7 @@ ends, or until ``torch.distributed.destroy_process_group``, after which it is ma
 from __future__ import annotations
 
 import datetime
+import gc
 import hashlib
 import threading
 import weakref
@@ -102,8 +104,9 @@ class Parallel:
         u = self.ulysses
         values = (self.ranks, u, self.ring, float(self.timeout), made_with)
         self.channel = _take_channel(dist, values, self)
-        make = lambda purpose, ranks: _group(dist, ranks, purpose, values, self.channel, made_with,  # noqa: E731
-                                             self.wait_for)
+
+        def make(purpose: str, ranks: tuple):
+            return _group(dist, ranks, purpose, values, self.channel, made_with, self.wait_for)
         self.comm_group = make("all", self.ranks)
         self.ulysses_group, self.ring_group = self.comm_group, self.comm_group
         if u > 1 and self.ring > 1:
@@ -152,17 +155,19 @@ class _Held:
     __slots__ = ("par", "lock", "user")
 
     def __init__(self, par: Parallel):
-        self.par, self.lock, self.user = par, threading.Lock(), None
+        # A weak reference: a strong one would put every configuration in a reference cycle, freed when
+        # the cycle collector runs, at another time on each rank (and channels follow what is freed).
+        self.par, self.lock, self.user = weakref.ref(par), threading.Lock(), None
 
     def __enter__(self):
+        par = self.par()
         if not self.lock.acquire(blocking=False):
-            par = self.par
             raise ParallelError(
                 f"rank {par.rank} of {par.world}: {par.describe()} (channel {par.channel}) is in use by "
                 f"{self.user.name} while {threading.current_thread().name} calls through it; make one configuration "
                 f"per thread (each has its own channel), on every rank in the same order")
         self.user = threading.current_thread()
-        return self.par
+        return par
 
     def __exit__(self, *exc):
         self.lock.release()
@@ -214,6 +219,11 @@ _held_lock = threading.Lock()
 
 def _take_channel(dist, values: tuple, par: Parallel) -> int:
     key = (id(dist.group.WORLD), values)
+    if _held.get(key):
+        # Configurations held only by reference cycles go now, at this point of the program on every
+        # rank, not whenever each rank's cycle collector happens to run: the ranks free the same ones and
+        # so agree on the channel.
+        gc.collect()
     with _held_lock:
         held = _held.setdefault(key, set())
         channel = next(n for n in range(len(held) + 1) if n not in held)

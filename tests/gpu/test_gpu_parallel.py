@@ -6,7 +6,9 @@ run in ring and Ulysses modes, self and joint, each rank's rows checked against 
 stalls inside a ring step (after a warm-up call made the group's communicator) past the configuration's
 5-second timeout must end the waiting rank within a margin: with TORCH_NCCL_BLOCKING_WAIT=1 as a
 ParallelError naming the ring step; without it, by PyTorch's watchdog, which ends the process with a
-non-zero code (no Python error, but no rank left waiting).
+non-zero code (no Python error, but no rank left waiting). Job layouts on NCCL: init_process_group()
+without a backend, three configurations used at once from three threads, a bound device (device_id=),
+and, with four GPUs, pairs whose members made different numbers of groups before.
 """
 from __future__ import annotations
 
@@ -81,6 +83,8 @@ def test_nccl_backend_read_for_cuda_tensors_two_threads_and_a_bound_device(how):
     for r in ranks:
         assert r["returncode"] == 0 and r["result"], f"rank {r['rank']} (seed {seed}):\n{r['output']}"
         res = r["result"]
+        if "skip" in res:
+            pytest.skip(res["skip"])
         assert res["error"] == "" and res["rows"], (seed, res)
         for row in res["rows"]:
             assert row["backend"] == "nccl" and "nccl" in row["describe"] and "undefined" not in row["describe"], row
@@ -99,4 +103,6 @@ def test_nccl_pairs_of_a_larger_job_and_a_bound_device_over_a_pair():
     ranks, seed = _layouts("bound", 4)
     for r in ranks:
         assert r["returncode"] == 0 and r["result"], f"rank {r['rank']} (seed {seed}):\n{r['output']}"
+        if "skip" in r["result"]:
+            pytest.skip(r["result"]["skip"])
         assert "initialised with device_id=" in r["result"]["error"] and "without device_id=" in r["result"]["error"]
