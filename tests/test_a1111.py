@@ -64,6 +64,21 @@ def test_titles_never_change(webui_factory, monkeypatch):
     assert set(TITLES.values()) <= set(choices) and choices[0] == "Automatic" and choices[-1] == "None"
 
 
+def test_the_startup_line_on_a_gpu_groups_by_cause_and_says_how_to_install(monkeypatch):
+    from types import SimpleNamespace
+    infos = {"flash-attn": lib_attn.BackendInfo("flash-attn", "", False, "ModuleNotFoundError: No module named 'flash_attn'", ""),
+             "sage": lib_attn.BackendInfo("sage", "", False, "ModuleNotFoundError: No module named 'sageattention'", ""),
+             "sdpa-cudnn": lib_attn.BackendInfo("sdpa-cudnn", "", False, "cuDNN is not available in this torch build", ""),
+             "sdpa-efficient": lib_attn.BackendInfo("sdpa-efficient", "", True, "", "")}
+    monkeypatch.setattr(a1111, "available_backends", lambda: infos)
+    monkeypatch.setattr(lib_attn, "device_info", lambda: SimpleNamespace(type="cuda"))
+    monkeypatch.setattr(a1111, "flag_given", lambda entry: False)
+    from host_attn import status
+    assert a1111.not_offered_line() == (
+        f"Not listed in {a1111.SETTING_PATH}: flash-attn, sage (not installed) — {status.WEBUI_INSTALL_HINT}; "
+        "sdp-cudnn (not in this torch build)")
+
+
 def test_entries_follow_the_engine_probe_and_say_why_once(webui_factory, monkeypatch, capsys):
     monkeypatch.setattr(voice, "_said", set())
     simulate_backends(monkeypatch, {"sdpa-efficient", "sdpa", "math"})
