@@ -35,13 +35,13 @@ if IN_INVOKEAI:
                                                    os.path.join(_HERE, "invoke_attn", "source.py"))
     _source = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_source)
-    _source.replace_earlier(_HERE)
-    for _name in ("lib_attn", "host_attn", "invoke_attn"):
-        _package(_name)
-    _source.record_operator(_HERE)
-    from invoke_attn import startup as _invoke_startup  # noqa: E402
+    with _source.replacing(_HERE, __name__):
+        for _name in ("lib_attn", "host_attn", "invoke_attn"):
+            _package(_name)
+        _source.record_operator(_HERE)
+        from invoke_attn import startup as _invoke_startup  # noqa: E402
 
-    _invoke_startup.start(__name__)
+        _invoke_startup.start(__name__)
 else:
     for _name in ("lib_attn", "host_attn", "comfy_attn"):
         _package(_name)

@@ -78,7 +78,7 @@ def availability(device=None, reason=None, ignored=()) -> dict:
 FAMILY_NAMES = {"sageattention": "SageAttention", "sageattn3": "SageAttention 3"}
 #: The causes in the order they are shown: (key, the group's words).
 CAUSES = (
-    ("gpu", "need an NVIDIA or AMD GPU (none here)"),
+    ("gpu", "need an NVIDIA or AMD GPU"),
     ("missing", "not installed"),
     ("torch", "not in this torch build"),
     ("broken", "installed but does not load (python -m lib_attn doctor says why)"),
@@ -142,8 +142,8 @@ def unavailable_groups(device_type: str | None = None, infos=None) -> list[tuple
 
 def unavailable_text(install: str = INSTALL_HINT, device_type: str | None = None, infos=None) -> str:
     """The backends that cannot run here, grouped by cause, each group with what to do (plain text, for a
-    dropdown's info line, a tooltip or the startup log): ``Not available here: need an NVIDIA or AMD GPU
-    (none here): flash-attn, …; not installed: xformers — see …``. ``install``: how this host installs one."""
+    dropdown's info line, a tooltip or the startup log): ``Not available here: need an NVIDIA or AMD GPU:
+    flash-attn, …; not installed: xformers — see …``. ``install``: how this host installs one."""
     parts, causes = [], dict(CAUSES).values()
     for words, names in unavailable_groups(device_type, infos):
         text = f"{words}: {', '.join(names)}" if words in causes else f"{names[0]} ({words})"

@@ -6,7 +6,8 @@ The user says it with the Attention backend node, or for every session with ``AT
   through it: following the session's graph from its ``unet``, ``transformer``, ``wan_transformer``
   and ``vae`` outputs, through nodes that pass a model on (a LoRA loader), to the nodes that use it
   (the denoise node, the VAE decode);
-* one whose outputs are connected to nothing applies to the whole graph;
+* one whose outputs are connected to nothing applies to the whole graph (a graph with two such nodes is
+  refused when its first node runs: neither could be said to apply);
 * a node neither reaches runs under ``ATTN_INVOKE_ROUTE`` (``auto`` or a chain of backend ids; empty,
   ``0`` or ``off``: not routed, which is the default), for the users of InvokeAI's canvas and
   generate tabs, which build their graphs themselves.
@@ -127,14 +128,20 @@ class GraphChoices:
         graph = getattr(state, "graph", None)
         nodes = getattr(graph, "nodes", None) or {}
         edges = list(getattr(graph, "edges", None) or ())
+        unconnected = []
         for node_id, node in nodes.items():
             if node.get_type() != node_type:
                 continue
             if not any(e.source.node_id == node_id for e in edges):
-                self.everywhere = node_id
+                unconnected.append(node_id)
                 continue
             for reached in _downstream(node_id, edges):
                 self.by_node.setdefault(reached, node_id)
+        if len(unconnected) > 1:
+            raise ValueError(f"Attention backend nodes {', '.join(sorted(unconnected))} are each connected to nothing, "
+                             f"so each would route the whole graph: keep one, or connect each one's outputs to the "
+                             f"models it routes")
+        self.everywhere = unconnected[0] if unconnected else None
 
     def __bool__(self):
         return bool(self.by_node) or self.everywhere is not None or self.default is not None

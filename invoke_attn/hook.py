@@ -41,7 +41,7 @@ def install(node_type: str, nodes_module: str) -> None:
             return original(self, context, services)
         if type(self).__module__ == nodes_module:
             services = node_cache.keyed(services, node_cache.of_class(type(self)))[0]
-        session = sessions.of(context, node_type, session_device)
+        session = sessions.of(context, node_type, session_device, services)
         if session is None:
             return original(self, context, services)
         return session.run(self, context, services, lambda keyed: original(self, context, keyed), MetadataField)

@@ -34,7 +34,10 @@ except ImportError:  # a release without Wan
 
 BACKEND_TYPE = "flash_attention_backend"
 REPORT_TYPE = "flash_attention_report"
-VERSION = "1.0.0"
+#: The nodes' versions: a new input is a minor version (``sparse`` in 1.1.0), so that InvokeAI offers "Update Node"
+#: for a node saved in a workflow by an earlier release instead of showing the input as missing.
+BACKEND_VERSION = "1.1.0"
+REPORT_VERSION = "1.0.0"
 CATEGORY = "attention"
 TAGS = ["attention", "flash-attn", "sage", "sdpa"]
 
@@ -57,7 +60,7 @@ class AttentionBackendOutput(BaseInvocationOutput):
     vae: Optional[VAEField] = OutputField(default=None, title="VAE", description="The VAE, passed on")
 
 
-@invocation(BACKEND_TYPE, title="Attention backend", tags=TAGS, category=CATEGORY, version=VERSION)
+@invocation(BACKEND_TYPE, title="Attention backend", tags=TAGS, category=CATEGORY, version=BACKEND_VERSION)
 class AttentionBackendInvocation(BaseInvocation):
     """Runs attention on the fastest kernel that takes each call, falling back per call with the reason.
     Connect models through it to route the nodes that use them; unconnected, it routes the whole graph."""
@@ -123,7 +126,7 @@ class AttentionReportOutput(BaseInvocationOutput):
     image: ImageField = OutputField(description="The image, passed on")
 
 
-@invocation(REPORT_TYPE, title="Attention report", tags=TAGS, category=CATEGORY, version=VERSION, use_cache=False)
+@invocation(REPORT_TYPE, title="Attention report", tags=TAGS, category=CATEGORY, version=REPORT_VERSION, use_cache=False)
 class AttentionReportInvocation(BaseInvocation):
     """The attention readout of this session so far: connect the decoded image to read it after the decode."""
 

@@ -37,8 +37,8 @@ from . import choices, model_hooks, node_cache, targets, work
 METADATA_KEY = "attention"
 #: What ran attention in a session whose calls none went through the engine.
 OWN_ATTENTION = "InvokeAI's own attention"
-#: Sessions kept for their reports (the newest; a report node reads its own session's).
-KEEP = 32
+#: The statuses of a queue item whose session has ended (InvokeAI's ``QUEUE_ITEM_STATUS``).
+ENDED = ("completed", "failed", "canceled")
 LOADERS = ("load", "load_by_attrs", "load_by_key")
 
 
@@ -55,7 +55,8 @@ class Session:
         self.cached: list = []  # the types of the routed nodes InvokeAI answered from its node cache
 
     def report(self) -> Report:
-        report = Report.from_recording(self.recording, seconds=self.touched - self.started, vram=self.probe.stop())
+        # read, not stopped: every image the session saves, and the report node after them, show it
+        report = Report.from_recording(self.recording, seconds=self.touched - self.started, vram=self.probe.read())
         notes = list(self.notes)
         if self.cached:
             notes.append(f"{_listed(self.cached)}: from InvokeAI's node cache (outputs made earlier under the same "
@@ -230,31 +231,66 @@ def _watch_saves(session: Session, context, metadata_field) -> None:
     images.save = save
 
 
-# --- the sessions -----------------------------------------------------------------------------------
+# --- the sessions ---------------------------------------------------------------------------------
 
-_sessions: collections.OrderedDict = collections.OrderedDict()  # id -> Session, or None: nothing to route
+_sessions: dict = {}  # id -> Session, or None: nothing to route; each kept until its queue item ends
+_items: dict = {}  # id -> the id of the queue item that runs it
 _lock = threading.Lock()
 default_choice = [None]  # ATTN_INVOKE_ROUTE's, set at startup
 
 
-def of(context, node_type: str, device_now=None) -> Session | None:
+def of(context, node_type: str, device_now=None, services=None) -> Session | None:
     """The session of the queue item ``context`` runs, or None when nothing in it is routed;
-    ``device_now()`` gives the device this thread's session runs on (where VRAM is measured)."""
+    ``device_now()`` gives the device this thread's session runs on (where VRAM is measured). A session
+    met for the first time first lets go of the sessions whose queue items have ended (asked of
+    ``services.session_queue``), so that a session is kept as long as its queue item runs, however many
+    others start meanwhile."""
     item = context._data.queue_item
     session_id = item.session_id
     with _lock:
         if session_id in _sessions:
-            _sessions.move_to_end(session_id)
             return _sessions[session_id]
+    if services is not None:
+        _end_finished(getattr(services, "session_queue", None))
     graph_choices = choices.GraphChoices(item.session, node_type, default_choice[0])
     made = Session(session_id, graph_choices, device_now() if device_now else None) if graph_choices else None
     with _lock:
-        made = _sessions.setdefault(session_id, made)
-        while len(_sessions) > KEEP:
-            _sessions.popitem(last=False)
-    return made
+        _items.setdefault(session_id, item.item_id)
+        return _sessions.setdefault(session_id, made)
+
+
+def _end_finished(queue) -> None:
+    if queue is None:
+        return
+    with _lock:
+        kept = list(_items.items())
+    for session_id, item_id in kept:
+        if _ended(queue, item_id):
+            end(session_id)
+
+
+def _ended(queue, item_id) -> bool:
+    """Whether the queue item ``item_id`` has ended, or is gone (the queue was cleared); a queue that cannot
+    answer now keeps the session."""
+    try:
+        status = queue.get_queue_item(item_id).status
+    except Exception as exc:  # noqa: BLE001 - InvokeAI's SessionQueueItemNotFoundError, or the database busy
+        return type(exc).__name__ == "SessionQueueItemNotFoundError"
+    return status in ENDED
+
+
+def end(session_id: str) -> None:
+    """Let go of a session's recording and stop its VRAM probe."""
+    with _lock:
+        session = _sessions.pop(session_id, None)
+        _items.pop(session_id, None)
+    if session is not None:
+        with contextlib.suppress(Exception):  # a device gone meanwhile: nothing is left to stop on it
+            session.probe.stop()
 
 
 def reset() -> None:
     with _lock:
-        _sessions.clear()
+        ended = list(_sessions)
+    for session_id in ended:
+        end(session_id)

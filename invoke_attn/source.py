@@ -20,6 +20,7 @@ its ``SOURCE``: it imports nothing of the project.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -98,6 +99,31 @@ def replace_earlier(root: str, log=print) -> str | None:
                  "torch.compile keeps that one until InvokeAI restarts")
     log(f"[flash-attention] {said}")
     return came_from
+
+
+@contextlib.contextmanager
+def replacing(root: str, pack: str, log=print):
+    """``replace_earlier``, then the loading of this copy (the body): when it fails after earlier code was
+    taken off, what of this copy was loaded is dropped and its nodes unregistered, so that nothing runs half
+    on one copy and half on the other, and the log says to restart InvokeAI."""
+    came_from = replace_earlier(root, log)
+    try:
+        yield came_from
+    except BaseException as exc:
+        if came_from is not None:
+            new = sys.modules.get("invoke_attn")
+            if new is not None:
+                _take_off(new)  # whatever of it was put on before the failure
+            registry = getattr(sys.modules.get("invokeai.app.invocations.baseinvocation"), "InvocationRegistry", None)
+            if registry is not None and hasattr(registry, "unregister_pack"):
+                registry.unregister_pack(pack)
+            drop_nodes()
+            for name in [n for n in sys.modules if n.split(".")[0] in PACKAGES and n not in KEEP]:
+                del sys.modules[name]
+            log(f"[flash-attention] InvokeAI: this copy of the pack ({root}) failed to load ({type(exc).__name__}: "
+                f"{exc}) after the code loaded from {came_from} was taken off: restart InvokeAI to use the pack "
+                f"(until then its nodes are missing and no attention is routed)")
+        raise
 
 
 def record_operator(root: str) -> None:

@@ -139,6 +139,20 @@ class VramProbe:
             if peaks is not None:
                 self._peaks = {k: max(v, peaks[k]) for k, v in self._peaks.items()}
 
+    def read(self) -> Vram | None:
+        """The figures from ``start`` to now, the probe going on (for a report made while the work goes on)."""
+        start = self._start
+        if start is None:
+            return None
+        self.poll()
+        last = self._peaks_now(self._cuda())
+        with self._lock:
+            active = max(last["active_peak"], self._peaks["active_peak"])
+            reserved = max(last["reserved_peak"], self._peaks["reserved_peak"])
+            total, min_free = self._total, self._min_free
+        rose = active > start["active_peak"] or reserved > start["reserved_peak"]
+        return Vram(active, reserved, total - min_free, total, "own", not (self.reset or rose))
+
     def stop(self) -> Vram | None:
         if self._start is None:
             return None
@@ -146,14 +160,9 @@ class VramProbe:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self.poll()
-        cuda = self._cuda()
-        last = self._peaks_now(cuda)
-        active = max(last["active_peak"], self._peaks["active_peak"])
-        reserved = max(last["reserved_peak"], self._peaks["reserved_peak"])
-        self._start, start = None, self._start
-        rose = active > start["active_peak"] or reserved > start["reserved_peak"]
-        return Vram(active, reserved, self._total - self._min_free, self._total, "own", not (self.reset or rose))
+        vram = self.read()
+        self._start = None
+        return vram
 
 
 def role_rank(role: str) -> int:

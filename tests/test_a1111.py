@@ -64,6 +64,21 @@ def test_titles_never_change(webui_factory, monkeypatch):
     assert set(TITLES.values()) <= set(choices) and choices[0] == "Automatic" and choices[-1] == "None"
 
 
+def test_the_startup_line_on_a_gpu_groups_by_cause_and_says_how_to_install(monkeypatch):
+    from types import SimpleNamespace
+    infos = {"flash-attn": lib_attn.BackendInfo("flash-attn", "", False, "ModuleNotFoundError: No module named 'flash_attn'", ""),
+             "sage": lib_attn.BackendInfo("sage", "", False, "ModuleNotFoundError: No module named 'sageattention'", ""),
+             "sdpa-cudnn": lib_attn.BackendInfo("sdpa-cudnn", "", False, "cuDNN is not available in this torch build", ""),
+             "sdpa-efficient": lib_attn.BackendInfo("sdpa-efficient", "", True, "", "")}
+    monkeypatch.setattr(a1111, "available_backends", lambda: infos)
+    monkeypatch.setattr(lib_attn, "device_info", lambda: SimpleNamespace(type="cuda"))
+    monkeypatch.setattr(a1111, "flag_given", lambda entry: False)
+    from host_attn import status
+    assert a1111.not_offered_line() == (
+        f"Not listed in {a1111.SETTING_PATH}: flash-attn, sage (not installed) — {status.WEBUI_INSTALL_HINT}; "
+        "sdp-cudnn (not in this torch build)")
+
+
 def test_entries_follow_the_engine_probe_and_say_why_once(webui_factory, monkeypatch, capsys):
     monkeypatch.setattr(voice, "_said", set())
     simulate_backends(monkeypatch, {"sdpa-efficient", "sdpa", "math"})
@@ -72,12 +87,12 @@ def test_entries_follow_the_engine_probe_and_say_why_once(webui_factory, monkeyp
     choices = shared_items.cross_attention_optimizations()
     assert TITLES["efficient"] in choices and TITLES["auto"] in choices
     assert TITLES["flash"] not in choices and TITLES["sage"] not in choices
-    said = [line for line in capsys.readouterr().out.splitlines() if "does not list" in line]
+    said = [line for line in capsys.readouterr().out.splitlines() if "Not listed in" in line]
     # one line for every entry not listed, grouped by cause: these GPU kernels on a machine without a GPU
-    assert said == [f"{voice.PREFIX} {a1111.SETTING_PATH} does not list need an NVIDIA or AMD GPU (none here): "
-                    "flash-attn, sdp-cudnn, sage"]
+    assert said == [f"{voice.PREFIX} Not listed in {a1111.SETTING_PATH}: flash-attn, sdp-cudnn, sage "
+                    "(need an NVIDIA or AMD GPU)"]
     webui.reload_ui()
-    assert "does not list" not in capsys.readouterr().out
+    assert "Not listed in" not in capsys.readouterr().out
 
 
 # --- "Automatic" ---------------------------------------------------------------------------------------

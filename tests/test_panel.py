@@ -4,6 +4,7 @@ Each test loads ``scripts/flash_attention.py`` into an A1111 or Forge double and
 the way the webui does: ``process`` → sampling (real engine calls on CPU) → infotext → ``Processed`` →
 ``postprocess``.
 """
+import re
 import threading
 
 import pytest
@@ -122,6 +123,9 @@ def test_setting_components_build_in_blocks(webui_factory, mode):
     # ...and what cannot run here, grouped by cause, in the info line gradio draws under the dropdown
     from host_attn import status
     assert backend.info.endswith(status.unavailable_text(status.WEBUI_INSTALL_HINT))
+    for b in lib_attn.backends():
+        if not b.available and b.id not in status.SITUATIONAL:   # each named there
+            assert re.search(rf"(?<![\w-]){re.escape(b.id)}(?![\w-])", backend.info), b.id
     # gradio's own info line on every setting that has one, none left to the hosts' settings script,
     # which cannot place it under a gradio 4 dropdown (Forge) and would draw it twice on A1111
     for key in (stored.KEY_BACKEND, stored.KEY_VAE_BACKEND, stored.KEY_FP32):

@@ -217,3 +217,30 @@ def test_another_packs_wrapper_put_on_after_this_one_keeps_working(host, tmp_pat
         assert "l2i" in seen
         sys.modules["invoke_attn.hook"].remove()
         assert BaseInvocation.invoke_internal is theirs
+
+
+def test_a_pull_that_cannot_load_leaves_nothing_half_and_says_to_restart(host, tmp_path, process, capsys):
+    from invokeai.app.invocations.load_custom_nodes import load_custom_nodes
+
+    real = BaseInvocation.__dict__["invoke_internal"]
+    nodes = tmp_path / "nodes"
+    nodes.mkdir()
+    _copy(nodes / "packA")
+    load_custom_nodes(nodes, logging.getLogger("InvokeAI"))
+    assert _routed_calls(host)
+    broken = nodes / "packA" / "invoke_attn" / "nodes.py"
+    good = broken.read_text(encoding="utf-8")
+    broken.write_text(good + "\nraise RuntimeError('half-written file')\n", encoding="utf-8")
+    capsys.readouterr()
+    assert load_custom_nodes(nodes, logging.getLogger("InvokeAI")) == []  # InvokeAI logs the pack's failure
+    said = capsys.readouterr().out
+    assert "failed to load (RuntimeError: half-written file)" in said and "restart InvokeAI" in said
+    types = InvocationRegistry.get_invocations_map()
+    assert "flash_attention_backend" not in types and "flash_attention_report" not in types
+    assert BaseInvocation.__dict__["invoke_internal"] is getattr(real, "__wrapped__", real)  # no hook of either copy
+    assert not any(n.split(".")[0] in PACKAGES and n != "lib_attn.graph_op" for n in sys.modules)
+    plain = host.run_graph(txt2img_graph(seed=34))
+    assert plain.status == "completed", plain.error_traceback
+    broken.write_text(good, encoding="utf-8")  # fixed: the next Reload loads it whole
+    assert load_custom_nodes(nodes, logging.getLogger("InvokeAI")) == ["packA"]
+    assert set(_routed_calls(host)) == {("unet", "sdpa-math"), ("vae", "sdpa")}

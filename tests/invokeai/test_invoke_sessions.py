@@ -60,6 +60,12 @@ def _validated(node):
     return InvocationRegistry.get_invocation_typeadapter().validate_python(node)
 
 
+def _image_calls(host, item, node="l2i"):
+    """{(role, backend): n} as the session's image records them."""
+    attention = host.images.get_metadata(host.output(item, node).image.image_name).root["attention"]
+    return {(c["role"], c["backend"]): c["count"] for c in attention["calls"]}
+
+
 def _pixels(host, item):
     return np.asarray(host.saved_image(item).image).astype(int)
 
@@ -187,8 +193,8 @@ def test_two_sessions_at_once_keep_their_kernels_and_their_counts(host):
     two = _with_nodes(txt2img_graph(seed=9), _attention(backend="sdpa-math", vae_chain="math"))
     first, second = host.run_concurrently([one, two])
     assert first.status == second.status == "completed"
-    calls_one = dict(sessions._sessions[first.session_id].recording.calls)
-    calls_two = dict(sessions._sessions[second.session_id].recording.calls)
+    # From the images: a session that ended before the other's first node is let go of by then.
+    calls_one, calls_two = (_image_calls(host, item) for item in (first, second))
     assert set(calls_one) == {("unet", "sdpa"), ("vae", "sdpa")}
     assert set(calls_two) == {("unet", "sdpa-math"), ("vae", "math")}
     assert sum(calls_one.values()) == sum(calls_two.values()) == counted[0]
@@ -319,13 +325,14 @@ def test_the_shipped_workflow_matches_the_nodes(pack):
         workflow = json.load(f)
     base = {"id", "type", "is_intermediate", "use_cache"}
     ours = {pack.BACKEND_TYPE: pack.AttentionBackendInvocation, pack.REPORT_TYPE: pack.AttentionReportInvocation}
+    versions = {pack.BACKEND_TYPE: pack.BACKEND_VERSION, pack.REPORT_TYPE: pack.REPORT_VERSION}
     seen = set()
     for node in workflow["nodes"]:
         data = node["data"]
         if data["type"] in ours:
             cls = ours[data["type"]]
             seen.add(data["type"])
-            assert data["version"] == pack.VERSION and data["nodePack"] == PACK
+            assert data["version"] == versions[data["type"]] == cls.UIConfig.version and data["nodePack"] == PACK
             assert set(data["inputs"]) == set(cls.model_fields) - base
             values = {k: v["value"] for k, v in data["inputs"].items() if "value" in v}
             cls(id=data["id"], **values)  # the values pass the node's own checks
@@ -402,11 +409,12 @@ def test_equal_configurations_share_cached_outputs(host):
     """The same configuration said by a node on the edges and by one routing the whole graph: the second
     session takes the first one's outputs (the configuration, not the graph around it, is in the key)."""
     first = host.run_graph(_routed_unet_and_vae(txt2img_graph(seed=22, use_cache=True), backend="sdpa-math"))
-    assert sum(_ran(host, first)[0].values()) > 0
+    first_calls, _, first_image = _ran(host, first)  # read before the next session lets the ended one go
+    assert sum(first_calls.values()) > 0
     second = host.run_graph(_with_nodes(txt2img_graph(seed=22, use_cache=True),
                                         _attention(backend="sdpa-math", use_cache=True)))
     calls, report, image = _ran(host, second)
-    assert calls == {} and image == _ran(host, first)[2] and "from InvokeAI's node cache" in report
+    assert calls == {} and image == first_image and "from InvokeAI's node cache" in report
 
 
 @pytest.mark.parametrize("how", ["use_cache", "node_cache_size"])
@@ -803,3 +811,108 @@ def test_a_denoiser_that_tells_no_step_is_said_with_sparse_attentions_dense_wind
     assert session.recording.sparse.settings.startswith("block-sparse") and session.recording.sparse.dense_calls == 4
     assert "ideogram4_denoise told InvokeAI no step: sparse attention's dense windows took all its calls as its " \
            "first step" in session.notes
+
+
+# --- a session's recording and its VRAM, however long it runs -------------------------------------------------
+
+def test_the_report_and_every_saved_image_carry_peak_vram(host, monkeypatch):
+    """On a (simulated) CUDA device: the decode's save reads the session's VRAM probe without ending it, so the
+    report node after the decode shows peak VRAM too, and so does every later save."""
+    from tests.simulated_cuda import GIB, SimulatedDevice
+
+    device = SimulatedDevice(total=24 * GIB).install(monkeypatch)
+    monkeypatch.setattr(hook, "session_device", lambda: torch.device("cuda", 0))
+    device.alloc(3 * GIB)  # what the session's models take on the device
+    graph = _with_nodes(txt2img_graph(seed=44), _attention())
+    item = host.run_graph(graph)
+    assert item.status == "completed", item.error_traceback
+    metadata = host.images.get_metadata(host.output(item, "l2i").image.image_name).root["attention"]
+    assert metadata["vram"]["active_peak_bytes"] == 3 * GIB and metadata["seconds"] > 0
+    report = host.output(item, "report").report
+    assert "peak VRAM: allocated " in report and "of 24.00 GiB" in report
+    session = sessions._sessions[item.session_id]
+    for _ in range(3):  # more saves: each one still measures
+        assert session.metadata()["vram"]["total_bytes"] == 24 * GIB
+    sessions.reset()  # while the simulated device is there
+
+
+def _small_routed_graph(n):
+    """A session that routes (an unconnected Attention backend node) and runs no model: a String node."""
+    from invokeai.app.services.shared.graph import Graph
+
+    return Graph.model_validate({"nodes": {
+        "attn": {**_attention(), "id": "attn"},
+        "text": {"type": "string", "id": "text", "value": f"session {n}", "use_cache": False}}, "edges": []})
+
+
+def test_a_session_keeps_its_recording_however_many_sessions_start_meanwhile(host):
+    """While one session's denoise has run and its decode and report have not, 40 other sessions start and end
+    (another GPU's queue): the open session's report and image still have the denoiser's calls. Ended sessions
+    are let go of once a new one starts."""
+    from invokeai.app.services.session_processor.session_processor_default import DefaultSessionRunner
+
+    others = []
+
+    def after_node(invocation, queue_item, output):
+        if invocation.get_type() == "denoise_latents" and not others:
+            others.extend(host.run_graph(_small_routed_graph(n)) for n in range(40))
+
+    item = host.run_graph(_with_nodes(txt2img_graph(seed=45), _attention()),
+                          runner=DefaultSessionRunner(on_after_run_node_callbacks=[after_node]))
+    assert item.status == "completed", item.error_traceback
+    assert len(others) == 40 and all(o.status == "completed" for o in others)
+    session = sessions._sessions[item.session_id]
+    assert session.recording.total("unet") > 0 and session.recording.total("vae") == 1
+    assert host.output(item, "report").report.startswith("UNet: sdpa")
+    metadata = host.images.get_metadata(host.output(item, "l2i").image.image_name).root["attention"]
+    assert {c["role"] for c in metadata["calls"]} == {"unet", "vae"}
+    assert len(sessions._sessions) <= 2  # the 39 others that ended before the last one started are gone
+    last = host.run_graph(_small_routed_graph(41))
+    assert set(sessions._sessions) == {last.session_id}  # every ended one let go of
+
+
+def test_a_session_whose_queue_item_was_deleted_is_let_go_of(host):
+    first = host.run_graph(_small_routed_graph(0))
+    host.session_queue.items[first.item_id].status = "in_progress"  # as if it still ran ...
+    host.session_queue.delete_queue_item(first.item_id)  # ... when the queue was cleared
+    second = host.run_graph(_small_routed_graph(1))
+    assert first.session_id not in sessions._sessions and second.session_id in sessions._sessions
+
+
+# --- the nodes' versions, and two Attention backend nodes for the whole graph ----------------------------------
+
+#: The Attention backend node's inputs in each version: adding one without a new version fails here.
+BACKEND_INPUTS = {
+    "1.0.0": {"unet", "transformer", "wan_transformer", "vae", "backend", "chain", "vae_chain", "guard", "schedule",
+              "strict", "fp32", "tune"},
+    "1.1.0": {"unet", "transformer", "wan_transformer", "vae", "backend", "chain", "vae_chain", "guard", "schedule",
+              "sparse", "strict", "fp32", "tune"},
+}
+
+
+def test_a_new_input_comes_with_a_new_minor_version(pack):
+    """InvokeAI's editor offers "Update Node" for a saved node whose version is below the node's, same major."""
+    cls = pack.AttentionBackendInvocation
+    version = cls.UIConfig.version
+    inputs = set(cls.model_fields) - {"id", "type", "is_intermediate", "use_cache"}
+    assert inputs == BACKEND_INPUTS[version], "an input was added or removed: add a version to BACKEND_INPUTS"
+    newest = max(BACKEND_INPUTS, key=lambda v: tuple(map(int, v.split("."))))
+    assert version == newest
+    for older in BACKEND_INPUTS:
+        if older != version:
+            assert older.split(".")[0] == version.split(".")[0]  # an update, not a break
+    # A node saved before ``sparse`` existed runs with its default.
+    typed = {"backend": "sdpa-math", "chain": "", "vae_chain": "", "guard": "on", "schedule": "", "strict": False,
+             "fp32": "auto", "tune": "auto"}
+    assert set(typed) < BACKEND_INPUTS["1.0.0"]
+    assert _validated({**_attention(), **typed}).sparse == ""
+
+
+def test_two_attention_backend_nodes_connected_to_nothing_are_refused(host):
+    graph = txt2img_graph(seed=46)
+    graph.add_node(_validated(_attention("attn_a", backend="sdpa-math")))
+    graph.add_node(_validated(_attention("attn_b")))
+    item = host.run_graph(graph)
+    assert item.status == "failed"
+    assert "Attention backend nodes attn_a, attn_b are each connected to nothing" in item.error_message
+    assert not host.images.saved  # refused before anything ran

@@ -185,8 +185,10 @@ def not_offered_line() -> str:
         words = ("the engine does not know this backend" if info is None
                  else dict(host_status.CAUSES).get(host_status.cause(info, device_type)) or host_status.cause(info, device_type))
         groups.setdefault(words, []).append(entry.name)
-    text = "; ".join(f"{words}: {', '.join(names)}" for words, names in groups.items())
-    return f"{SETTING_PATH} does not list {text}"
+    hint = f" — {host_status.WEBUI_INSTALL_HINT}"
+    text = "; ".join(f"{', '.join(names)} ({words}){hint if words == 'not installed' else ''}"
+                     for words, names in groups.items())
+    return f"Not listed in {SETTING_PATH}: {text}"
 
 
 # --- patching ----------------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ SECTION = ("optimizations", "Optimizations", "sd")
 
 
 INFO = {
-    KEY_BACKEND: lambda: ("Auto: the command-line flag or chosen optimizer if any, else the fastest that can take "
-                          "each call. " + unavailable_text(WEBUI_INSTALL_HINT)),
+    # The whole line stays within 300 characters on a machine without a GPU (the grouped text is ~230).
+    KEY_BACKEND: lambda: "Auto: your flag or optimizer, else the fastest per call. " + unavailable_text(WEBUI_INSTALL_HINT),
     KEY_VAE_BACKEND: lambda: "The VAE attends over one head of 512 channels, which flash-attn and SageAttention "
                              "cannot take.",
     KEY_FP32: lambda: "cast: run half-only kernels in bf16/fp16 and cast the output back; keep: only kernels that "

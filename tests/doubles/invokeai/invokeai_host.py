@@ -39,7 +39,7 @@ from invokeai.app.invocations.model import ModelIdentifierField
 from invokeai.app.services.invocation_cache.invocation_cache_memory import MemoryInvocationCache
 from invokeai.app.services.invocation_services import InvocationServices
 from invokeai.app.services.session_processor.session_processor_default import DefaultSessionRunner
-from invokeai.app.services.session_queue.session_queue_common import SessionQueueItem
+from invokeai.app.services.session_queue.session_queue_common import SessionQueueItem, SessionQueueItemNotFoundError
 from invokeai.app.services.shared.graph import Edge, EdgeConnection, Graph, GraphExecutionState
 from invokeai.backend.model_manager.taxonomy import ModelType
 from invokeai_tiny_models import INSTALLED, ModelConfig, ModelManager
@@ -211,6 +211,16 @@ class SessionQueue:
                                     updated_at=now, started_at=None, completed_at=None)
             self.items[item.item_id] = item
         return item
+
+    def get_queue_item(self, item_id: int) -> SessionQueueItem:
+        """A copy of the item as stored now (the release reads it from its database each time)."""
+        item = self.items.get(item_id)
+        if item is None:
+            raise SessionQueueItemNotFoundError(f"No queue item with id {item_id}")
+        return item.model_copy()
+
+    def delete_queue_item(self, item_id: int) -> None:
+        self.items.pop(item_id, None)
 
     def set_queue_item_session(self, item_id: int, session: GraphExecutionState) -> SessionQueueItem:
         self.items[item_id].session = session

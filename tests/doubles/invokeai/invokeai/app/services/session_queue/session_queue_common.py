@@ -1,11 +1,16 @@
 """Double of ``SessionQueueItem`` from ``invokeai/app/services/session_queue/session_queue_common.py``
-(InvokeAI 6.14.2): the queue item a session runs as, with the release's fields a node or runner reads."""
+(InvokeAI 6.14.2): the queue item a session runs as, with the release's fields a node or runner reads, and
+``SessionQueueItemNotFoundError``."""
 import datetime
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
 from invokeai.app.services.shared.graph import GraphExecutionState
+
+class SessionQueueItemNotFoundError(ValueError):
+    """What the queue raises for an item id it does not hold (as the release's, a ValueError)."""
+
 
 QUEUE_ITEM_STATUS = Literal["pending", "in_progress", "completed", "failed", "canceled"]
 
