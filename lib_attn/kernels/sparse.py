@@ -165,6 +165,13 @@ class SparseBackend(Backend):
         ladder on the sampled rows from one set of exact scores, without running the kernel."""
         return None
 
+    def routings(self, q, k, scale, knobs) -> list | None:
+        """``routing`` at each of ``knobs`` (a backend may share work between them), or None."""
+        first = self.routing(q, k, scale, knobs[0])
+        if first is None:
+            return None
+        return [first] + [self.routing(q, k, scale, knob) for knob in knobs[1:]]
+
     @property
     def states_routing(self) -> bool:
         """Whether ``routing`` may give one: calibration prepares q and k for it only then."""

@@ -464,10 +464,7 @@ class Plan:
         qb, kb = (t.transpose(1, 2) if self.spec.layout == "bshd" else t for t in (q, k))
         if self.cast is not None:
             qb, kb = qb.to(self.cast), kb.to(self.cast)
-        first = self.kernel.routing(qb, kb, scale, ladder[0])
-        if first is None:
-            return None
-        return [first] + [self.kernel.routing(qb, kb, scale, knob) for knob in ladder[1:]]
+        return self.kernel.routings(qb, kb, scale, ladder)
 
     def _denser(self, kind: Kind, error: float) -> None:
         if kind.rungs:
