@@ -121,6 +121,9 @@ def sparse_lines(report: Report) -> list[str]:
     if len(items) > SPARSE_KINDS_SHOWN:
         rest = items[SPARSE_KINDS_SHOWN:]
         out.append(f"sparse: {len(rest)} more call kinds ×{sum(n for _, n in rest):,}")
+    if sparse.replaced:
+        out.append(f"sparse outputs measured over the budget, recomputed: ×{sparse.replaced_calls:,} "
+                   f"(error max {_error(sparse.replaced_error_max())})")
     if sparse.dense:
         out.append("dense while sparse was on: " + " · ".join(
             f"{ROLE_NAMES.get(role, role)} ×{n:,} {one_line(reason)}" for (role, reason), n in sparse.dense_items()))

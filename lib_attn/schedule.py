@@ -327,15 +327,17 @@ def _blocks_within(inner: tuple, outer: tuple) -> bool:
 
 class Where:
     """Where the host's sampling is: ``progress`` (fraction of the pass's steps done), ``sigma``,
-    ``pass_name``, ``block`` of ``blocks`` and whether that block's attention is ``joint``; None
-    where unknown. ``token`` is what the dispatcher keys on (see ``recompute``). Each scope
+    ``pass_name``, ``call`` (which model call of the step, from 0: a host that runs CFG's passes as
+    separate model calls tells the step at each), ``block`` of ``blocks`` and whether that block's
+    attention is ``joint``; None where unknown. ``token`` is what the dispatcher keys on (see ``recompute``). Each scope
     (``lib_attn.scope``) has its own; ``where`` is the process's."""
 
     def __init__(self, schedule: Schedule | None = None, like: "Where | None" = None):
-        self.progress = self.sigma = self.pass_name = self.block = self.blocks = None
+        self.progress = self.sigma = self.pass_name = self.block = self.blocks = self.call = None
         self.joint = False
         if like is not None:  # a scope entered mid-sampling keeps the position it was entered at
             self.progress, self.sigma, self.pass_name = like.progress, like.sigma, like.pass_name
+            self.call = like.call
             self.block, self.blocks, self.joint = like.block, like.blocks, like.joint
         self.schedule = schedule
         self.token = None
@@ -366,9 +368,13 @@ def use(schedule: Schedule | None) -> None:
 
 def at_step(step: int | None, total: int | None, sigma: float | None = None, pass_name: str | None = None) -> None:
     """The host's sampler starts step ``step`` (0-based) of ``total`` in pass ``pass_name``; ``sigma``
-    where known. The block is unknown until the next block starts."""
+    where known. The block is unknown until the next block starts. The same step told again is the
+    step's next model call (``Where.call``)."""
     here = position()
-    here.progress = None if step is None or not total else min(max(step / total, 0.0), 1.0)
+    progress = None if step is None or not total else min(max(step / total, 0.0), 1.0)
+    again = progress is not None and here.call is not None and (progress, pass_name) == (here.progress, here.pass_name)
+    here.call = here.call + 1 if again else (None if progress is None else 0)
+    here.progress = progress
     here.sigma = None if sigma is None else float(sigma)
     here.pass_name = pass_name
     here.block = None
@@ -388,7 +394,7 @@ def at_block(index: int | None, total: int | None, joint: bool = False) -> None:
 def leave() -> None:
     """Sampling is over (or has not begun): no step, pass or block is known."""
     here = position()
-    here.progress = here.sigma = here.pass_name = here.block = here.blocks = None
+    here.progress = here.sigma = here.pass_name = here.block = here.blocks = here.call = None
     here.joint = False
     here.recompute()
 

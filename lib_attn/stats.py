@@ -55,6 +55,7 @@ _parallel_bytes: dict = {}
 _sparse: dict = {}
 _sparse_dense: dict = {}
 _sparse_error: dict = {}
+_sparse_replaced: dict = {}  # measured outputs over the budget, recomputed: (role, backend, kind, setting, error)
 _sparse_kept: dict = {}
 _sparse_seconds: dict = {}
 _sparse_settings: dict = {}  # (settings text, budget) -> calls served while they were in force
@@ -95,8 +96,8 @@ def path_cell(key) -> Cell:
 #: The process-wide tables by the name a recording keeps its own counts under.
 _TABLES = {"calls": _calls, "fallbacks": _fallbacks, "paths": _paths, "guard": _guard, "parallel": _parallel,
            "parallel_bytes": _parallel_bytes, "sparse": _sparse, "sparse_dense": _sparse_dense,
-           "sparse_error": _sparse_error, "sparse_kept": _sparse_kept, "sparse_seconds": _sparse_seconds,
-           "sparse_settings": _sparse_settings, "recomputed": _recomputed}
+           "sparse_error": _sparse_error, "sparse_replaced": _sparse_replaced, "sparse_kept": _sparse_kept,
+           "sparse_seconds": _sparse_seconds, "sparse_settings": _sparse_settings, "recomputed": _recomputed}
 
 
 def count(kind: str, key, n: int = 1, recordings: tuple = ()) -> None:
@@ -104,7 +105,7 @@ def count(kind: str, key, n: int = 1, recordings: tuple = ()) -> None:
     in ``recordings`` (those open in the scope in force). Keys: calls (role, backend id, rule or None);
     fallbacks (role, backend passed over, reason); paths (fallback key, others passed over, backend that
     ran); guard (role, backend, what, ran_on, recomputed); parallel and parallel_bytes (role, kind, mode,
-    ranks, ulysses, ring, note); sparse, sparse_dense, sparse_error, sparse_kept, sparse_seconds,
+    ranks, ulysses, ring, note); sparse, sparse_dense, sparse_error, sparse_replaced, sparse_kept, sparse_seconds,
     sparse_settings (see their tables); recomputed (role, backend id)."""
     _cell(_TABLES[kind], key).n += n
     for rec in recordings:

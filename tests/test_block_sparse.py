@@ -1,8 +1,10 @@
 """The native block-sparse backend: routing from pooled scores (top-k and threshold, the sink and diagonal
-kept), and the gather design computing exactly the attention its routing keeps, against float64."""
+kept), and both designs computing exactly the attention its routing keeps (with the unrouted blocks'
+pooled term), against float64."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -10,7 +12,9 @@ import torch
 from lib_attn.kernels import REGISTRY
 from lib_attn.kernels.block_sparse import flex, gather
 from lib_attn.kernels.block_sparse.routing import blocks, route
+from lib_attn.commands.bench.inputs import rope_inputs
 from lib_attn.kernels.sparse import Knob
+from lib_attn.sparse import measure
 from tests.engine_helpers import make_qkv, reference, rel_err
 
 
@@ -44,6 +48,53 @@ def test_gather_computes_the_routed_attention_exactly(n, knob):
     mask = routed_mask(routing, n, n, block)
     for bi, hi in ((0, 0), (1, 2)):
         assert torch.equal(routing.keeps(bi, hi, rows, n), mask[bi, hi, rows])
+
+
+def pooled_reference(q, k, v, scale, routing) -> torch.Tensor:
+    """Float64 attention over the routed blocks plus, for every other key block, one term: the block's mean
+    key with its score raised by the log of its token count, and its mean value."""
+    q, k, v = (t.double() for t in (q, k, v))
+    b, h, n, _ = q.shape
+    kv, block, nk = k.shape[2], routing.block, routing.key_blocks
+    out = torch.empty(b, h, n, v.shape[-1], dtype=torch.float64)
+    sizes = torch.tensor([min(block, kv - j * block) for j in range(nk)], dtype=torch.float64)
+    for bi in range(b):
+        for hi in range(h):
+            keep = routing.kept_blocks(bi, hi, torch.arange(n))
+            scores = (q[bi, hi] @ k[bi, hi].T) * scale
+            tokens = scores.masked_fill(~keep.repeat_interleave(block, 1)[:, :kv], -math.inf)
+            k_means = torch.stack([k[bi, hi, j * block:(j + 1) * block].mean(0) for j in range(nk)])
+            v_means = torch.stack([v[bi, hi, j * block:(j + 1) * block].mean(0) for j in range(nk)])
+            pooled = ((q[bi, hi] @ k_means.T) * scale + sizes.log()).masked_fill(keep, -math.inf)
+            p = torch.softmax(torch.cat([tokens, pooled], 1), 1)
+            out[bi, hi] = p[:, :kv] @ v[bi, hi] + p[:, kv:] @ v_means
+    return out
+
+
+@pytest.mark.parametrize("n, knob", [(512, Knob("topk", 0.3)), (700, Knob("threshold", 0.6)), (333, Knob("topk", 0.5))])
+def test_gather_counts_the_unrouted_blocks_through_their_pooled_term(n, knob):
+    block = 64
+    q, k, v = make_qkv(2, 3, n, n, 16, torch.float64, seed=5)
+    scale = 0.25
+    routing = route(q, k, scale, block, knob.name, knob.value, pooled_rest=True)
+    out = gather.run(q, k, v, scale, routing, block)
+    assert rel_err(out, pooled_reference(q, k, v, scale, routing)) < 1e-6  # the means are taken in fp32
+    # calibration's measurement of the pooled routing is the kernel's error on the same rows
+    samples = measure.draw(q, "bhsd", random.Random(2))
+    assert measure.routed_errors(q, k, v, scale, "bhsd", [routing], samples)[0] == pytest.approx(
+        measure.output_error(out, q, k, v, scale, "bhsd", samples), rel=1e-4)
+
+
+def test_the_pooled_term_is_closer_to_exact_attention_on_rope_inputs():
+    # q and k holding only a RoPE position term (plus noise): attention spread over many nearby blocks
+    q, k, v = (t.contiguous() for t in rope_inputs(1, 2, (4, 16, 32), 64, torch.float64, torch.device("cpu"), seed=1,
+                                                   strength=0.5))
+    exact = reference(q, k, v)
+    scale = 64 ** -0.5
+    for topk in (0.2, 0.3):
+        plain = gather.run(q, k, v, scale, route(q, k, scale, 128, "topk", topk), 128)
+        pooled = gather.run(q, k, v, scale, route(q, k, scale, 128, "topk", topk, pooled_rest=True), 128)
+        assert rel_err(pooled, exact) < 0.75 * rel_err(plain, exact)
 
 
 def test_routing_keeps_sink_and_diagonal_and_the_highest_pooled_scores():
@@ -87,6 +138,8 @@ def test_backend_runs_bshd_views_and_half_inputs_via_its_contract():
 
 @pytest.mark.skipif(not flex.available(), reason="FlexAttention arrived in torch 2.5")
 def test_flex_design_computes_the_routed_attention():
+    torch._dynamo.reset()  # this test's shapes compile on their own (earlier ones would make them dynamic)
+    flex._warm.clear()
     n, block = 600, 128  # a last block of 88 tokens
     q, k, v = make_qkv(1, 2, n, n, 32, torch.float32, seed=4)
     for knob in (Knob("topk", 0.4), Knob("threshold", 0.7), Knob("topk", 1.0)):
@@ -95,13 +148,19 @@ def test_flex_design_computes_the_routed_attention():
             out, lse = flex.run(q, k, v, 0.25, routing, block)
         assert lse is None  # compiled FlexAttention on a CPU returns none
         assert rel_err(out, reference(q, k, v, mask=routed_mask(routing, n, n, block), scale=0.25)) < 1e-5
+        pooled = route(q, k, 0.25, block, knob.name, knob.value, pooled_rest=True)
+        with torch.no_grad():
+            out, _ = flex.run(q, k, v, 0.25, pooled, block)
+        assert rel_err(out, pooled_reference(q, k, v, 0.25, pooled)) < 1e-5
     backend = REGISTRY["block-sparse"]
-    assert backend.design("cpu") == "flex" and backend.design("mps") == "gather"
+    # the pooled routing runs FlexAttention on CUDA; on a CPU the gather design (see POOLED_FLEX_DEVICES)
+    assert backend.design("cuda") == "flex" and backend.design("cpu") == "gather" and backend.design("mps") == "gather"
     assert rel_err(backend.run_sparse(q, k, v, 0.25, Knob("topk", 1.0)).out, reference(q, k, v, scale=0.25)) < 1e-5
 
 
 def test_a_compiler_that_fails_leaves_the_gather_design(monkeypatch, caplog):
     backend = type(REGISTRY["block-sparse"])()
+    backend.pooled = False  # FlexAttention runs the routed blocks alone on a CPU
 
     def broken(*args, **kwargs):
         raise RuntimeError("C++ compile error: no compiler")
@@ -111,5 +170,7 @@ def test_a_compiler_that_fails_leaves_the_gather_design(monkeypatch, caplog):
     q, k, v = make_qkv(1, 2, 300, 300, 16, torch.float64, seed=2)
     out = backend.run_sparse(q, k, v, None, Knob("topk", 1.0)).out
     assert rel_err(out, reference(q, k, v)) < 1e-12
-    assert backend.design("cpu") == "gather" and "no compiler" in backend.flex_failed
+    assert backend.design("cpu", torch.float64, 16) == "gather"
+    assert "no compiler" in backend.flex_failures[("cpu", torch.float64, 16)]
+    assert backend.design("cpu", torch.float32, 16) == "flex"  # another dtype: not failed there
     assert "gather design serves" in caplog.text

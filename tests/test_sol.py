@@ -192,7 +192,7 @@ def test_a_sparse_call_reaches_sol_attn_in_its_layout_with_scale_knob_and_sinks(
                       "sink_blocks": [0, 2], "topk_ratio": 0.3}]
     assert result.lse is None and result.out.shape == q.shape
     assert rel_err(result.out, reference(q, k, v, None, 0.09, "bshd")) < 1e-5
-    assert 0 < float(result.kept) <= 1
+    assert 0 < result.share() <= 1
     assert all(torch.equal(a, b) for a, b in zip(kept, (q, k, v)))
     # a view whose rows are 130 wide and start 4 bytes in: the 16-byte loads would be misaligned
     odd = torch.randn(1, 640, 2, 130, generator=g)[..., 1:129]

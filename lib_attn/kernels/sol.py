@@ -18,8 +18,9 @@ sol_attn.py``, ``constraints.py``):
   refused past 4 GiB of scores): a check of the algorithm, slower than dense attention. The engine runs
   it only when the user names ``sol`` (for checking), never under ``auto``.
 
-The share of blocks a call computes is not returned by ``sol_attn``; ``routed_share`` computes it from
-the same block means and the same rule (the reference's routing; the compiled kernels route on INT8
+The share of blocks a call computes is not returned by ``sol_attn``; ``routed_share`` computes it, for
+the calls the engine measures only and a chunk of blocks at a time (no fp32 copy of q or k), from the
+same block means and the same rule (the reference's routing; the compiled kernels route on INT8
 scores and may differ at the margin).
 """
 from __future__ import annotations
@@ -76,17 +77,24 @@ def _topk_blocks(n: int, ratio: float) -> int:
 
 #: Block-mean scores routed at once (heads are taken in groups of about this many N x N scores).
 ROUTING_CHUNK = 2**24
+#: Bytes of an input cast to fp32 at once for its block means (a chunk of blocks at a time).
+MEANS_CHUNK_BYTES = 16 * 2**20
 
 
 def _block_means(x: torch.Tensor) -> torch.Tensor:
-    """(B, T, H, D) -> (B, H, N, D) fp32 means over 64-token blocks (the last one over its own tokens)."""
+    """(B, T, H, D) -> (B, H, N, D) fp32 means over 64-token blocks (the last one over its own tokens),
+    a chunk of blocks at a time: no fp32 copy of ``x``, only of one chunk (``MEANS_CHUNK_BYTES``)."""
     b, t, h, d = x.shape
     n = math.ceil(t / BLOCK)
-    pad = n * BLOCK - t
-    x = torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, pad)) if pad else x.float()
-    counts = torch.full((n,), float(BLOCK), device=x.device)
-    counts[-1] = BLOCK - pad
-    return x.reshape(b, n, BLOCK, h, d).sum(2).transpose(1, 2) / counts.view(1, 1, n, 1)
+    full = t // BLOCK
+    out = torch.empty((b, n, h, d), dtype=torch.float32, device=x.device)
+    step = max(1, MEANS_CHUNK_BYTES // (BLOCK * b * h * d * 4))
+    for start in range(0, full, step):
+        stop = min(full, start + step)
+        out[:, start:stop] = x[:, start * BLOCK:stop * BLOCK].unflatten(1, (stop - start, BLOCK)).float().mean(2)
+    if full < n:
+        out[:, full] = x[:, full * BLOCK:].float().mean(1)
+    return out.transpose(1, 2)
 
 
 def routed_blocks(qm, km, scale: float, knob: Knob, sinks: list[int] | None) -> torch.Tensor:
@@ -238,8 +246,9 @@ class Sol(SparseBackend):
         q, k, v = (_aligned(x) for x in (q, k, v))
         args = self.arguments(q.shape[1], knob)
         out = self.fn(q, k, v, scale=scale, **args)
-        kept = routed_share(q, k, default_scale(scale, q.shape[-1]), knob, args["sink_blocks"])
-        return SparseResult(out, None, kept)
+        sinks, scale = args["sink_blocks"], default_scale(scale, q.shape[-1])
+        # the share of blocks computed, only for the calls the engine measures
+        return SparseResult(out, None, lambda: routed_share(q, k, scale, knob, sinks))
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:

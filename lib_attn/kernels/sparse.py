@@ -56,12 +56,16 @@ class Knob:
 class Routing:
     """Which key blocks each query block computes. ``indices``: (b, h, q_blocks, width) key block indices,
     each row's kept blocks first, then (when ``counts`` is given) other blocks it does not keep;
-    ``counts``: (b, h, q_blocks) how many of a row's ``width`` entries are kept, or None when all are; ``key_blocks``: key blocks in all; ``block``: tokens per block."""
+    ``counts``: (b, h, q_blocks) how many of a row's ``width`` entries are kept, or None when all are;
+    ``key_blocks``: key blocks in all; ``block``: tokens per block; ``pooled``: every block a row does not
+    keep still counts, through one pooled term (its mean key, whose score is raised by the log of its
+    token count, and its mean value), so the softmax keeps the whole sequence's mass."""
 
     indices: torch.Tensor
     counts: torch.Tensor | None
     key_blocks: int
     block: int
+    pooled: bool = False
 
     @property
     def kept(self) -> torch.Tensor:
@@ -71,7 +75,11 @@ class Routing:
         return taken.to(torch.float32) / float(rows * self.key_blocks)
 
     def keeps(self, b: int, h: int, rows: torch.Tensor, kv: int) -> torch.Tensor:
-        """(len(rows), kv) bool: the keys query ``rows`` of pair (b, h) attend to."""
+        """(len(rows), kv) bool: the keys query ``rows`` of pair (b, h) attend to exactly."""
+        return self.kept_blocks(b, h, rows).repeat_interleave(self.block, dim=1)[:, :kv]
+
+    def kept_blocks(self, b: int, h: int, rows: torch.Tensor) -> torch.Tensor:
+        """(len(rows), key_blocks) bool: the key blocks query ``rows`` of pair (b, h) attend to exactly."""
         q_blocks = (rows // self.block).to(self.indices.device)
         idx = self.indices[b, h].index_select(0, q_blocks)
         keep = torch.zeros((len(rows), self.key_blocks), dtype=torch.bool, device=idx.device)
@@ -80,7 +88,7 @@ class Routing:
         else:
             taken = torch.arange(idx.shape[1], device=idx.device) < self.counts[b, h].index_select(0, q_blocks)[:, None]
             keep.scatter_(1, idx, taken)  # a row's entries are distinct blocks: the kept ones, then others
-        return keep.repeat_interleave(self.block, dim=1)[:, :kv]
+        return keep
 
 
 @dataclass
@@ -88,11 +96,17 @@ class SparseResult:
     """One sparse call's result. ``out``: as ``run`` returns it (the backend's layout, the input dtype);
     ``lse``: (b, h, q_len) natural-log log-sum-exp of the scores it computed, fp32 (fp64 for fp64
     inputs), or None; ``kept``: the share of (query block, key block) pairs computed, in [0, 1], a float
-    or a 0-d tensor (read on the host only when the engine samples the call)."""
+    or a 0-d tensor (read on the host only when the engine samples the call), or a function returning
+    one (called only then: a share that costs a pass over q and k)."""
 
     out: torch.Tensor
     lse: torch.Tensor | None
     kept: object
+
+    def share(self) -> float:
+        """``kept`` as a float (nan when the backend gives none)."""
+        kept = self.kept() if callable(self.kept) else self.kept
+        return float(kept) if kept is not None else float("nan")
 
 
 class SparseBackend(Backend):
@@ -150,6 +164,13 @@ class SparseBackend(Backend):
         attention over the routed blocks, else None. With it, calibration measures every setting of the
         ladder on the sampled rows from one set of exact scores, without running the kernel."""
         return None
+
+    def routings(self, q, k, scale, knobs) -> list | None:
+        """``routing`` at each of ``knobs`` (a backend may share work between them), or None."""
+        first = self.routing(q, k, scale, knobs[0])
+        if first is None:
+            return None
+        return [first] + [self.routing(q, k, scale, knob) for knob in knobs[1:]]
 
     @property
     def states_routing(self) -> bool:

@@ -1,4 +1,10 @@
-"""A sparse call's error against exact attention, on the rows the guard samples (``check.samples``).
+"""A sparse call's error against exact attention, on sampled query rows.
+
+The rows (``draw``) change from one measurement to the next: at most ``check.PAIRS`` (batch, head) pairs,
+drawn at random when the call has more, and in each pair about ``check.SAMPLES / pairs`` rows, one drawn
+at random in each of as many equal stretches of the sequence. Every row of the call is equally likely
+to be measured, so the error measured is an unbiased sample of the whole output's, and every query
+block is measured over a kind's measurements, not only fixed rows (a frame's corners, say).
 
 Two measurements, both without a copy of q, k or v:
 
@@ -49,6 +55,26 @@ def _times_values(p, v2, compute):
     return out
 
 
+def draw(q, layout: str, rng) -> _check.Samples:
+    """The rows one measurement looks at for a call whose queries are ``q`` (in ``layout``), drawn with
+    ``rng`` (a ``random.Random``): ``rows`` is (pairs, rows per pair), each pair its own rows."""
+    b, h, n = _bhsd(q, layout).shape[:3]
+    total = b * h
+    pairs = sorted(rng.sample(range(total), _check.PAIRS)) if total > _check.PAIRS else list(range(total))
+    pairs = torch.tensor(pairs, dtype=torch.long)
+    m = min(n, max(1, _check.SAMPLES // len(pairs)))
+    edges = torch.div(torch.arange(m + 1) * n, m, rounding_mode="floor")
+    gen = torch.Generator().manual_seed(rng.getrandbits(62))
+    jitter = torch.rand((len(pairs), m), generator=gen, dtype=torch.float64)
+    rows = edges[:-1] + (jitter * (edges[1:] - edges[:-1])).long().clamp_(max=n - 1)
+    return _check.Samples(pairs // h, pairs % h, rows.clamp_(max=n - 1))
+
+
+def _pair_rows(samples, i: int):
+    """The rows of the ``i``-th pair: a 2-D ``rows`` holds each pair's own, a 1-D one is shared."""
+    return samples.rows[i] if samples.rows.dim() == 2 else samples.rows
+
+
 def _exact_rows(q, k, v, scale, samples):
     """For each (b, h) pair and chunk of its sampled rows, in order: (b, h, rows, scores, exact output),
     q, k, v in (b, h, n, d), scores scaled, both in fp32 (fp64 for fp64 inputs)."""
@@ -56,8 +82,8 @@ def _exact_rows(q, k, v, scale, samples):
     scale = default_scale(scale, q.shape[-1])
     kv = k.shape[2]
     per_chunk = max(1, ROW_BYTES // (kv * (torch.finfo(compute).bits // 8)))
-    rows = samples.rows.to(q.device)
-    for b, h in zip(samples.batch.tolist(), samples.head.tolist()):
+    for i, (b, h) in enumerate(zip(samples.batch.tolist(), samples.head.tolist())):
+        rows = _pair_rows(samples, i).to(q.device)
         k2, v2 = k[b, h], v[b, h]
         for start in range(0, len(rows), per_chunk):
             chunk = rows[start:start + per_chunk]
@@ -71,37 +97,88 @@ def _exact_rows(q, k, v, scale, samples):
             yield b, h, chunk, scores, _times_values(torch.softmax(scores, dim=-1), v2, compute)
 
 
-def output_error(out, q, k, v, scale, layout: str, samples=None) -> float:
-    """Relative L2 error of ``out`` on the sampled rows against exact attention; inf when ``out`` is
-    non-finite there, nan when exact attention is (non-finite inputs)."""
+#: One-sided z of the bound calibration holds a setting to (``bound=True``): the error on the drawn
+#: rows plus 1.645 standard errors of that estimate (95%: rows differ, and an error concentrated in a few
+#: rows makes a small sample read low).
+BOUND_Z = 1.645
+
+
+def _error(diffs: list, norms: list, bound: bool) -> float:
+    """The relative L2 error from per-row squared errors and squared norms (or its upper bound, see
+    ``BOUND_Z``); inf when the output is non-finite, nan when exact attention is."""
+    d, n = torch.cat(diffs).double(), torch.cat(norms).double()
+    sd, sn = float(d.sum()), float(n.sum())
+    if not math.isfinite(sn):
+        return math.nan
+    if not math.isfinite(sd):
+        return math.inf
+    ratio = sd / max(sn, 1e-300)
+    m = len(d)
+    if bound and m > 1:  # the ratio estimator's standard error, rows as draws
+        ratio += BOUND_Z * math.sqrt(float((d - ratio * n).square().sum()) * m / (m - 1)) / max(sn, 1e-300)
+    return math.sqrt(ratio)
+
+
+def output_error(out, q, k, v, scale, layout: str, samples=None, bound: bool = False) -> float:
+    """Relative L2 error of ``out`` on the sampled rows against exact attention (``bound``: its upper
+    bound); inf when ``out`` is non-finite there, nan when exact attention is (non-finite inputs)."""
     q, k, v, out = (_bhsd(t, layout) for t in (q, k, v, out))
     s = samples if samples is not None else _check.samples(q, "bhsd")
-    diff = norm = 0.0
+    diffs, norms = [], []
     with _exact_off(q.device.type), torch.no_grad():
         for b, h, rows, _, exact in _exact_rows(q, k, v, scale, s):
             got = out[b, h].index_select(0, rows).to(exact.dtype)
-            diff += float((got - exact).square().sum())
-            norm += float(exact.square().sum())
-    if not math.isfinite(norm):
-        return math.nan
-    return math.sqrt(diff / max(norm, 1e-300)) if math.isfinite(diff) else math.inf
+            diffs.append((got - exact).square().sum(-1))
+            norms.append(exact.square().sum(-1))
+    return _error(diffs, norms, bound)
 
 
-def routed_errors(q, k, v, scale, layout: str, routings: list, samples=None) -> list[float]:
-    """The relative L2 error on the sampled rows of attention over each routing's blocks (q, k, v in
-    ``layout``), against exact attention: one float per routing."""
+def _block_means(x, block: int, compute) -> torch.Tensor:
+    """(n, d) -> (blocks, d) means in ``compute``, the last block over its own rows."""
+    n = x.shape[0]
+    full = n // block
+    parts = [x[:full * block].to(compute).unflatten(0, (full, block)).mean(1)] if full else []
+    if n % block:
+        parts.append(x[full * block:].to(compute).mean(0, keepdim=True))
+    return torch.cat(parts)
+
+
+def _routed(scores, keep_blocks, routing, v_rows, v_means, compute):
+    """Attention of the rows whose exact ``scores`` (r, kv) are given over the key blocks they keep
+    (``keep_blocks`` (r, blocks) bool), and, for a routing with ``pooled``, every other block through one
+    term: its mean score plus the log of its token count, and its mean value."""
+    block, kv = routing.block, scores.shape[1]
+    keep = keep_blocks.repeat_interleave(block, dim=1)[:, :kv]
+    tokens = scores.masked_fill(~keep, float("-inf"))
+    if not routing.pooled:
+        return _times_values(torch.softmax(tokens, dim=-1), v_rows, compute)
+    nk = keep_blocks.shape[1]
+    sizes = torch.full((nk,), float(block), dtype=compute, device=scores.device)
+    sizes[-1] = kv - (nk - 1) * block
+    padded = torch.nn.functional.pad(scores, (0, nk * block - kv))
+    means = padded.unflatten(1, (nk, block)).sum(-1) / sizes
+    pooled = (means + sizes.log()).masked_fill(keep_blocks, float("-inf"))
+    top = torch.maximum(tokens.amax(-1, keepdim=True), pooled.amax(-1, keepdim=True))
+    p_tokens, p_pooled = (tokens - top).exp(), (pooled - top).exp()
+    total = p_tokens.sum(-1, keepdim=True) + p_pooled.sum(-1, keepdim=True)
+    return (_times_values(p_tokens, v_rows, compute) + p_pooled @ v_means) / total
+
+
+def routed_errors(q, k, v, scale, layout: str, routings: list, samples=None, bound: bool = False) -> list[float]:
+    """The relative L2 error on the sampled rows of attention over each routing's blocks (with the pooled
+    term where the routing has one), q, k, v in ``layout``, against exact attention: one float per
+    routing (``bound``: its upper bound, see ``BOUND_Z``)."""
     q, k, v = (_bhsd(t, layout) for t in (q, k, v))
     s = samples if samples is not None else _check.samples(q, "bhsd")
     compute = _compute(q.dtype)
-    kv = k.shape[2]
-    diff = [0.0] * len(routings)
-    norm = 0.0
+    diffs = [[] for _ in routings]
+    norms = []
+    pooled = any(r.pooled for r in routings)
     with _exact_off(q.device.type), torch.no_grad():
         for b, h, rows, scores, exact in _exact_rows(q, k, v, scale, s):
-            norm += float(exact.square().sum())
+            norms.append(exact.square().sum(-1))
+            v_means = _block_means(v[b, h], routings[0].block, compute) if pooled else None
             for i, routing in enumerate(routings):
-                probs = torch.softmax(scores.masked_fill(~routing.keeps(b, h, rows, kv), float("-inf")), dim=-1)
-                diff[i] += float((_times_values(probs, v[b, h], compute) - exact).square().sum())
-    if not math.isfinite(norm):
-        return [math.nan] * len(routings)
-    return [math.sqrt(d / max(norm, 1e-300)) for d in diff]
+                got = _routed(scores, routing.kept_blocks(b, h, rows), routing, v[b, h], v_means, compute)
+                diffs[i].append((got - exact).square().sum(-1))
+    return [_error(d, norms, bound) for d in diffs]

@@ -5,30 +5,41 @@ for the signature carries, and which sends each call to the sparse backend or to
   self-attention without a mask and with at least ``min_tokens`` queries, outside the dense windows,
   on a sparse backend that takes it. Every other call runs the dense chain (the tuned dense decision
   the configuration makes for it), counted under its reason.
-* **Per call kind** (``Kind``: the signature, the block and the band of steps, ``BANDS`` of them), the
-  sparsest setting within the budget: at the kind's first call the backend's ladder is measured on the
-  sampled rows against an exact reference (``measure.routed_errors``: every setting from one set of
-  exact scores, for a backend that states its routing; else a run of the kernel per setting, from the
-  sparsest, until one is within the budget). A kind no setting brings within the budget runs dense,
-  counted as ``over budget: 0.23 > 0.15`` (the error of the densest setting tried). The calls of a
-  kind that runs sparse have their output measured (``measure.output_error``) at the first call and
-  every ``RECHECK_EVERY`` calls after; one over the budget is recomputed dense and the kind moves to
-  its next denser setting, or to dense when none is left.
+* **Per call kind** (``Kind``: the signature, the model the call comes from, the block, the band of
+  steps, ``BANDS`` of them, and which model call of the step it is: CFG's cond and uncond passes, run
+  as two model calls, attend differently), the sparsest setting within the budget. The model is the
+  ``torch.nn.Module`` whose code made the call (``caller_module``) with its weights as they are
+  (``model_token``): another model, or the same one with other weights loaded, is calibrated anew, and a
+  module's kinds go with it. A kind is calibrated at its first call: the backend's ladder is measured on
+  rows drawn for the call (``measure.draw``) against an exact reference (``measure.routed_errors``: every
+  setting from one set of exact scores, for a backend that states its routing; else a run of the kernel
+  per setting, from the sparsest, until one is within the budget). A kind no setting brings within the
+  budget runs dense, counted as ``over budget: 0.23 > 0.15`` (the error of the densest setting tried).
+  After that, one call in each run of ``RECHECK_EVERY`` of the kind's calls, drawn at random, has its
+  output measured (``measure.output_error``) on newly drawn rows; one over the budget is not returned:
+  the kind is calibrated again on that call, whose output is the new setting's (or dense).
 * **Faults** are caught as for every kernel: the first sparse call of a plan runs on copies of a part
   of the call first (``check.probe``), and its full-size run is bracketed by checksums; every sparse
   output is screened for non-finite values (on CUDA through the guard's device-side count, read
   later). A backend caught is out for the signature, counted in the guard's table, and the call is
   recomputed dense.
 
-The counts go to ``stats`` (``sparse``, ``sparse_dense``, ``sparse_error``, ``sparse_kept``,
-``sparse_seconds``), in the process and in the recordings open where the call runs.
+The counts go to ``stats`` (``sparse``, ``sparse_dense``, ``sparse_error`` for measured outputs returned,
+``sparse_replaced`` for those recomputed, ``sparse_kept``, ``sparse_seconds``), in the process and in the
+recordings open where the call runs.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import os
+import random
+import sys
+import threading
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,13 +59,20 @@ log = logging.getLogger("lib_attn")
 #: The steps of a pass fall in this many bands, each a call kind of its own (attention concentrates
 #: differently early and late in sampling).
 BANDS = 5
-#: A kind that runs sparse has one call in this many measured after its first.
+#: A kind that runs sparse has one call in each run of this many measured, drawn at random.
 RECHECK_EVERY = 4
 DENOISER = ("unet", "dit")
 OVER_BUDGET = "over budget"
 #: A call whose error could not be measured (exact attention on the sampled rows was not finite): it runs
 #: dense and its kind keeps no setting, so the next call of the kind measures again.
 NOT_MEASURED = "not measured: non-finite values"
+#: A call whose sparse run ran out of memory: it runs dense; the kind and the signature stay.
+OUT_OF_MEMORY = "out of memory in the sparse kernel (this call)"
+#: A call of a kind another thread is calibrating: it runs dense.
+CALIBRATING = "kind being calibrated in another thread"
+#: The part of the time (``sparse_seconds``) of the calls that calibrated a kind, its first or after a
+#: measurement over the budget (compiling a kernel for a new shape falls there too).
+CALIBRATION = "calibration"
 
 
 def band_of(progress) -> int | None:
@@ -65,9 +83,12 @@ def band_text(band) -> str:
     return "" if band is None else f"{band * 100 // BANDS}-{(band + 1) * 100 // BANDS}%"
 
 
-def kind_label(block, band) -> str:
-    """A call kind as the readout names it: ``block 3, 20-40%``; ``any`` when neither is known."""
+def kind_label(block, band, call=None) -> str:
+    """A call kind as the readout names it: ``block 3, 20-40%``; ``any`` when neither is known; a step's
+    later model calls (CFG's second pass) add ``call 2 of the step``."""
     parts = ([f"block {block}"] if block is not None else []) + ([band_text(band)] if band is not None else [])
+    if call:
+        parts.append(f"call {call + 1} of the step")
     return ", ".join(parts) or "any"
 
 
@@ -149,24 +170,122 @@ def dense_reason(cfg, spec, token, fp32: str) -> tuple[str, str | None, object]:
 
 # --- call kinds ---------------------------------------------------------------------------------
 
+#: Which calls and rows are measured is drawn from this generator, seeded from the operating system in
+#: each process (again in a forked child); ``seed`` fixes it.
+_random = random.Random()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_random.seed)
+#: Guards the kinds and the models (several threads may run calls).
+_lock = threading.RLock()
+
+
+def seed(value) -> None:
+    """Fix which calls and rows are measured from now on (a process seeds it from the OS)."""
+    _random.seed(value)
+
+
 @dataclass
 class Kind:
     """A call kind's state: ``knob`` the setting it runs at (None: dense, for ``reason``); ``rungs``
-    what is left of its ladder, denser settings first to last; ``calls`` since its last measurement."""
+    what is left of its ladder, denser settings first to last; ``owner`` the thread calibrating it, or
+    None; ``calls`` its calls in the current run of ``RECHECK_EVERY``, of which the ``pick``-th is
+    measured; ``due``: its next call is measured whatever the draw."""
 
     knob: object = None
     reason: str = ""
     rungs: tuple = ()
+    owner: object = None
     calls: int = 0
+    pick: int = field(default_factory=lambda: _random.randrange(RECHECK_EVERY))
+    due: bool = False
+
+    def measured_now(self) -> bool:
+        """Whether this call of the kind is measured: one call in each run of ``RECHECK_EVERY`` calls,
+        drawn at random, so no period of the run (blocks, CFG passes, steps) lines up with the draw,
+        and no more than ``2 * RECHECK_EVERY - 2`` calls pass unmeasured in a row."""
+        with _lock:
+            hit = self.due or self.calls == self.pick
+            self.due = False
+            self.calls += 1
+            if self.calls == RECHECK_EVERY:
+                self.calls, self.pick = 0, _random.randrange(RECHECK_EVERY)
+            return hit
 
 
-#: (plan identity, block, band) -> Kind; kept across the dispatcher's decisions (a webui re-applies
-#: its settings every generation), dropped by ``forget``.
+#: (plan identity, model, block, band, model call of the step) -> Kind; kept across the dispatcher's decisions (a webui
+#: re-applies its settings every generation), dropped by ``forget`` and with their model.
 _kinds: dict = {}
+
+# -- the model a call comes from ---------------------------------------------------------------------
+
+#: Frames looked through, from the engine's own outwards, for the ``torch.nn.Module`` a call comes from.
+CALLER_FRAMES = 12
+_ENGINE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: module -> [model token, its weights' (parameter id, version)]: a module whose weights are replaced or
+#: loaded again (a checkpoint switch, a LoRA) gets a new token, as does a new module.
+_models: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_tokens = itertools.count(1)
+#: Tokens of modules gone or reloaded, whose kinds are dropped at the next new kind.
+_gone: list = []
+
+
+def caller_module():
+    """The ``torch.nn.Module`` whose code made the current call (the nearest ``self`` that is one, outside
+    the engine), or None (a call from a script's own function)."""
+    frame = sys._getframe(1)
+    for _ in range(CALLER_FRAMES):
+        if frame is None:
+            return None
+        if not frame.f_code.co_filename.startswith(_ENGINE) and "self" in frame.f_code.co_varnames:
+            found = frame.f_locals.get("self")
+            if isinstance(found, torch.nn.Module):
+                return found
+        frame = frame.f_back
+    return None
+
+
+def model_token(module) -> int | None:
+    """The token of ``module`` as it is now (its weights included), or None without one."""
+    if module is None:
+        return None
+    first = next(module.parameters(), None)
+    weights = None if first is None else (id(first), first._version)
+    with _lock:
+        known = _models.get(module)
+        if known is not None and known[1] == weights:
+            return known[0]
+        token = next(_tokens)
+        if known is None:
+            known = _models[module] = [token, weights]
+            weakref.finalize(module, _gone_with, known)
+        else:  # the same module with other weights: another model
+            _gone.append(known[0])
+            known[0], known[1] = token, weights
+        return token
+
+
+def _gone_with(known: list) -> None:
+    _gone.append(known[0])
+
+
+def _claim(key) -> tuple[Kind, bool]:
+    """The kind under ``key`` and whether this call made it (then this thread calibrates it)."""
+    with _lock:
+        kind = _kinds.get(key)
+        if kind is not None:
+            return kind, False
+        if _gone:
+            dead = set(_gone)
+            _gone.clear()
+            for old in [old for old in _kinds if old[1] in dead]:
+                del _kinds[old]
+        kind = _kinds[key] = Kind(owner=threading.get_ident())
+        return kind, True
 
 
 def forget() -> None:
-    _kinds.clear()
+    with _lock:
+        _kinds.clear()
 
 
 class Plan:
@@ -218,43 +337,86 @@ class Plan:
         return self.dense(q, k, v, mask, scale)
 
     def _kind_call(self, q, k, v, scale, recordings):
+        """(output, the part of the time it counts under: ``sparse``, ``dense`` or ``calibration``)."""
         here = _scope.current().where
-        block, band = here.block, band_of(here.progress)
-        key = (self.identity, block, band)
-        kind = _kinds.get(key)
-        fresh = kind is None
-        if fresh:
-            kind = _kinds[key] = Kind()
-            out = self._calibrate(kind, q, k, v, scale)
-            if kind.reason == NOT_MEASURED:
-                del _kinds[key]
-        else:
-            out = None
-        if kind.knob is None:
-            return self._dense(kind.reason, q, k, v, None, scale, recordings), "dense"
-        if out is None:
-            out = self._sparse(kind, q, k, v, scale)
-            if out is None:  # a fault: the plan is dense from now on
-                return self._dense(self.reason, q, k, v, None, scale, recordings), "dense"
-        label = kind_label(block, band)
+        block, band, call = here.block, band_of(here.progress), here.call
+        key = (self.identity, model_token(caller_module()), block, band, call)
+        kind, fresh = _claim(key)
+        label = kind_label(block, band, call)
         unknown = unknown_windows(self.windows, here, self.spec) if self.windows else ()
         if unknown:
             label = f"{label}; {unknown_text(unknown)}"
-        kind.calls += 1
-        if fresh or kind.calls >= RECHECK_EVERY:
-            kind.calls = 0
-            error = measure.output_error(out.out, q, k, v, scale, self.spec.layout)
-            self._record(label, kind.knob, error, out.kept, recordings)
+        try:
+            return self._measured_call(key, kind, fresh, label, q, k, v, scale, recordings)
+        except _OutOfMemory:
+            return self._dense(OUT_OF_MEMORY, q, k, v, None, scale, recordings), "dense"
+
+    def _measured_call(self, key, kind: Kind, fresh: bool, label: str, q, k, v, scale, recordings):
+        if fresh:
+            return self._settle(key, kind, label, q, k, v, scale, recordings), CALIBRATION
+        if kind.owner is not None and kind.owner != threading.get_ident():
+            return self._dense(CALIBRATING, q, k, v, None, scale, recordings), "dense"
+        if kind.knob is None:
+            return self._dense(kind.reason, q, k, v, None, scale, recordings), "dense"
+        out = self._sparse(kind, q, k, v, scale)
+        if out is None:  # a fault: the plan is dense from now on
+            return self._dense(self.reason, q, k, v, None, scale, recordings), "dense"
+        if kind.measured_now():
+            error = measure.output_error(out.out, q, k, v, scale, self.spec.layout,
+                                         measure.draw(q, self.spec.layout, _random))
             if math.isnan(error):  # nothing measured: this call runs dense and the next one is measured
-                kind.calls = RECHECK_EVERY - 1
+                kind.due = True
                 return self._dense(NOT_MEASURED, q, k, v, None, scale, recordings), "dense"
-            if not error <= self.budget:
-                self._denser(kind, error)
-                stats.count("sparse_dense", (self.spec.role, over_budget(error, self.budget)), 1, recordings)
-                return self.dense(q, k, v, None, scale), "dense"
+            if not error <= self.budget:  # recomputed at the setting this call's inputs need
+                self._replaced(label, kind.knob, error, recordings)
+                kind.owner = threading.get_ident()
+                return self._settle(key, kind, label, q, k, v, scale, recordings), CALIBRATION
+            self._record(label, kind.knob, error, out, recordings)
+        return self._returned(label, kind, out.out, recordings), "sparse"
+
+    def _returned(self, label: str, kind: Kind, out, recordings):
         stats.count("sparse", (self.spec.role, self.backend, label, kind.knob.text), 1, recordings)
         stats.count("calls", (self.spec.role, self.backend, self.spec.rule), 1, recordings)
-        return out.out, "sparse"
+        return out
+
+    def _settle(self, key, kind: Kind, label: str, q, k, v, scale, recordings):
+        """Calibrate ``kind`` on this call (its first, or one whose measurement was over the budget) and
+        return the call's output: sparse at the setting found, measured within the budget, else dense."""
+        try:
+            samples = measure.draw(q, self.spec.layout, _random)
+            kind.knob, kind.reason, kind.rungs, kind.due = None, "", (), False
+            out = self._calibrate(kind, q, k, v, scale, samples)
+            if kind.reason == NOT_MEASURED:
+                return self._unsettled(key, q, k, v, scale, recordings)
+            if kind.knob is None:
+                return self._dense(kind.reason, q, k, v, None, scale, recordings)
+            if out is None:
+                out = self._sparse(kind, q, k, v, scale)
+                if out is None:  # a fault: the plan is dense from now on
+                    return self._dense(self.reason, q, k, v, None, scale, recordings)
+            error = measure.output_error(out.out, q, k, v, scale, self.spec.layout, samples)
+            if math.isnan(error):
+                return self._unsettled(key, q, k, v, scale, recordings)
+            if not error <= self.budget:
+                self._replaced(label, kind.knob, error, recordings)
+                self._denser(kind, error)
+                stats.count("sparse_dense", (self.spec.role, over_budget(error, self.budget)), 1, recordings)
+                return self.dense(q, k, v, None, scale)
+            self._record(label, kind.knob, error, out, recordings)
+            return self._returned(label, kind, out.out, recordings)
+        except _OutOfMemory:  # calibration did not finish: the kind's next call calibrates
+            with _lock:
+                if _kinds.get(key) is kind:
+                    del _kinds[key]
+            return self._dense(OUT_OF_MEMORY, q, k, v, None, scale, recordings)
+        finally:
+            kind.owner = None
+
+    def _unsettled(self, key, q, k, v, scale, recordings):
+        """A call whose error could not be measured: dense, and its kind's next call calibrates."""
+        with _lock:
+            _kinds.pop(key, None)
+        return self._dense(NOT_MEASURED, q, k, v, None, scale, recordings)
 
     # -- calibration --------------------------------------------------------------------------------
 
@@ -262,13 +424,13 @@ class Plan:
         knob = self.settings.knob
         return self.kernel.ladder(knob) if self.settings.calibrate else (knob,)
 
-    def _calibrate(self, kind: Kind, q, k, v, scale):
-        """Put ``kind`` at the sparsest setting of the ladder within the budget (or dense); returns the
-        call's sparse result when calibration ran the kernel at that setting, else None."""
+    def _calibrate(self, kind: Kind, q, k, v, scale, samples):
+        """Put ``kind`` at the sparsest setting of the ladder within the budget on ``samples`` (or dense);
+        returns the call's sparse result when calibration ran the kernel at that setting, else None."""
         ladder = self._ladder()
         routings = self._routings(ladder, q, k, scale)
         if routings is not None:
-            errors = measure.routed_errors(q, k, v, scale, self.spec.layout, routings)
+            errors = measure.routed_errors(q, k, v, scale, self.spec.layout, routings, samples, bound=True)
             for i, error in enumerate(errors):
                 if math.isnan(error):
                     kind.reason = NOT_MEASURED
@@ -285,7 +447,7 @@ class Plan:
             if result is None:
                 kind.knob, kind.reason = None, self.reason
                 return None
-            error = measure.output_error(result.out, q, k, v, scale, self.spec.layout)
+            error = measure.output_error(result.out, q, k, v, scale, self.spec.layout, samples, bound=True)
             if math.isnan(error):
                 kind.knob, kind.reason = None, NOT_MEASURED
                 return None
@@ -302,10 +464,7 @@ class Plan:
         qb, kb = (t.transpose(1, 2) if self.spec.layout == "bshd" else t for t in (q, k))
         if self.cast is not None:
             qb, kb = qb.to(self.cast), kb.to(self.cast)
-        first = self.kernel.routing(qb, kb, scale, ladder[0])
-        if first is None:
-            return None
-        return [first] + [self.kernel.routing(qb, kb, scale, knob) for knob in ladder[1:]]
+        return self.kernel.routings(qb, kb, scale, ladder)
 
     def _denser(self, kind: Kind, error: float) -> None:
         if kind.rungs:
@@ -313,13 +472,24 @@ class Plan:
         else:
             kind.knob, kind.reason = None, over_budget(error, self.budget)
 
-    def _record(self, label: str, knob, error: float, kept, recordings) -> None:
+    def _record(self, label: str, knob, error: float, result, recordings) -> None:
+        """A measured output that was returned: its error and the share of blocks it computed."""
         role = self.spec.role
         shown = round(error, 4) if math.isfinite(error) else error
         stats.count("sparse_error", (role, self.backend, label, knob.text, shown), 1, recordings)
-        share = float(kept) if kept is not None else math.nan
+        try:
+            share = result.share()
+        except Exception as exc:  # noqa: BLE001 - out of memory for the share: the call's output stands
+            if not _is_oom(exc):
+                raise
+            share = math.nan
         if math.isfinite(share):
             stats.count("sparse_kept", (role, self.backend, label, knob.text), share, recordings)
+
+    def _replaced(self, label: str, knob, error: float, recordings) -> None:
+        """A measured output over the budget, not returned (recomputed): counted apart with its error."""
+        shown = round(error, 4) if math.isfinite(error) else error
+        stats.count("sparse_replaced", (self.spec.role, self.backend, label, knob.text, shown), 1, recordings)
 
     # -- one sparse run, with the checks every kernel gets --------------------------------------------
 
@@ -340,6 +510,8 @@ class Plan:
         except Exception as exc:  # noqa: BLE001 - a kernel that fails falls back, as every kernel does
             if _guard.is_sticky(exc):
                 raise
+            if _is_oom(exc):
+                raise _OutOfMemory() from exc
             return self._caught(f"failed at run time: {failure_text(exc)}")
         if self._non_finite(result.out, q, k, v, scale):
             return self._caught(_guard.NON_FINITE)
@@ -362,9 +534,19 @@ class Plan:
         log.warning("sparse attention: %s %s on %s; the signature runs dense from now on", self.backend, what,
                     _guard.spec_text(self.spec))
         stats.count("guard", (self.spec.role, self.backend, what, "dense", True), 1, _scope.current().recordings)
-        for key in [key for key in _kinds if key[0] == self.identity]:
-            _kinds[key] = Kind(reason=self.reason)
+        with _lock:
+            for key in [key for key in _kinds if key[0] == self.identity]:
+                _kinds[key] = Kind(reason=self.reason)
         return None
+
+
+def _is_oom(exc: BaseException) -> bool:
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    return (oom is not None and isinstance(exc, oom)) or "out of memory" in str(exc).lower()
+
+
+class _OutOfMemory(Exception):
+    """A sparse run that ran out of memory: that call runs dense, the kind and the signature stay."""
 
 
 def _adapted(backend, layout: str, cast):

@@ -2,8 +2,9 @@
 sparse tables (``lib_attn.stats``), and its JSON, which the hosts show and store.
 
 Errors are the relative L2 error of a call's output on the sampled rows against exact attention, as
-measured (``lib_attn.sparse.measure.output_error``); ``kept`` is the share of (query block, key
-block) pairs the measured calls computed. Seconds are measured on the CPU, where a call's time can
+measured (``lib_attn.sparse.measure.output_error``), over the sparse outputs that were returned; a
+measured output over the budget is recomputed, and counted apart (``replaced``) with its error.
+``kept`` is the share of (query block, key block) pairs the measured calls computed. Seconds are measured on the CPU, where a call's time can
 be read without waiting for a device; elsewhere they are absent.
 """
 from __future__ import annotations
@@ -24,7 +25,9 @@ class SparseReport:
     ``kinds``: {(role, backend, kind, setting): sparse calls}; ``dense``: {(role, reason): dense calls
     while sparse was on}; ``errors``: {(role, backend, kind, setting, error): measurements};
     ``kept``: {(role, backend, kind, setting): sum of the share of blocks kept over its measurements};
-    ``seconds``: {"sparse" | "dense": attention seconds} (CPU only)."""
+    ``seconds``: {"sparse" | "dense" | "calibration": attention seconds} (CPU only; ``calibration``: the
+    calls that calibrated a kind, a kernel's compile for a new shape included); ``replaced``: {(role,
+    backend, kind, setting, error): measured outputs over the budget, recomputed rather than returned}."""
 
     settings: str | None = None
     budget: float | None = None
@@ -33,6 +36,7 @@ class SparseReport:
     errors: dict = field(default_factory=dict)
     kept: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)
+    replaced: dict = field(default_factory=dict)
 
     @classmethod
     def from_tables(cls, tables: dict) -> "SparseReport | None":
@@ -43,7 +47,8 @@ class SparseReport:
         (text, budget), _ = max(served.items(), key=lambda item: item[1])
         return cls(text, budget, dict(tables.get("sparse") or {}), dict(tables.get("sparse_dense") or {}),
                    dict(tables.get("sparse_error") or {}), dict(tables.get("sparse_kept") or {}),
-                   {part: seconds for (part,), seconds in (tables.get("sparse_seconds") or {}).items()})
+                   {part: seconds for (part,), seconds in (tables.get("sparse_seconds") or {}).items()},
+                   dict(tables.get("sparse_replaced") or {}))
 
     # -- summaries -------------------------------------------------------------------------------
 
@@ -81,6 +86,15 @@ class SparseReport:
         n = sum(len(self._measured(key)) for key in keys)
         return sum(self.kept[key] for key in keys) / n if n else None
 
+    @property
+    def replaced_calls(self) -> int:
+        """Measured outputs over the budget that were recomputed, not returned."""
+        return sum(self.replaced.values())
+
+    def replaced_error_max(self) -> float | None:
+        found = [e for (_, _, _, _, e), n in self.replaced.items() if n and not math.isnan(e)]
+        return max(found) if found else None
+
     def kind_items(self) -> list:
         return sorted(self.kinds.items(), key=_kind_order)
 
@@ -101,6 +115,8 @@ class SparseReport:
             "error_max": rounded(self.error_max()),
             "error_typical": rounded(self.error_typical()),
             "measured": self.measured,
+            "replaced": self.replaced_calls,
+            "replaced_error_max": rounded(self.replaced_error_max()),
             "kinds": [{"role": role, "backend": backend, "kind": kind, "setting": setting, "calls": n,
                        "kept": rounded(self.kept_share(key)), "error_max": rounded(self.error_max(key)),
                        "error_typical": rounded(self.error_typical(key)), "measured": len(self._measured(key))}
@@ -109,6 +125,9 @@ class SparseReport:
             "measurements": [{"role": role, "backend": backend, "kind": kind, "setting": setting, "error": error,
                               "count": n}
                              for (role, backend, kind, setting, error), n in sorted(self.errors.items(), key=str)],
+            "replacements": [{"role": role, "backend": backend, "kind": kind, "setting": setting, "error": error,
+                              "count": n}
+                             for (role, backend, kind, setting, error), n in sorted(self.replaced.items(), key=str)],
             "kept_sums": [{"role": role, "backend": backend, "kind": kind, "setting": setting, "sum": total}
                           for (role, backend, kind, setting), total in sorted(self.kept.items(), key=str)],
             "seconds": {part: round(s, 3) for part, s in sorted(self.seconds.items())} or None,
@@ -124,5 +143,7 @@ class SparseReport:
         errors = {(m["role"], m["backend"], m["kind"], m["setting"], float(m["error"])): int(m["count"])
                   for m in data.get("measurements", ())}
         kept = {(m["role"], m["backend"], m["kind"], m["setting"]): float(m["sum"]) for m in data.get("kept_sums", ())}
+        replaced = {(m["role"], m["backend"], m["kind"], m["setting"], float(m["error"])): int(m["count"])
+                    for m in data.get("replacements", ())}
         return cls(data.get("settings"), data.get("budget"), kinds, dense, errors, kept,
-                   dict(data.get("seconds") or {}))
+                   dict(data.get("seconds") or {}), replaced)

@@ -143,8 +143,8 @@ def windows(text) -> tuple:
 
 def make(method=AUTO, budget=None, min_tokens=None, topk=None, threshold=None, dense=None,
          calibrate=True) -> Sparse:
-    """Checked sparse settings; an argument left at None takes its default (``topk`` when ``threshold``
-    is None too). ``SparseError`` (a ValueError) names the value and the valid ones."""
+    """Checked sparse settings; an argument left at None takes its default (with neither ``topk`` nor
+    ``threshold``: the named method's default setting where it is a threshold, else ``DEFAULT_TOPK``). ``SparseError`` (a ValueError) names the value and the valid ones."""
     budget = DEFAULT_BUDGET if budget is None else budget
     min_tokens = DEFAULT_MIN_TOKENS if min_tokens is None else min_tokens
     dense = DEFAULT_DENSE if dense is None else dense
@@ -156,6 +156,8 @@ def make(method=AUTO, budget=None, min_tokens=None, topk=None, threshold=None, d
     if topk is not None and threshold is not None:
         raise SparseError(f"sparse settings give topk={topk!r} and threshold={threshold!r}; give one of them "
                           "(topk: a keep fraction of key blocks; threshold: the method's own)")
+    if topk is None and threshold is None and method != AUTO and REGISTRY[method].default_knob.name == "threshold":
+        threshold = REGISTRY[method].default_knob.value  # a method whose own default is a threshold (sol: tau 1.3)
     if threshold is not None:
         if method == AUTO:
             raise SparseError("sparse threshold needs a named method (each method's threshold means something "

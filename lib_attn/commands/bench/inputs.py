@@ -3,6 +3,7 @@
 contiguous), and the float64 result on evenly spaced query rows that each output is checked against."""
 from __future__ import annotations
 
+import math
 from typing import Tuple
 
 import torch
@@ -80,3 +81,38 @@ def local_inputs(b: int, heads: int, grid: Tuple[int, ...], head_dim: int, dtype
         return x.to(device=device, dtype=dtype).transpose(1, 2)
 
     return proj(True), proj(True), proj(False)
+
+
+def rope_inputs(b: int, heads: int, grid: Tuple[int, ...], head_dim: int, dtype: torch.dtype,
+                device: torch.device, seed: int = 0, strength: float = 1.0, noise: float = 0.3):
+    """q, k, v of a model whose q and k projections leave only RoPE's position term, as in a video DiT
+    (Wan's 3-D RoPE: the head dim split over the (frames, height, width) axes, each pair of channels
+    rotated by its coordinate times a frequency, wavelengths from 2 tokens to twice the axis' length): q and k are one vector per
+    head, rotated by each token's place, plus ``noise`` of it at random; v is random. Scores depend on
+    the offset between two tokens, highest between neighbours, as a trained model's local heads'.
+    ``strength`` scales q (the scores' sharpness). Returned as (b, heads, tokens, head_dim) views."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    n = 1
+    for size in grid:
+        n *= size
+    coords = torch.stack(torch.meshgrid(*[torch.arange(size, dtype=torch.float64) for size in grid], indexing="ij"),
+                         dim=-1).reshape(n, len(grid))
+    pairs = head_dim // 2
+    split = [pairs // len(grid) + (1 if i < pairs % len(grid) else 0) for i in range(len(grid))]
+    # wavelengths from 2 tokens to twice the axis' length, log-spaced (RoPE's span, fitted to the grid)
+    angles = torch.cat([coords[:, axis:axis + 1] * (2 * torch.pi / torch.logspace(
+        math.log10(2), math.log10(max(2 * size, 2)), m, dtype=torch.float64)) for axis, (m, size) in
+        enumerate(zip(split, grid))], dim=1)  # (n, pairs)
+    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+
+    def rotated(base):
+        x = base.expand(b, n, heads, head_dim)
+        x = x + noise * torch.randn(b, n, heads, head_dim, generator=gen, dtype=torch.float64)
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+
+    base = torch.randn(1, 1, heads, head_dim, generator=gen, dtype=torch.float64)
+    base = base / base.norm(dim=-1, keepdim=True) * (head_dim ** 0.5) * (strength * 2.0) ** 0.5
+    q, k = rotated(base), rotated(base)
+    v = torch.randn(b, n, heads, head_dim, generator=gen, dtype=torch.float64)
+    return tuple(x.to(device=device, dtype=dtype).transpose(1, 2) for x in (q, k, v))

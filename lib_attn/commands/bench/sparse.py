@@ -14,12 +14,21 @@ and plain random q, k, v, whose attention is diffuse):
   first call of each column apart (FlexAttention's compile, calibration);
 * error: relative L2 against float64 on evenly spaced query rows;
 * extra memory on the CPU: the resident-set high-water mark over the resident set before the call,
-  first call and a steady call.
+  first call and a steady call;
+* error against the share of key blocks kept (``share_errors``): the routing at each top-k of the
+  calibration ladder, its share of (query block, key block) pairs, and the error against float64 of
+  attention over the routed blocks alone and with every other block through its pooled term (what
+  ``block-sparse`` runs, in both its designs), on local, RoPE-like and diffuse inputs.
+
+Progress goes to stderr at each step and, while a step runs, every ``HEARTBEAT_S`` seconds.
 """
 from __future__ import annotations
 
 import math
+import sys
+import threading
 import time
+from dataclasses import replace
 from typing import List, Optional, Tuple
 
 import torch
@@ -28,15 +37,78 @@ import torch.nn.functional as F
 import lib_attn
 from lib_attn import shapes
 from lib_attn.kernels import REGISTRY
+from lib_attn.check import Samples
 from lib_attn.kernels.block_sparse import flex
+from lib_attn.kernels.sparse import TOPK_LADDER
+from lib_attn.sparse import measure as sparse_measure
 from lib_attn.sparse import plan as sparse_plan
 
 from ..formats import fmt_time, format_table
-from .inputs import local_inputs, output_error, reference_rows, sample_rows
+from .inputs import local_inputs, output_error, reference_rows, rope_inputs, sample_rows
 from .memory import MIB, _reset_rss_peak, _status_kib, cpu_peak_supported
 from .timing import load_average
 
 DEFAULT_SETTINGS = "block-sparse, min_tokens=1, dense=none"
+#: Seconds between two progress lines while one step runs.
+HEARTBEAT_S = 10.0
+#: The inputs the error-against-share table uses, with their generator and strength.
+SHARE_INPUTS = (("local", local_inputs, 0.7), ("rope", rope_inputs, 0.5), ("diffuse", local_inputs, 0.0))
+
+
+class Progress:
+    """Progress lines on stderr: ``bench --sparse: <step> (12 s)`` at each step, and again every
+    ``HEARTBEAT_S`` seconds while a step runs (a dense call at 16,384 tokens takes tens of seconds on a CPU)."""
+
+    def __init__(self, stream=None, every: float = HEARTBEAT_S):
+        self.stream = stream or sys.stderr
+        self.every = every
+        self.t0 = time.monotonic()
+        self.label = "starting"
+        self._stop = threading.Event()
+        self._thread = None
+
+    def step(self, label: str) -> None:
+        self.label = label
+        self._write()
+
+    def _write(self) -> None:
+        self.stream.write(f"bench --sparse: {self.label} ({time.monotonic() - self.t0:.0f} s)\n")
+        self.stream.flush()
+
+    def __enter__(self):
+        def beat():
+            while not self._stop.wait(self.every):
+                self._write()
+        self._thread = threading.Thread(target=beat, name="bench-sparse-progress", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def share_errors(b: int, heads: int, head_dim: int, grid, dtype, device, rows: torch.Tensor, progress=None) -> dict:
+    """{inputs: [{"topk", "kept", "routed", "pooled"}]}: per top-k of the ladder, the share of blocks the
+    routing keeps and the error against float64, on ``rows``, of attention over the routed blocks alone
+    and with the pooled term for the rest."""
+    backend = REGISTRY["block-sparse"]
+    knobs = [lib_attn.Knob("topk", t) for t in TOPK_LADDER]
+    out = {}
+    for name, make, strength in SHARE_INPUTS:
+        if progress is not None:
+            progress.step(f"error against share of blocks kept, {name} inputs")
+        q, k, v = make(b, heads, grid, head_dim, dtype, device, seed=1, strength=strength)
+        pooled = backend.routings(q, k, None, knobs)
+        plain = [replace(r, pooled=False) for r in pooled]
+        pairs = torch.arange(b * heads)
+        samples = Samples(pairs // heads, pairs % heads, rows)
+        q64, k64, v64 = (t.double() for t in (q, k, v))
+        routed = sparse_measure.routed_errors(q64, k64, v64, None, "bhsd", plain, samples)
+        with_pooled = sparse_measure.routed_errors(q64, k64, v64, None, "bhsd", pooled, samples)
+        out[name] = [{"topk": kn.value, "kept": float(r.kept), "routed": e0, "pooled": e1}
+                     for kn, r, e0, e1 in zip(knobs, pooled, routed, with_pooled)]
+    return out
 
 
 def video_grid(call: shapes.AttentionCall, factor: int) -> Tuple[int, ...]:
@@ -80,7 +152,11 @@ def _median(values):
 
 
 def measure(label: str, b: int, heads: int, head_dim: int, grid, dtype, device, rounds: int, topk: float,
-            settings: str) -> dict:
+            settings: str, progress=None) -> dict:
+    def step(text):
+        if progress is not None:
+            progress.step(f"{label}: {text}")
+
     n = math.prod(grid)
     rows = sample_rows(n)
     backend = REGISTRY["block-sparse"]
@@ -92,7 +168,7 @@ def measure(label: str, b: int, heads: int, head_dim: int, grid, dtype, device, 
         ref = reference_rows(q, k, v, rows)
         columns = {"dense": lambda: F.scaled_dot_product_attention(q, k, v),
                    "kernel": lambda: backend.run_sparse(q, k, v, None, knob)}
-        if backend.design(device.type) == "flex":
+        if backend.design(device.type, dtype, head_dim) == "flex":
             columns["gather"] = lambda: _gather(backend, q, k, v, knob)
         counted = lib_attn.Recording(here=True)  # every engine call of this input: first and timed ones
 
@@ -103,12 +179,14 @@ def measure(label: str, b: int, heads: int, head_dim: int, grid, dtype, device, 
         columns["engine"] = engine_call
         first, memory, times, results = {}, {}, {name: [] for name in columns}, {}
         for name, fn in columns.items():
+            step(f"{kind} inputs, {name} first call" + (" (compile, calibration)" if name != "dense" else ""))
             start = time.perf_counter()
             results[name], memory[name] = _peak_extra(fn)
             first[name] = time.perf_counter() - start
         names = list(columns)
         steady_memory = {}
         for r in range(rounds):
+            step(f"{kind} inputs, round {r + 1} of {rounds}")
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
                 start = time.perf_counter()
@@ -126,7 +204,7 @@ def measure(label: str, b: int, heads: int, head_dim: int, grid, dtype, device, 
                  "error": {"dense": output_error(results["dense"], rows, ref)[0],
                            "kernel": output_error(results["kernel"].out, rows, ref)[0],
                            "engine": output_error(engine_out, rows, ref)[0]},
-                 "kept": float(results["kernel"].kept),
+                 "kept": results["kernel"].share(),
                  "engine": {"sparse_calls": report.calls if report else 0,
                             "setting": [key[3] for key in report.kinds] if report else [],
                             "dense": [reason for (_, reason) in report.dense] if report else [],
@@ -137,6 +215,7 @@ def measure(label: str, b: int, heads: int, head_dim: int, grid, dtype, device, 
         entry["speedup"] = {name: dense / t for name, t in entry["median_s"].items() if t}
         out["inputs"][kind] = entry
     out["design"] = backend.variant(_spec(q))
+    out["share_errors"] = share_errors(b, heads, head_dim, grid, dtype, device, rows, progress)
     return out
 
 
@@ -147,18 +226,18 @@ def _spec(q):
 
 
 def _gather(backend, q, k, v, knob):
-    failed = backend.flex_failed
-    backend.flex_failed = "forced: the gather design"
+    backend.forced = "gather"
     try:
         return backend.run_sparse(q, k, v, None, knob)
     finally:
-        backend.flex_failed = failed
+        backend.forced = ""
 
 
 def run(calls, dtype, device, rounds: int, topk: float, settings: str) -> dict:
     lib_attn.sparse.parse(settings)  # a bad line fails before anything runs
     load = load_average()
-    results = [measure(*call, dtype, device, rounds, topk, settings) for call in calls]
+    with Progress() as progress:
+        results = [measure(*call, dtype, device, rounds, topk, settings, progress) for call in calls]
     return {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "rounds": rounds, "topk": topk, "settings": settings,
             "flex": flex.available(), "load_before": load, "load_after": load_average(), "results": results}
@@ -187,6 +266,20 @@ def render(doc: dict) -> str:
             said = "" if eng["reported_error"] is None else f"; reported error {eng['reported_error']:.3f}"
             rows.append([kind, "", f"kept {e['kept']:.1%}", "", "", f"engine: {ran}{why}{said}", ""])
         lines.append(format_table(headers, rows, right_from=2))
+        shares = res.get("share_errors")
+        if shares:
+            lines.append("\nerror against float64 by share of key blocks kept (routed blocks alone / with the pooled "
+                         "term for the rest, as block-sparse runs in both designs):")
+            names = list(shares)
+            table = []
+            for i, entry in enumerate(shares[names[0]]):
+                row = [f"topk {entry['topk']:g}"]
+                for name in names:
+                    e = shares[name][i]
+                    row += [f"{e['kept']:.1%}", f"{e['routed']:.3f}", f"{e['pooled']:.3f}"]
+                table.append(row)
+            headers = ["setting"] + [f"{name} {col}" for name in names for col in ("kept", "routed", "pooled")]
+            lines.append(format_table(headers, table, right_from=1))
     if doc.get("load_before"):
         lines.append(f"\nload average before/after: {doc['load_before'][0]:.1f} / {doc['load_after'][0]:.1f}")
     return "\n".join(lines)

@@ -5,6 +5,11 @@ time (every query block of the chunk as one batch entry).
 Memory: the gathered keys and values of one chunk, at most ``CHUNK_ROWS`` rows each, whatever the call's
 length; nothing proportional to the call besides the output. A block of keys that runs past the end of
 the sequence (its last, shorter block) and the filler entries of a ragged routing are masked out.
+
+With a pooled routing (``Routing.pooled``) every key block's mean key and mean value join each chunk's
+keys and values, one row per block: a query block's own routed blocks are masked out of them, and the
+others' scores are raised by the log of their token count (an additive mask), so every block the query
+block does not route still counts in the softmax as its tokens would if their keys were all the mean.
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..base import new_output
-from .routing import Routing
+from .routing import Routing, pooled
 
 #: Gathered key rows (and as many value rows) held at once per chunk of query blocks.
 CHUNK_ROWS = 1 << 15
@@ -29,6 +34,12 @@ def run(q, k, v, scale: float, routing: Routing, block: int) -> torch.Tensor:
     slots = torch.arange(width, device=q.device)
     chunk = max(1, CHUNK_ROWS // (width * block))
     full_blocks = n // block
+    if routing.pooled:
+        nk = routing.key_blocks
+        k_means, v_means = (pooled(t, block).to(q.dtype) for t in (k, v))
+        sizes = torch.full((nk,), float(block), device=q.device)
+        sizes[-1] = kv - (nk - 1) * block
+        log_sizes = sizes.log().to(q.dtype)
     for bi in range(b):
         for hi in range(h):
             q2, k2, v2 = q[bi, hi], k[bi, hi], v[bi, hi]
@@ -39,7 +50,10 @@ def run(q, k, v, scale: float, routing: Routing, block: int) -> torch.Tensor:
             for start in range(0, nq, chunk):
                 stop = min(nq, start + chunk)
                 mask = None
-                if ragged:
+                if routing.pooled:
+                    keys, values, mask = _with_pooled(idx[start:stop], counts, start, stop, slots, block, kv, k2, v2,
+                                                      k_means[bi, hi], v_means[bi, hi], log_sizes)
+                elif ragged:
                     tokens = (idx[start:stop, :, None] * block + offsets).flatten(1)  # (c, width * block)
                     valid = tokens < kv
                     if counts is not None:
@@ -67,3 +81,26 @@ def run(q, k, v, scale: float, routing: Routing, block: int) -> torch.Tensor:
                                                           scale=scale)
                     out[bi, hi, whole * block:] = part[0, 0]
     return out
+
+
+def _with_pooled(idx, counts, start, stop, slots, block, kv, k2, v2, k_means, v_means, log_sizes):
+    """(keys, values, additive mask) of a chunk of query blocks under a pooled routing: the routed blocks'
+    tokens, then one mean key and value per key block, the routed ones masked out and the others' scores
+    raised by the log of their token count."""
+    c, width = idx.shape
+    nk = k_means.shape[0]
+    offsets = torch.arange(block, device=idx.device)
+    tokens = (idx[:, :, None] * block + offsets).flatten(1)  # (c, width * block)
+    valid = tokens < kv
+    taken = (slots[None, :] < counts[start:stop, None]) if counts is not None else \
+        torch.ones((c, width), dtype=torch.bool, device=idx.device)
+    valid &= taken.repeat_interleave(block, dim=1)
+    flat = tokens.clamp(max=kv - 1).flatten()
+    keys = torch.cat([k2.index_select(0, flat).view(c, -1, k2.shape[-1]), k_means.expand(c, nk, -1)], dim=1)
+    values = torch.cat([v2.index_select(0, flat).view(c, -1, v2.shape[-1]), v_means.expand(c, nk, -1)], dim=1)
+    routed = torch.zeros((c, nk), dtype=torch.bool, device=idx.device).scatter_(1, idx, taken)
+    neg = torch.finfo(log_sizes.dtype).min
+    token_part = torch.zeros(valid.shape, dtype=log_sizes.dtype, device=idx.device).masked_fill_(~valid, neg)
+    pooled_part = log_sizes.expand(c, nk).masked_fill(routed, neg)
+    mask = torch.cat([token_part, pooled_part], dim=1)
+    return keys[:, None], values[:, None], mask[:, None, None, :]

@@ -51,15 +51,18 @@ def _forced(s: torch.Tensor) -> torch.Tensor:
     return keep
 
 
-def route(q, k, scale: float, block: int, knob_name: str, value: float) -> Routing:
-    """The routing of a call (q, k in (b, h, n, d)) at ``knob_name`` = ``value`` (see the module)."""
-    s = scores(q, k, scale, block)
+def route(q, k, scale: float, block: int, knob_name: str, value: float, pooled_rest: bool = False,
+          s: torch.Tensor | None = None) -> Routing:
+    """The routing of a call (q, k in (b, h, n, d)) at ``knob_name`` = ``value`` (see the module);
+    ``pooled_rest``: the blocks not kept count through their pooled term (``Routing.pooled``); ``s``: the
+    pooled scores when already computed (``scores``)."""
+    s = scores(q, k, scale, block) if s is None else s
     nk = s.shape[-1]
     forced = _forced(s)
     if knob_name == "topk":
         width = min(nk, max(int(forced.sum(-1).max()), math.floor(value * nk + 1e-9)))
         ranked = s.masked_fill(forced, float("inf"))
-        return Routing(ranked.topk(width, dim=-1, sorted=False).indices, None, nk, block)
+        return Routing(ranked.topk(width, dim=-1, sorted=False).indices, None, nk, block, pooled_rest)
     # threshold: the fewest blocks, by pooled mass, whose mass reaches ``value``
     sizes = torch.full((nk,), float(block), device=s.device)
     sizes[-1] = k.shape[2] - (nk - 1) * block
@@ -69,4 +72,5 @@ def route(q, k, scale: float, block: int, knob_name: str, value: float) -> Routi
     before = ordered.cumsum(-1).sub_(ordered)  # the mass of the blocks ahead of each: a prefix is taken
     counts = torch.maximum((before < value).sum(-1), forced.sum(-1))
     width = int(counts.max())
-    return Routing(order[..., :width].contiguous(), counts if int(counts.min()) < width else None, nk, block)
+    return Routing(order[..., :width].contiguous(), counts if int(counts.min()) < width else None, nk, block,
+                   pooled_rest)

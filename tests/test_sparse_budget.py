@@ -1,0 +1,213 @@
+"""The sparse error budget over the calls whole runs make, measured against float64 on every call: a
+periodic model (every 4th block local), CFG as two model calls per step (cond local, uncond diffuse), a
+second model with the same shapes, and the same model with other weights loaded. At most 5% of the calls
+may return an output over 1.1 x the budget, and each run still goes sparse where its inputs are local."""
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+import lib_attn
+from lib_attn import schedule as sched
+from lib_attn.commands.bench.inputs import local_inputs
+from lib_attn.kernels.block_sparse import BlockSparse
+from lib_attn.sparse import measure
+from lib_attn.sparse import plan as sparse_plan
+from tests.engine_helpers import reference, rel_err
+
+CPU = torch.device("cpu")
+GRID = (4, 16, 16)  # 1,024 tokens: 8 blocks of 128
+BUDGET = 0.15
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    monkeypatch.setattr(BlockSparse, "design", lambda self, *args, **kwargs: "gather")  # no compile: fast
+    lib_attn.reset()
+    sparse_plan.seed(1234)
+    lib_attn.configure(sparse={"method": "block-sparse", "min_tokens": 1024, "dense": "none", "budget": BUDGET})
+    yield
+    lib_attn.reset()
+    sched.leave()
+
+
+def local(seed):
+    return local_inputs(1, 1, GRID, 32, torch.float32, CPU, seed=seed, strength=1.0)
+
+
+def diffuse(seed):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, 1, GRID[0] * GRID[1] * GRID[2], 32, generator=gen) for _ in range(3))
+
+
+class Block(torch.nn.Module):
+    """A block whose self-attention gets fixed q, k, v (local or diffuse); it keeps what the engine
+    returned and the true error of each output against float64."""
+
+    def __init__(self, qkv):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        for name, t in zip("qkv", qkv):
+            self.register_buffer(name, t.contiguous())
+        self.errors: list = []
+        self._exact = None
+
+    def forward(self, x):
+        out = lib_attn.attention(self.q, self.k, self.v, role="dit")
+        if self._exact is None:
+            self._exact = reference(self.q, self.k, self.v)
+        self.errors.append(rel_err(out, self._exact))
+        return x
+
+    def load(self, qkv):
+        """Other weights loaded in place (a checkpoint switch): the module stays, its tensors change."""
+        with torch.no_grad():
+            self.proj.weight.add_(1.0)
+            for name, t in zip("qkv", qkv):
+                getattr(self, name).copy_(t)
+        self._exact = None
+
+
+class Model(torch.nn.Module):
+    def __init__(self, inputs):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(qkv) for qkv in inputs)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def over_share(errors) -> float:
+    return sum(e > 1.1 * BUDGET for e in errors) / len(errors)
+
+
+def test_a_periodic_model_is_held_to_the_budget_and_its_local_blocks_go_sparse():
+    # 40 blocks, every 4th local, no position told (no step, no block): 120 calls
+    model = Model([local(i) if i % 4 == 0 else diffuse(i) for i in range(40)])
+    with lib_attn.recording() as rec:
+        for _ in range(3):
+            model(torch.zeros(1))
+    errors = [e for block in model.blocks for e in block.errors]
+    assert len(errors) == 120 and over_share(errors) <= 0.05
+    local_errors = [e for i, block in enumerate(model.blocks) if i % 4 == 0 for e in block.errors]
+    assert max(local_errors) <= 1.1 * BUDGET
+    assert rec.sparse.calls >= 25  # the 10 local blocks' 30 calls go sparse (the rest may be recalibrated)
+    assert rec.sparse.error_max() <= BUDGET
+
+
+def test_a_bare_loop_with_a_period_is_held_to_the_budget():
+    # the same calls from one place with nothing to tell them apart: one kind, held by the measurements
+    inputs = [local(i) if i % 4 == 0 else diffuse(i) for i in range(8)]
+    exact = [reference(*qkv) for qkv in inputs]
+    errors = []
+    for _ in range(15):
+        for qkv, ref in zip(inputs, exact):
+            errors.append(rel_err(lib_attn.attention(*qkv, role="dit"), ref))
+    assert len(errors) == 120 and over_share(errors) <= 0.05
+
+
+def test_cfg_as_two_model_calls_keeps_cond_sparse_and_uncond_within_the_budget():
+    # the host tells the step at each model call, as diffusers' route and ComfyUI do: 20 steps x 2 x 3 blocks
+    cond = Model([local(i) for i in range(3)])
+    uncond_inputs = [diffuse(100 + i) for i in range(3)]
+    with lib_attn.recording() as rec:
+        for step in range(20):
+            for call, inputs in enumerate((None, uncond_inputs)):
+                sched.at_step(step, 20)
+                assert sched.position().call == call
+                for i, block in enumerate(cond.blocks):
+                    sched.at_block(i, 3)
+                    if inputs is None:
+                        block(torch.zeros(1))
+                    else:  # the same module, the uncond pass's inputs
+                        q, k, v = (t.contiguous() for t in inputs[i])
+                        saved = block.q, block.k, block.v, block._exact
+                        block.q, block.k, block.v, block._exact = q, k, v, None
+                        block(torch.zeros(1))
+                        block.q, block.k, block.v, block._exact = saved
+    errors = [e for block in cond.blocks for e in block.errors]
+    assert len(errors) == 120 and over_share(errors) <= 0.05
+    cond_errors = [e for block in cond.blocks for e in block.errors[0::2]]
+    assert max(cond_errors) <= 1.1 * BUDGET
+    labels = {key[2] for key in rec.sparse.kinds}
+    assert rec.sparse.calls >= 50 and all("call 2 of the step" not in label for label in labels)
+    assert any(reason.startswith("over budget") for (_, reason) in rec.sparse.dense)
+
+
+@pytest.mark.parametrize("second", ["another model", "other weights loaded"])
+def test_a_second_model_with_the_same_shapes_is_calibrated_on_its_own(second):
+    first = Model([local(i) for i in range(6)])
+    for _ in range(5):
+        first(torch.zeros(1))
+    if second == "another model":
+        model = Model([diffuse(50 + i) if i % 2 else local(50 + i) for i in range(6)])
+    else:
+        model = first
+        for i, block in enumerate(first.blocks):
+            block.load(diffuse(50 + i) if i % 2 else local(50 + i))
+            block.errors.clear()
+    with lib_attn.recording() as rec:
+        for _ in range(15):
+            model(torch.zeros(1))
+    errors = [e for block in model.blocks for e in block.errors]
+    assert len(errors) == 90 and over_share(errors) <= 0.05
+    assert max(e for i, block in enumerate(model.blocks) if i % 2 == 0 for e in block.errors) <= 1.1 * BUDGET
+    assert rec.sparse.calls >= 40
+
+
+def test_a_module_that_goes_drops_its_kinds():
+    model = Model([local(0)])
+    model(torch.zeros(1))
+    assert len(sparse_plan._kinds) == 1
+    del model
+    gc.collect()
+    Model([local(1)])(torch.zeros(1))  # a new kind: the old one's are dropped with it
+    assert len(sparse_plan._kinds) == 1
+
+
+def test_measured_calls_follow_no_period_and_no_long_gap():
+    # which calls of a kind are measured: one in each run of RECHECK_EVERY, at a random place
+    kind = sparse_plan.Kind()
+    every = sparse_plan.RECHECK_EVERY
+    hits = [kind.measured_now() for _ in range(4000)]
+    assert sum(hits) == 1000
+    for phase in range(every):  # every phase of a period of RECHECK_EVERY (or 2) is measured about as often
+        assert 200 <= sum(hits[phase::every]) <= 300
+    for phase in range(2):
+        assert 450 <= sum(hits[phase::2]) <= 550
+    gaps, last = [], -1
+    for i, hit in enumerate(hits):
+        if hit:
+            gaps.append(i - last - 1)
+            last = i
+    assert max(gaps) <= 2 * every - 2
+
+
+def test_measured_rows_change_and_cover_every_query_block():
+    q = torch.zeros(2, 40, 9450, 8)  # Wan's CFG-batched 40 heads: more pairs than one measurement takes
+    rng = random.Random(0)
+    seen_blocks, seen_pairs, first = set(), set(), None
+    for _ in range(20):
+        s = measure.draw(q, "bhsd", rng)
+        assert s.rows.shape == (64, 8) and len(s.batch) == 64
+        if first is None:
+            first = s.rows.clone()
+        seen_pairs.update(zip(s.batch.tolist(), s.head.tolist()))
+        seen_blocks.update((s.rows // 128).flatten().tolist())
+    assert not torch.equal(first, s.rows)
+    assert seen_blocks == set(range(-(-9450 // 128))) and len(seen_pairs) == 80
+
+
+def test_measured_error_is_float64s_on_the_drawn_rows():
+    q, k, v = local(3)
+    out = lib_attn.attention(q, k, v, role="dit", backend="sdpa") * 1.01
+    s = measure.draw(q, "bhsd", random.Random(5))
+    exact = reference(q, k, v)
+    rows = s.rows[0]
+    expected = rel_err(out[0, 0, rows], exact[0, 0, rows])
+    assert measure.output_error(out, q, k, v, None, "bhsd", s) == pytest.approx(expected, rel=1e-4)
