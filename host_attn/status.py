@@ -15,7 +15,7 @@ import os
 import lib_attn
 from lib_attn import _compat, tune, tuning_file
 from lib_attn.chains import chain_for
-from lib_attn.device import cpu_model
+from lib_attn.device import cpu_model, default_device
 from lib_attn.kernels import REGISTRY
 from lib_attn.kernels import sdpa as sdpa_kernels
 
@@ -123,7 +123,7 @@ def _named(ids: list) -> list[str]:
 
 def unavailable_groups(device_type: str | None = None, infos=None) -> list[tuple[str, list[str]]]:
     """(the cause in words, the ids and families it holds) for the backends that cannot run here."""
-    device_type = device_type or lib_attn.device_info().type
+    device_type = device_type or default_device()
     infos = lib_attn.backends() if infos is None else infos
     grouped: dict = {}
     for info in infos:
@@ -153,7 +153,7 @@ def unavailable_text(install: str = INSTALL_HINT, device_type: str | None = None
 
 def short_reason(info, device_type: str | None = None) -> str:
     """A few words on why one backend cannot run here, for its dropdown label: ``not installed``."""
-    key = cause(info, device_type or lib_attn.device_info().type)
+    key = cause(info, device_type or default_device())
     return {"gpu": "needs a GPU", "missing": "not installed", "torch": "not in this torch",
             "broken": "does not load"}.get(key, "unavailable")
 

@@ -71,7 +71,7 @@ def test_the_startup_line_on_a_gpu_groups_by_cause_and_says_how_to_install(monke
              "sdpa-cudnn": lib_attn.BackendInfo("sdpa-cudnn", "", False, "cuDNN is not available in this torch build", ""),
              "sdpa-efficient": lib_attn.BackendInfo("sdpa-efficient", "", True, "", "")}
     monkeypatch.setattr(a1111, "available_backends", lambda: infos)
-    monkeypatch.setattr(lib_attn, "device_info", lambda: SimpleNamespace(type="cuda"))
+    monkeypatch.setattr(a1111, "default_device", lambda: "cuda")      # a GPU machine, without touching CUDA
     monkeypatch.setattr(a1111, "flag_given", lambda entry: False)
     from host_attn import status
     assert a1111.not_offered_line() == (

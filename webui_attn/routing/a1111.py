@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 import lib_attn
+from lib_attn.device import default_device
 
 from host_attn import status as host_status
 from host_attn import voice
@@ -176,7 +177,7 @@ def not_offered_line() -> str:
     """The entries A1111 will not list, in one line grouped by cause (``python -m lib_attn doctor`` and the
     availability table keep each backend's whole reason)."""
     infos = available_backends()
-    device_type = lib_attn.device_info().type
+    device_type = default_device()   # device_info() would initialise CUDA at startup
     groups: dict = {}
     for entry in ENTRIES:
         info = infos.get(entry.backend)
