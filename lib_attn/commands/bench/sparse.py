@@ -32,10 +32,9 @@ from dataclasses import replace
 from typing import List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 import lib_attn
-from lib_attn import shapes
+from lib_attn import _compat, shapes
 from lib_attn.kernels import REGISTRY
 from lib_attn.check import Samples
 from lib_attn.kernels.block_sparse import flex
@@ -166,7 +165,7 @@ def measure(label: str, b: int, heads: int, head_dim: int, grid, dtype, device, 
         sparse_plan.forget()  # each kind of input calibrated on its own, as a model's call kinds are
         q, k, v = local_inputs(b, heads, grid, head_dim, dtype, device, seed=1, strength=0.7 if kind == "local" else 0)
         ref = reference_rows(q, k, v, rows)
-        columns = {"dense": lambda: F.scaled_dot_product_attention(q, k, v),
+        columns = {"dense": lambda: _compat.TORCH_SDPA(q, k, v),
                    "kernel": lambda: backend.run_sparse(q, k, v, None, knob)}
         if backend.design(device.type, dtype, head_dim) == "flex":
             columns["gather"] = lambda: _gather(backend, q, k, v, knob)

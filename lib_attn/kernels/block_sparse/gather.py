@@ -14,8 +14,8 @@ block does not route still counts in the softmax as its tokens would if their ke
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ... import _compat
 from ..base import new_output
 from .routing import Routing, pooled
 
@@ -69,14 +69,14 @@ def run(q, k, v, scale: float, routing: Routing, block: int) -> torch.Tensor:
                 whole = min(stop, full_blocks)
                 if whole > start:  # query blocks of ``block`` rows, as a batch
                     rows = q2[start * block:whole * block].unflatten(0, (whole - start, 1, block))
-                    part = F.scaled_dot_product_attention(rows, keys[:whole - start], values[:whole - start],
+                    part = _compat.TORCH_SDPA(rows, keys[:whole - start], values[:whole - start],
                                                           attn_mask=None if mask is None else mask[:whole - start],
                                                           scale=scale)
                     out[bi, hi, start * block:whole * block] = part.flatten(0, 2)
                 if stop > whole:  # the last query block, shorter than ``block``
                     rows = q2[whole * block:][None, None]
                     j = whole - start
-                    part = F.scaled_dot_product_attention(rows, keys[j:j + 1], values[j:j + 1],
+                    part = _compat.TORCH_SDPA(rows, keys[j:j + 1], values[j:j + 1],
                                                           attn_mask=None if mask is None else mask[j:j + 1],
                                                           scale=scale)
                     out[bi, hi, whole * block:] = part[0, 0]
