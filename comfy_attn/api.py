@@ -1,13 +1,13 @@
 """The status route on ComfyUI's server: ``GET /flash-attention/v1/status``, the same answer as on the
 webuis (``host_attn.status``), with ComfyUI's routing and ``last_report``: the last graph's, in the
-plain lines of ``host_attn.readout``.
+plain lines of ``lib_attn.readout``.
 
 ComfyUI has no login of its own, so the answer holds nothing its UI would not show: no file paths
 (the tuning file is named, not placed), no settings of other extensions.
 """
 from __future__ import annotations
 
-from host_attn import readout
+from lib_attn import readout
 from host_attn import status as host_status
 
 from . import route, run

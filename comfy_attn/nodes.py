@@ -16,7 +16,7 @@ from lib_attn import schedule as schedules
 from lib_attn import sparse as sparse_settings
 from lib_attn.config import FP32_POLICIES, GUARD_MODES, TUNE_MODES
 
-from host_attn import readout
+from lib_attn import readout
 from host_attn.node_options import (AUTO, CHAIN_TOOLTIP, FP32_TOOLTIP, GUARD_TOOLTIP, STRICT_TOOLTIP, TUNE_TOOLTIP,
                                     backend_choices, backend_tooltip, config_for, problem,
                                     schedule_tooltip, sparse_tooltip)

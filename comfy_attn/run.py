@@ -25,7 +25,7 @@ import weakref
 import lib_attn
 from lib_attn.report import Report, VramProbe
 
-from host_attn import readout
+from lib_attn import readout
 
 MESSAGE = "flash-attention.report"
 

@@ -30,7 +30,7 @@ import lib_attn
 from lib_attn import schedule
 from lib_attn.report import Report, VramProbe
 
-from host_attn import readout
+from lib_attn import readout
 
 from . import choices, model_hooks, node_cache, targets, work
 

@@ -29,6 +29,7 @@ from .decision import Decision
 from .dispatch import AttentionFallbackError, attention, explain
 from .kernels import BACKEND_IDS, SPARSE_IDS, Backend, Status
 from .kernels.sparse import Knob, SparseBackend, SparseResult
+from . import readout  # noqa: F401 - lib_attn.readout.text(report): the lines hosts show, for scripts
 from .report import Report, Vram, VramProbe
 from .schedule import Schedule, ScheduleError
 from .sparse import Sparse, SparseError

@@ -2,7 +2,7 @@
 often, what fell back and why, time, peak memory, notes; and its JSON.
 
 Built from a ``Recording`` plus a memory reading. Its text is the hosts' to write
-(``host_attn.readout``, and the webuis' readout and infotext on top of it): nothing here is text
+(``lib_attn.readout``, and the webuis' readout and infotext on top of it): nothing here is text
 for people but a kernel's description. Nothing here imports a host module, and CUDA is touched only
 by ``VramProbe`` on a CUDA device.
 """

@@ -22,7 +22,7 @@ from webui_attn.settings import choices, layers, stored  # noqa: E402
 from host_attn import voice  # noqa: E402
 from webui_attn.ui import components, panel  # noqa: E402
 from webui_attn.ui import readout
-from host_attn.readout import guard_lines
+from lib_attn.readout import guard_lines
 
 AUTO_TITLE = a1111.ENTRY_BY_KEY["auto"].title
 SCRIPT = "flash attention"

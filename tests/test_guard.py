@@ -13,7 +13,7 @@ from lib_attn import check, dispatch, guard, tuning_file
 from lib_attn.report import Report
 from tests import faulty_backends
 from tests.engine_helpers import fresh_engine_with, make_qkv
-from host_attn.readout import guard_lines
+from lib_attn.readout import guard_lines
 
 CALLS = faulty_backends.CALLS
 

@@ -1,6 +1,7 @@
 """The per-generation report: data from real engine calls on CPU, and the webuis' exact text, infotext and
 JSON formats of it (``webui_attn.readout``)."""
 import json
+import os
 import threading
 
 import pytest
@@ -349,3 +350,27 @@ def test_a_tuned_choice_is_marked_and_parses_back(monkeypatch, tmp_path):
     back = from_infotext(_webui_infotext(entries))
     assert back.tuned == report.tuned and back.kernels == report.kernels and to_infotext(back) == entries
     assert Report.from_dict(json.loads(report.to_json())).tuned == report.tuned
+
+
+def test_a_script_prints_the_readout_lines_the_hosts_show():
+    """What a diffusers script prints (docs/diffusers.md): the engine's own readout, no host package needed."""
+    import subprocess
+    import sys
+    code = ("import torch, lib_attn\n"
+            "q = torch.randn(1, 2, 64, 32)\n"
+            "with lib_attn.recording() as rec:\n"
+            "    for _ in range(3):\n"
+            "        lib_attn.attention(q, q, q, role='dit', backend='sdpa-math')\n"
+            "    lib_attn.attention(q, q, q, role='vae', backend='flash-attn')\n"
+            "print(lib_attn.readout.text(lib_attn.Report.from_recording(rec)))\n"
+            "import sys; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('host_attn', 'webui_attn', 'comfy_attn', 'invoke_attn')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.splitlines()
+    assert out[0].startswith("DiT: sdpa-math") and out[0].endswith("×3")
+    assert out[1].startswith("VAE: ") and "×1" in out[1]
+    if not lib_attn.explain(torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8),
+                            role="vae", backend="flash-attn").backend == "flash-attn":
+        assert any(line.startswith("fallback VAE flash-attn ×1: ") for line in out)
+    assert any(line.startswith("time ") for line in out)
+    assert out[-1] == "[]"        # no host package was imported

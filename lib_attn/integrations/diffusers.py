@@ -482,13 +482,9 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
     denoiser's sequence over the ranks and puts the configuration in force for the scope
     (``diffusers_parallel``); a denoiser whose split is not known, an attention module on a rank's share
     that the split cannot reach, or a hook that cannot run on a share raises ValueError naming them,
-    before anything changes.
-
-    ``AttnProcessor`` and ``SlicedAttnProcessor`` (``set_default_attn_processor``'s shared processor,
-    ``enable_attention_slicing``'s) run ``AttnProcessor2_0``'s code for the scope where every module they
-    serve computes the same attention (no query/key norms, the scale 1/sqrt(head size)), and so are
-    routed; processors left as they are get a log warning naming them and why, and so does a model with
-    no attention module.
+    before anything changes. ``AttnProcessor`` and ``SlicedAttnProcessor`` (``set_default_attn_processor``'s,
+    ``enable_attention_slicing``'s) run ``AttnProcessor2_0``'s code for the scope where every module they serve
+    computes the same attention; what is left as it is, and a model with no attention, get a log warning.
     """
     from ..spec import ROLES
 
@@ -503,10 +499,8 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
     routing = Routing()
     plan, seen = [], set()
     models = _models(model_or_pipeline, role)
-    as_sdpa, differ = {}, {}
-    if parallel is None:
-        as_sdpa, differ = _split.same_as_sdpa(models, processor_kind)
-    else:
+    as_sdpa, differ = _split.same_as_sdpa(models, processor_kind) if parallel is None else ({}, {})
+    if parallel is not None:
         # Split attention that the split cannot reach would attend to one rank's share of the tokens
         # as if it were the whole sequence: a wrong image on every rank, and no error.
         as_sdpa, problems = _split.plan_refusals(models, processor_kind)

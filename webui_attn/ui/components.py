@@ -13,7 +13,7 @@ from lib_attn.config import GUARD_MODES
 from lib_attn.schedule import EXAMPLE as SCHEDULE_EXAMPLE
 from lib_attn.sparse import EXAMPLE as SPARSE_EXAMPLE
 
-from host_attn.readout import guard_lines, sparse_lines
+from lib_attn.readout import guard_lines, sparse_lines
 from host_attn.status import WEBUI_INSTALL_HINT, unavailable_text
 
 from ..settings.choices import USE_SETTING, override_choices

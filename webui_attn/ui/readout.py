@@ -1,6 +1,6 @@
 """A report as the webuis show it: the readout lines under the image, the infotext entries and their
 parsing, the reading of the webui's own memory monitor, and the last generation's report (the
-status route's). Each part's text is ``host_attn.readout``'s; the layout and A1111's terms are here.
+status route's). Each part's text is ``lib_attn.readout``'s; the layout and A1111's terms are here.
 
 The VRAM figures are the webui's own monitor's when it measures the generation, and otherwise measured
 the way it measures (peak active bytes and peak reserved bytes since the generation started, the
@@ -19,7 +19,7 @@ from lib_attn.report import MIB, Report, Vram, VramProbe
 from lib_attn.schedule import parse
 from lib_attn.sparse import parse as parse_sparse
 
-from host_attn.readout import (SCHEDULE_KEY, TUNED_MARK, guard_lines, kernel_text, one_line, role_mark, schedule_text,
+from lib_attn.readout import (SCHEDULE_KEY, TUNED_MARK, guard_lines, kernel_text, one_line, role_mark, schedule_text,
                                sparse_lines)
 
 _MARK_ROLE = {"VAE": "vae", "Text": "text", "DiT": "dit"}
@@ -138,7 +138,7 @@ def guard_text(report: Report) -> str:
 
 def lines(report: Report) -> list[str]:
     """The readout: ``Attention: …`` then, when a schedule served calls, ``Attention schedule: …`` (calls
-    per rule), when sparse attention served calls, what it did (``host_attn.readout.sparse_lines``), when
+    per rule), when sparse attention served calls, what it did (``lib_attn.readout.sparse_lines``), when
     anything fell back, ``Attention fallbacks: …``, when the guard caught anything, ``Attention guard: …``,
     then notes."""
     head = [calls_text(report)]

@@ -1,6 +1,7 @@
-"""What every host shows of a report: the text of each of its parts, the plain lines of hosts that
-have no readout convention of their own (ComfyUI's Attention report node and server message), and the
-report's JSON with them.
+"""What every host shows of a report, and what a script prints: the text of each of its parts, the plain
+lines of hosts that have no readout convention of their own (ComfyUI's Attention report node and server
+message, a diffusers script: ``print(lib_attn.readout.text(lib_attn.Report.from_recording(rec)))``), and
+the report's JSON with them.
 
 Each part is rendered here, from the report's data (``lib_attn.report``): the kernels that ran per
 role (``kernel_text``, ``role_mark``), the calls per schedule rule (``schedule_text``), what sparse
