@@ -148,6 +148,28 @@ function showInReportNodes(lines, graphId) {
     for (const [node] of reportNodes(app.graph)) show(node, lines);
 }
 
+// A node's own output ("executed"): ComfyUI's page hands it to the node of that id in the workflow open
+// now, whichever workflow queued the prompt, so it is shown by the same rule as a message, for the
+// prompt ComfyUI runs now (its "execution_start" comes first). Without one seen (the page opened while
+// the prompt ran), the node shows it as before.
+let running = null;
+const earlyOutputs = new Map();   // prompt id -> [[node, lines], ...] before the page knows it queued it
+
+export function executionStarted(detail) {
+    running = detail?.prompt_id ?? null;
+}
+
+export function onExecutedText(node, lines) {
+    const id = running;
+    if (id === null || id === undefined) {
+        show(node, lines);
+    } else if (queued.has(id)) {
+        if (queued.get(id) === workflowKey()) show(node, lines);
+    } else {
+        keep(earlyOutputs, id, [...(earlyOutputs.get(id) ?? []), [node, lines]], EARLY_KEPT);
+    }
+}
+
 export function onReport(detail) {
     const id = detail?.prompt_id;
     if (id === undefined || id === null) {
@@ -165,6 +187,13 @@ export function promptQueued(id, graphId) {
     if (early.has(id)) {
         showInReportNodes(early.get(id), graphId);
         early.delete(id);
+    }
+    if (earlyOutputs.has(id)) {
+        if (graphId === workflowKey()) {
+            const present = new Set(reportNodes(app.graph).map(([node]) => node));
+            for (const [node, lines] of earlyOutputs.get(id)) if (present.has(node)) show(node, lines);
+        }
+        earlyOutputs.delete(id);
     }
 }
 
@@ -223,7 +252,7 @@ app.registerExtension({
         const executed = nodeType.prototype.onExecuted;
         nodeType.prototype.onExecuted = function (message) {
             executed?.apply(this, arguments);
-            if (message?.text) show(this, message.text);
+            if (message?.text) onExecutedText(this, message.text);
         };
     },
     // A workflow opened (also each tab switch, and after a page reload): its report nodes, subgraphs'
@@ -235,5 +264,6 @@ app.registerExtension({
     setup() {
         watchQueue();
         api.addEventListener("flash-attention.report", (event) => onReport(event.detail));
+        api.addEventListener("execution_start", (event) => executionStarted(event.detail));
     },
 });
