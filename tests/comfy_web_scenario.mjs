@@ -160,4 +160,23 @@ seen.output_after_answer = shown(fourth);
 api.message("execution_start", { prompt_id: "theirs-3" });
 app.executed(fourth, { text: ["another tab's output"] });
 seen.output_other_tab = shown(fourth);
+// A workflow opened from an API-format file (the page's loadApiJson): the graph is rebuilt with new nodes
+// and no afterConfigureGraph, so two unnamed workflows share one key.
+app.openWorkflow(NO_ID);
+const fifth = await app.addNode(9, input.nodes.FlashAttentionReport);
+await app.loaded();
+api.promptIds.push("mine-11");
+await app.queuePrompt(0);                             // from the fifth unnamed workflow
+app.openWorkflow(NO_ID);
+const sixth = await app.addNode(9, input.nodes.FlashAttentionReport);   // no loaded()
+api.message("execution_start", { prompt_id: "mine-11" });
+api.message("flash-attention.report", { text: ["the fifth unnamed workflow's report"], prompt_id: "mine-11" });
+seen.api_file_message = shown(sixth);
+app.executed(sixth, { text: ["the fifth unnamed workflow's output"] });
+seen.api_file_output = shown(sixth);
+api.promptIds.push("mine-12");
+await app.queuePrompt(0);
+api.message("execution_start", { prompt_id: "mine-12" });
+api.message("flash-attention.report", { text: ["the sixth unnamed workflow's report"], prompt_id: "mine-12" });
+seen.api_file_own = shown(sixth);
 console.log(JSON.stringify(seen));

@@ -160,3 +160,12 @@ def test_a_nodes_own_output_goes_to_the_workflow_that_queued_its_prompt_only(sce
     assert seen["output_before_answer"] == "the fourth unnamed workflow's output"   # not yet known as its own
     assert seen["output_after_answer"] == "a cached prompt's output"        # shown once the answer names it
     assert seen["output_other_tab"] == "a cached prompt's output"           # another tab's prompt: nothing changes
+
+
+def test_unnamed_workflows_opened_from_api_files_never_show_each_others_report(scenario):
+    # Seen in ComfyUI 0.19.3's page: two API-format files opened one after the other (no afterConfigureGraph
+    # between them); the second showed the first one's report, message and output alike.
+    _, seen = scenario
+    assert seen["api_file_message"] == ""
+    assert seen["api_file_output"] == ""
+    assert seen["api_file_own"] == "the sixth unnamed workflow's report"

@@ -143,9 +143,19 @@ function keep(map, key, value, kept) {
     if (map.size > kept) map.delete(map.keys().next().value);
 }
 
-function showInReportNodes(lines, graphId) {
-    if (graphId !== workflowKey()) return;   // another workflow's prompt: its report waits in the history
-    for (const [node] of reportNodes(app.graph)) show(node, lines);
+// The report nodes an unnamed workflow had when it queued a prompt: opening a workflow from an API-format
+// file rebuilds the graph without the frontend's afterConfigureGraph, so the key alone cannot tell two
+// unnamed workflows apart; their nodes can (a workflow opened is made of new nodes).
+const queuedNodes = new Map();
+
+function mayShowIn(node, id, graphId) {
+    if (graphId !== workflowKey()) return false;   // another workflow's prompt: its report waits in the history
+    const nodes = queuedNodes.get(id);
+    return !nodes || nodes.has(node);
+}
+
+function showInReportNodes(lines, graphId, id) {
+    for (const [node] of reportNodes(app.graph)) if (mayShowIn(node, id, graphId)) show(node, lines);
 }
 
 // A node's own output ("executed"): ComfyUI's page hands it to the node of that id in the workflow open
@@ -164,7 +174,7 @@ export function onExecutedText(node, lines) {
     if (id === null || id === undefined) {
         show(node, lines);
     } else if (queued.has(id)) {
-        if (queued.get(id) === workflowKey()) show(node, lines);
+        if (mayShowIn(node, id, queued.get(id))) show(node, lines);
     } else {
         keep(earlyOutputs, id, [...(earlyOutputs.get(id) ?? []), [node, lines]], EARLY_KEPT);
     }
@@ -175,23 +185,26 @@ export function onReport(detail) {
     if (id === undefined || id === null) {
         showInReportNodes(detail?.text, workflowKey());
     } else if (queued.has(id)) {
-        showInReportNodes(detail?.text, queued.get(id));
+        showInReportNodes(detail?.text, queued.get(id), id);
     } else {
         keep(early, id, detail?.text, EARLY_KEPT);
     }
 }
 
-export function promptQueued(id, graphId) {
+export function promptQueued(id, graphId, nodes) {
     if (id === undefined || id === null) return;
     keep(queued, id, graphId, QUEUED_KEPT);
+    if (nodes && String(graphId).startsWith("unnamed-")) keep(queuedNodes, id, nodes, QUEUED_KEPT);
     if (early.has(id)) {
-        showInReportNodes(early.get(id), graphId);
+        showInReportNodes(early.get(id), graphId, id);
         early.delete(id);
     }
     if (earlyOutputs.has(id)) {
         if (graphId === workflowKey()) {
             const present = new Set(reportNodes(app.graph).map(([node]) => node));
-            for (const [node, lines] of earlyOutputs.get(id)) if (present.has(node)) show(node, lines);
+            for (const [node, lines] of earlyOutputs.get(id)) {
+                if (present.has(node) && mayShowIn(node, id, graphId)) show(node, lines);
+            }
         }
         earlyOutputs.delete(id);
     }
@@ -204,8 +217,9 @@ function watchQueue() {
     if (typeof queue !== "function" || queue.flashAttention) return;
     const watched = async function (...args) {
         const graphId = workflowKey();
+        const nodes = new Set(reportNodes(app.graph).map(([node]) => node));
         const answer = await queue.apply(this, args);
-        promptQueued(answer?.prompt_id, graphId);
+        promptQueued(answer?.prompt_id, graphId, nodes);
         return answer;
     };
     watched.flashAttention = true;
