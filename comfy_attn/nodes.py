@@ -94,6 +94,22 @@ class VAEAttentionBackend:
         return (route.route_vae(vae, config_for(("vae",), backend, chain, strict, fp32)),)
 
 
+#: Under the global route every sampling and VAE pass runs on the engine, so a prompt without a routed call
+#: ran none: its images were made by an earlier prompt (ComfyUI served them from its cache, and a node such
+#: as an image transform made new images of them, which no run made) or by no model at all.
+NOTHING_RAN = ("no sampling or VAE pass of this prompt ran attention (under ATTN_COMFY_ROUTE each one runs "
+               "on this extension): these images were made by an earlier prompt, whose report is in "
+               "ComfyUI's history, or by no model")
+
+
+def _no_routed_call() -> lib_attn.Report:
+    """The report of a prompt that made no routed call and whose images no run made."""
+    if route.routing().routed:
+        return lib_attn.Report(notes=(NOTHING_RAN,))
+    return lib_attn.Report(ran_on="ComfyUI's own attention",
+                           notes=("no call of this run went through this extension",))
+
+
 class AttentionReport:
     """Shows which kernels ran this run, how often, what fell back and why, time and peak VRAM."""
 
@@ -108,8 +124,7 @@ class AttentionReport:
     DESCRIPTION = "The attention readout of this run; passes the images on."
 
     def show(self, images):
-        report = run.report_for(images) or lib_attn.Report(
-            ran_on="ComfyUI's own attention", notes=("no call of this run went through this extension",))
+        report = run.report_for(images) or _no_routed_call()
         run.send(report, run.prompt_id())
         return {"ui": {"text": readout.lines(report)}, "result": (images,)}
 

@@ -128,4 +128,55 @@ api.promptIds.push("mine-7");
 await app.queuePrompt(0);
 api.message("flash-attention.report", { text: ["the second unnamed workflow's report"], prompt_id: "mine-7" });
 seen.unnamed_own = shown(second);
+// A node's own output ("executed"), which the page hands to the node of that id in the workflow open now:
+// shown for this workflow's prompts only, by the prompt ComfyUI runs (its execution_start came first).
+app.openWorkflow(NO_ID);
+const third = await app.addNode(9, input.nodes.FlashAttentionReport);
+await app.loaded();
+api.promptIds.push("mine-8");
+await app.queuePrompt(0);                             // from the third unnamed workflow
+app.openWorkflow(NO_ID);
+const fourth = await app.addNode(9, input.nodes.FlashAttentionReport);
+await app.loaded();
+api.message("execution_start", { prompt_id: "mine-8" });
+app.executed(fourth, { text: ["the third unnamed workflow's output"] });
+seen.output_other = shown(fourth);
+api.promptIds.push("mine-9");
+await app.queuePrompt(0);
+api.message("execution_start", { prompt_id: "mine-9" });
+app.executed(fourth, { text: ["the fourth unnamed workflow's output"] });
+seen.output_own = shown(fourth);
+api.promptIds.push("mine-10");                        // a prompt served from the cache: output before the answer
+let cachedAnswer;
+api.answerGate = new Promise((resolve) => { cachedAnswer = resolve; });
+const cachedQueuing = app.queuePrompt(0);
+await new Promise((resolve) => setTimeout(resolve, 0));
+api.message("execution_start", { prompt_id: "mine-10" });
+app.executed(fourth, { text: ["a cached prompt's output"] });
+seen.output_before_answer = shown(fourth);
+cachedAnswer();
+await cachedQueuing;
+seen.output_after_answer = shown(fourth);
+api.message("execution_start", { prompt_id: "theirs-3" });
+app.executed(fourth, { text: ["another tab's output"] });
+seen.output_other_tab = shown(fourth);
+// A workflow opened from an API-format file (the page's loadApiJson): the graph is rebuilt with new nodes
+// and no afterConfigureGraph, so two unnamed workflows share one key.
+app.openWorkflow(NO_ID);
+const fifth = await app.addNode(9, input.nodes.FlashAttentionReport);
+await app.loaded();
+api.promptIds.push("mine-11");
+await app.queuePrompt(0);                             // from the fifth unnamed workflow
+app.openWorkflow(NO_ID);
+const sixth = await app.addNode(9, input.nodes.FlashAttentionReport);   // no loaded()
+api.message("execution_start", { prompt_id: "mine-11" });
+api.message("flash-attention.report", { text: ["the fifth unnamed workflow's report"], prompt_id: "mine-11" });
+seen.api_file_message = shown(sixth);
+app.executed(sixth, { text: ["the fifth unnamed workflow's output"] });
+seen.api_file_output = shown(sixth);
+api.promptIds.push("mine-12");
+await app.queuePrompt(0);
+api.message("execution_start", { prompt_id: "mine-12" });
+api.message("flash-attention.report", { text: ["the sixth unnamed workflow's report"], prompt_id: "mine-12" });
+seen.api_file_own = shown(sixth);
 console.log(JSON.stringify(seen));

@@ -387,3 +387,24 @@ def test_the_global_route_sends_each_samplings_and_decodes_report_and_the_cache_
     text = node(nodes, "FlashAttentionReport", prompt_id="p3", images=images)["ui"]["text"]  # p1's, from the cache
     assert text[0].endswith("×4") and text[1].startswith("VAE: sdpa")
     assert "these images come from ComfyUI's cache" in text[-1] and "(prompt p1)" in text[-1]
+
+
+def test_under_the_global_route_a_prompt_that_ran_no_attention_never_claims_comfyuis_own(comfy_factory):
+    # Seen in ComfyUI 0.19.3 under ATTN_COMFY_ROUTE=auto: a prompt whose decode came from ComfyUI's cache and
+    # whose report node was given an inverted copy of those images said "ComfyUI's own attention".
+    comfy = comfy_factory(argv=("--cpu",), env={"ATTN_COMFY_ROUTE": "auto"})
+    assert comfy.load_node()
+    import nodes
+    from comfy.sd import VAE
+    from comfy_execution.utils import CurrentNodeContext
+    comfy.server.client_id = "page-1"
+    latent = sample(unet_patcher(), prompt_id="p1")
+    with CurrentNodeContext("p1", "8"):
+        images = VAE().decode(latent)
+    inverted = 1.0 - images                                                    # ImageInvert in p2, the rest cached
+    text = node(nodes, "FlashAttentionReport", prompt_id="p2", images=inverted)["ui"]["text"]
+    assert not any("ComfyUI's own attention" in line for line in text)
+    assert text[0] == "no attention calls"
+    assert "no sampling or VAE pass of this prompt ran attention" in text[-1] and "ComfyUI's history" in text[-1]
+    event, data, sid = comfy.server.sent[-1]
+    assert event == "flash-attention.report" and data["text"] == text and data["prompt_id"] == "p2"

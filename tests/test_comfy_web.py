@@ -149,3 +149,23 @@ def test_workflows_without_an_id_never_show_anothers_report(scenario):
     assert seen["unnamed_restored"] == ""                                   # the history cannot tell whose
     assert seen["unnamed_other"] == ""                                      # the other unnamed workflow's prompt
     assert seen["unnamed_own"] == "the second unnamed workflow's report"
+
+
+def test_a_nodes_own_output_goes_to_the_workflow_that_queued_its_prompt_only(scenario):
+    # Seen in ComfyUI 0.19.3's page (frontend 1.42.11): a prompt queued from one unnamed workflow, another
+    # open when it ran, and the open one's report node (same id) showed the first one's output.
+    _, seen = scenario
+    assert seen["output_other"] == ""                                       # the other workflow's prompt
+    assert seen["output_own"] == "the fourth unnamed workflow's output"
+    assert seen["output_before_answer"] == "the fourth unnamed workflow's output"   # not yet known as its own
+    assert seen["output_after_answer"] == "a cached prompt's output"        # shown once the answer names it
+    assert seen["output_other_tab"] == "a cached prompt's output"           # another tab's prompt: nothing changes
+
+
+def test_unnamed_workflows_opened_from_api_files_never_show_each_others_report(scenario):
+    # Seen in ComfyUI 0.19.3's page: two API-format files opened one after the other (no afterConfigureGraph
+    # between them); the second showed the first one's report, message and output alike.
+    _, seen = scenario
+    assert seen["api_file_message"] == ""
+    assert seen["api_file_output"] == ""
+    assert seen["api_file_own"] == "the sixth unnamed workflow's report"

@@ -143,9 +143,41 @@ function keep(map, key, value, kept) {
     if (map.size > kept) map.delete(map.keys().next().value);
 }
 
-function showInReportNodes(lines, graphId) {
-    if (graphId !== workflowKey()) return;   // another workflow's prompt: its report waits in the history
-    for (const [node] of reportNodes(app.graph)) show(node, lines);
+// The report nodes an unnamed workflow had when it queued a prompt: opening a workflow from an API-format
+// file rebuilds the graph without the frontend's afterConfigureGraph, so the key alone cannot tell two
+// unnamed workflows apart; their nodes can (a workflow opened is made of new nodes).
+const queuedNodes = new Map();
+
+function mayShowIn(node, id, graphId) {
+    if (graphId !== workflowKey()) return false;   // another workflow's prompt: its report waits in the history
+    const nodes = queuedNodes.get(id);
+    return !nodes || nodes.has(node);
+}
+
+function showInReportNodes(lines, graphId, id) {
+    for (const [node] of reportNodes(app.graph)) if (mayShowIn(node, id, graphId)) show(node, lines);
+}
+
+// A node's own output ("executed"): ComfyUI's page hands it to the node of that id in the workflow open
+// now, whichever workflow queued the prompt, so it is shown by the same rule as a message, for the
+// prompt ComfyUI runs now (its "execution_start" comes first). Without one seen (the page opened while
+// the prompt ran), the node shows it as before.
+let running = null;
+const earlyOutputs = new Map();   // prompt id -> [[node, lines], ...] before the page knows it queued it
+
+export function executionStarted(detail) {
+    running = detail?.prompt_id ?? null;
+}
+
+export function onExecutedText(node, lines) {
+    const id = running;
+    if (id === null || id === undefined) {
+        show(node, lines);
+    } else if (queued.has(id)) {
+        if (mayShowIn(node, id, queued.get(id))) show(node, lines);
+    } else {
+        keep(earlyOutputs, id, [...(earlyOutputs.get(id) ?? []), [node, lines]], EARLY_KEPT);
+    }
 }
 
 export function onReport(detail) {
@@ -153,18 +185,28 @@ export function onReport(detail) {
     if (id === undefined || id === null) {
         showInReportNodes(detail?.text, workflowKey());
     } else if (queued.has(id)) {
-        showInReportNodes(detail?.text, queued.get(id));
+        showInReportNodes(detail?.text, queued.get(id), id);
     } else {
         keep(early, id, detail?.text, EARLY_KEPT);
     }
 }
 
-export function promptQueued(id, graphId) {
+export function promptQueued(id, graphId, nodes) {
     if (id === undefined || id === null) return;
     keep(queued, id, graphId, QUEUED_KEPT);
+    if (nodes && String(graphId).startsWith("unnamed-")) keep(queuedNodes, id, nodes, QUEUED_KEPT);
     if (early.has(id)) {
-        showInReportNodes(early.get(id), graphId);
+        showInReportNodes(early.get(id), graphId, id);
         early.delete(id);
+    }
+    if (earlyOutputs.has(id)) {
+        if (graphId === workflowKey()) {
+            const present = new Set(reportNodes(app.graph).map(([node]) => node));
+            for (const [node, lines] of earlyOutputs.get(id)) {
+                if (present.has(node) && mayShowIn(node, id, graphId)) show(node, lines);
+            }
+        }
+        earlyOutputs.delete(id);
     }
 }
 
@@ -175,8 +217,9 @@ function watchQueue() {
     if (typeof queue !== "function" || queue.flashAttention) return;
     const watched = async function (...args) {
         const graphId = workflowKey();
+        const nodes = new Set(reportNodes(app.graph).map(([node]) => node));
         const answer = await queue.apply(this, args);
-        promptQueued(answer?.prompt_id, graphId);
+        promptQueued(answer?.prompt_id, graphId, nodes);
         return answer;
     };
     watched.flashAttention = true;
@@ -223,7 +266,7 @@ app.registerExtension({
         const executed = nodeType.prototype.onExecuted;
         nodeType.prototype.onExecuted = function (message) {
             executed?.apply(this, arguments);
-            if (message?.text) show(this, message.text);
+            if (message?.text) onExecutedText(this, message.text);
         };
     },
     // A workflow opened (also each tab switch, and after a page reload): its report nodes, subgraphs'
@@ -235,5 +278,6 @@ app.registerExtension({
     setup() {
         watchQueue();
         api.addEventListener("flash-attention.report", (event) => onReport(event.detail));
+        api.addEventListener("execution_start", (event) => executionStarted(event.detail));
     },
 });
