@@ -112,6 +112,10 @@ class Patches:
                 live = _live(owner, attr)
                 if live is replacement or any(live is value for value in self._resets.pop(key, ())):
                     _restore(owner, attr, saved)
+                    if getattr(replacement, "__attn_reads_passthrough__", False):
+                        # copies of it bound by name elsewhere while it was in force, which no record
+                        # puts back, reach the original from now on
+                        _retire(replacement, _original_value(owner, attr, saved))
                 elif live is not saved and live is not _MISSING:
                     self._leave_under(owner, attr, live, saved, replacement)
                 # else: already put back (A1111's undo_optimizations()) or deleted: nothing to do
@@ -192,7 +196,9 @@ def _passes(replacement, original) -> bool:
 
 
 def reads_passthrough(function):
-    """Declare that ``function`` calls ``passthrough(function)`` instead of its own work once that is set."""
+    """Declare that ``function`` calls ``passthrough(function)`` instead of its own work once that is set:
+    ``undo`` sets it whenever it takes ``function`` away (put back or left under another wrapper), so that
+    copies of it made by name while it was in force pass their calls on."""
     function.__attn_reads_passthrough__ = True
     return function
 
