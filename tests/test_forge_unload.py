@@ -47,3 +47,37 @@ def test_a_copy_bound_while_routed_runs_the_hosts_function_once_unloaded(webui_f
         assert rec.calls == {("unet", "sdpa"): 1}
     finally:
         sys.modules.pop("copies_while_routed", None)
+
+
+LDM_COPYING_EXTENSION = (
+    "from ldm_patched.ldm.modules.attention import optimized_attention\n"
+    "def call(q, heads):\n"
+    "    return optimized_attention(q, q, q, heads)\n")
+
+
+@pytest.mark.parametrize("mode", ["reforge", "classic"])
+def test_a_copy_of_optimized_attention_bound_while_routed_runs_the_hosts_once_unloaded(webui_factory, tmp_path,
+                                                                                      monkeypatch, mode):
+    """reForge and Forge Classic: the same for ``ldm_patched``'s ``optimized_attention``."""
+    (tmp_path / "ldm_copies_while_routed.py").write_text(LDM_COPYING_EXTENSION)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    webui = webui_factory(mode, argv=["--attention-pytorch"])
+    import ldm_patched.ldm.modules.attention as attention
+    chosen = attention.optimized_attention
+    webui.load_scripts()
+    late = importlib.import_module("ldm_copies_while_routed")
+    try:
+        assert late.optimized_attention == chosen   # equal to the host's choice, as on Forge
+        q = torch.randn(1, 8, 32)
+        with lib_attn.recording() as rec:
+            routed = late.call(q, 2)
+        assert sum(rec.calls.values()) == 1
+        from modules import script_callbacks
+        script_callbacks.script_unloaded_callback()
+        assert attention.optimized_attention is chosen
+        with lib_attn.recording() as rec:
+            after = late.call(q, 2)
+        assert not rec.calls
+        torch.testing.assert_close(after, routed)
+    finally:
+        sys.modules.pop("ldm_copies_while_routed", None)
