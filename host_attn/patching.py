@@ -45,6 +45,8 @@ class Patches:
     def __init__(self, name: str):
         self.name = name
         self._record: list[tuple[object, str, object, object]] = []
+        #: (id(owner), attr) -> the values the host itself puts there when it resets the target (``reset_to``)
+        self._resets: dict = {}
 
     @property
     def active(self) -> bool:
@@ -65,18 +67,25 @@ class Patches:
                 return saved
         return getattr(owner, attr)
 
-    def patch(self, owner, attr: str, replacement, restore_to=_MISSING) -> None:
+    def patch(self, owner, attr: str, replacement, restore_to=_MISSING, reset_to=_MISSING) -> None:
         """Set ``owner.attr = replacement``; ``undo()`` restores the current value, or ``restore_to``.
 
         ``restore_to`` exists for targets whose current value is known to be wrong (sgm's AttnBlock after
-        A1111's ``undo_optimizations()``). Raises DoublePatchError when this record already holds the attribute.
+        A1111's ``undo_optimizations()``). ``reset_to``: a value the host itself puts there when it resets the
+        target without going through ``undo()`` (that same ldm forward on sgm's AttnBlock); found there by
+        ``undo()``, it is the host's reset, not another extension's wrapper, and the saved value goes back (as
+        for the wrong value ``restore_to`` replaced). Raises DoublePatchError when this record already holds
+        the attribute.
         """
         with _lock:
             if self.is_patched(owner, attr):
                 raise DoublePatchError(f"{self.name}: {_describe(owner, attr)} is already patched")
             saved = _live(owner, attr)
+            resets = () if reset_to is _MISSING else (reset_to,)
             if restore_to is not _MISSING:
-                saved = restore_to
+                resets, saved = (*resets, saved), restore_to
+            if resets:
+                self._resets[(id(owner), attr)] = resets
             _retire(replacement, None, retired=False)  # in force again (one left as a pass-through before)
             self._record.append((owner, attr, saved, replacement))
             _held[(id(owner), attr)] = _held.get((id(owner), attr), 0) + 1
@@ -101,8 +110,12 @@ class Patches:
                 if not _held[key]:
                     del _held[key]
                 live = _live(owner, attr)
-                if live is replacement:
+                if live is replacement or any(live is value for value in self._resets.pop(key, ())):
                     _restore(owner, attr, saved)
+                    if getattr(replacement, "__attn_reads_passthrough__", False):
+                        # copies of it bound by name elsewhere while it was in force, which no record
+                        # puts back, reach the original from now on
+                        _retire(replacement, _original_value(owner, attr, saved))
                 elif live is not saved and live is not _MISSING:
                     self._leave_under(owner, attr, live, saved, replacement)
                 # else: already put back (A1111's undo_optimizations()) or deleted: nothing to do
@@ -183,7 +196,9 @@ def _passes(replacement, original) -> bool:
 
 
 def reads_passthrough(function):
-    """Declare that ``function`` calls ``passthrough(function)`` instead of its own work once that is set."""
+    """Declare that ``function`` calls ``passthrough(function)`` instead of its own work once that is set:
+    ``undo`` sets it whenever it takes ``function`` away (put back or left under another wrapper), so that
+    copies of it made by name while it was in force pass their calls on."""
     function.__attn_reads_passthrough__ = True
     return function
 

@@ -256,14 +256,18 @@ def _copy_function(fn):
 
 
 def _sgm_attnblock_restore(sgm_model) -> dict:
-    """A1111's ``undo_optimizations()`` leaves ldm's forward on sgm's AttnBlock; undo puts sgm's own back."""
+    """A1111's ``undo_optimizations()`` leaves ldm's forward on sgm's AttnBlock (``sd_hijack.py`` 110); undo puts
+    sgm's own back, and takes ldm's found there for A1111's reset (each re-apply runs it before the current
+    optimizer's ``undo()``), not for another extension's wrapper."""
     sho = sys.modules.get("modules.sd_hijack_optimizations")
     ldm_original = getattr(sho, "diffusionmodules_model_AttnBlock_forward", None)
     sgm_original = getattr(sho, "sgm_diffusionmodules_model_AttnBlock_forward", None)
+    if ldm_original is None or sgm_original is None:
+        return {}
     current = sgm_model.AttnBlock.__dict__.get("forward")
-    if ldm_original is not None and sgm_original is not None and current is ldm_original:
-        return {"restore_to": sgm_original}
-    return {}
+    if current is ldm_original:
+        return {"restore_to": sgm_original, "reset_to": ldm_original}
+    return {"reset_to": ldm_original}
 
 
 def uninstall() -> int:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import sys
 
 from host_attn.convention import PrecisionRule
+from host_attn.patching import passthrough
 from host_attn.rebind import Name, Router, Stored, copies, import_quietly
 
 from ..settings import flags
@@ -62,7 +63,11 @@ COPY_NAMES = ("attention_function", "optimized_attention")
 class StandIn:
     """The engine's function where the host keeps its chosen one (``backend.attention.attention_function``):
     it runs the engine, and compares equal to the host's function (and hashes alike), so that the
-    host's own checks of which function it chose (Forge's memory estimate) read as without the extension."""
+    host's own checks of which function it chose (Forge's memory estimate) read as without the extension.
+    Modules that bind it by name while it is in force hold it past the routing's undo, which cannot put
+    them back: once undone it passes their calls to the host's function (``passthrough``)."""
+
+    __attn_reads_passthrough__ = True
 
     def __init__(self, function, chosen):
         self.function = function
@@ -72,7 +77,7 @@ class StandIn:
         self.__wrapped__ = function
 
     def __call__(self, *args, **kwargs):
-        return self.function(*args, **kwargs)
+        return (passthrough(self) or self.function)(*args, **kwargs)
 
     def __eq__(self, other):
         return other is self or other is self.chosen or NotImplemented

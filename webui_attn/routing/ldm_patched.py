@@ -23,6 +23,7 @@ from host_attn.rebind import Name, Router, Stored, copies
 
 from ..settings import flags
 from . import detect
+from .forge import StandIn
 from .line import Line, script_copies
 
 SOURCE = "ldm_patched.ldm.modules.attention"
@@ -68,7 +69,9 @@ def _router(attention) -> Router:
 def _route(router: Router, attention) -> None:
     values = [getattr(attention, name) for name in NAMES if hasattr(attention, name)]
     for target in (*by_name_copies(attention), *script_copies(attention, NAMES, values)):
-        router.route(target)
+        # the source's own names hold a stand-in: modules that copy them by name while routed (extensions
+        # imported later) get the host's function back through it once the routing is undone
+        router.route(target, wrap=StandIn if getattr(target, "module", None) == SOURCE else None)
     for target in VAE_BLOCKS:
         router.route(target)
 
