@@ -332,6 +332,9 @@ class Watch:
             return WROTE_AT_FULL_SIZE
         with torch.no_grad():
             for t, c in zip(self.tensors, self.copies):
-                t.detach().copy_(c)
+                # Through ``.data``, which has a version counter of its own: the kernel's write went
+                # past autograd, and so must the repair, or a backward that saved these tensors (q
+                # made by an exp, a bias added before) would fail as if they had been modified.
+                t.data.copy_(c)
         self.copies = None
         return WROTE_RESTORED

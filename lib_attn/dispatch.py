@@ -74,7 +74,8 @@ def _key(q, k, v, mask, layout, role, backend, fp32, exact=False):
     scope = _scope.current()
     return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
             mask if mask is None else (mask.shape, mask.dtype, mask.get_device()),
-            _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+            _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                 or (mask is not None and mask.requires_grad)),
             (scope.config or _GLOBAL.config).token, scope.where.token, exact, layout, role, backend, fp32)
 
 
@@ -210,7 +211,8 @@ def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", bac
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
                mask if mask is None else (mask.shape, mask.dtype, mask.get_device()),
-               _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+               _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                 or (mask is not None and mask.requires_grad)),
                (scope.config or _GLOBAL.config).token, scope.where.token, exact, layout, role, backend, fp32)
         dec = _cache[key]
     except KeyError:

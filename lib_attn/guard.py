@@ -93,7 +93,7 @@ def first_check(run, q, k, v, mask, scale, layout: str, dtype, approximate: bool
     # The checks run without grad; the call itself runs in the caller's grad mode, so that its output
     # keeps the autograd graph a training step needs (a probe's output, made from copies, never has it).
     caller_grad = torch.is_grad_enabled()
-    graph = needs_grad(q, k, v)
+    graph = needs_grad(q, k, v, mask)
 
     def call():
         with torch.set_grad_enabled(caller_grad):

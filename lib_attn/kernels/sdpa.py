@@ -268,7 +268,7 @@ class SdpaEfficient(_PinnedSdpa):
         q, k, v = last_dim_contiguous(q, k, v)
         bias = None if mask is None else additive_bias(mask, q.dtype, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), 16)
         # Backward needs the log-sum-exp of the forward.
-        return self.op(q, k, v, bias, needs_grad(q, k, v), 0.0, False, scale=scale)[0]
+        return self.op(q, k, v, bias, needs_grad(q, k, v, bias), 0.0, False, scale=scale)[0]
 
 
 class SdpaCudnn(_PinnedSdpa):
@@ -315,7 +315,7 @@ class SdpaCudnn(_PinnedSdpa):
             # cuDNN mishandles -inf in a bias; PyTorch masks with the most negative fp16 value for it.
             bias = None if mask is None else additive_bias(
                 mask, q.dtype, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), 16, neg=-65504.0)
-            return self.op(q, k, v, bias, needs_grad(q, k, v), 0.0, False, False, scale=scale)[0]
+            return self.op(q, k, v, bias, needs_grad(q, k, v, bias), 0.0, False, False, scale=scale)[0]
         return self.op(q, k, v, 0.0, False, False, scale=scale)[0]
 
 
