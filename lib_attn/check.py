@@ -330,11 +330,25 @@ class Watch:
         """Put the caller's tensors back where copies were kept; the reason to give for the kernel."""
         if self.copies is None:
             return WROTE_AT_FULL_SIZE
+        copies, self.copies = self.copies, None
+        restored = True
         with torch.no_grad():
-            for t, c in zip(self.tensors, self.copies):
+            for t, c in zip(self.tensors, copies):
                 # Through ``.data``, which has a version counter of its own: the kernel's write went
                 # past autograd, and so must the repair, or a backward that saved these tensors (q
                 # made by an exp, a bias added before) would fail as if they had been modified.
-                t.data.copy_(c)
-        self.copies = None
-        return WROTE_RESTORED
+                t, c = _own_elements(t.data, c)
+                try:
+                    t.copy_(c)
+                except RuntimeError:  # a layout whose elements share memory some other way
+                    restored = False
+        return WROTE_RESTORED if restored else WROTE_AT_FULL_SIZE
+
+
+def _own_elements(t: torch.Tensor, copy: torch.Tensor) -> tuple:
+    """``t`` and its copy with each of ``t``'s broadcast dimensions (stride 0: an ``expand``ed batch,
+    as a shared context is passed) cut to its first index, so that no two elements written share memory."""
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if stride == 0 and size > 1:
+            t, copy = t.narrow(dim, 0, 1), copy.narrow(dim, 0, 1)
+    return t, copy

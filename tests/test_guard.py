@@ -376,3 +376,31 @@ def test_tuning_catches_and_undoes_a_sign_flip_or_scaling_at_full_size(bid):
     assert d.backend == "sdpa" and d.reasons_for(bid) == [
         "output check failed: wrote into its inputs at full size (the caller's tensors were restored)"]
     assert torch.equal(out, sdpa(*kept))
+
+
+class _HalvesSharedKWhenLong(faulty_backends._WritesWhenLong):
+    id, label = "fk-shared-k-long", "halves the memory of a batch-broadcast k on long calls"
+
+    def write(self, q, k):
+        k.data[:1].mul_(0.5)  # k is expanded over the batch: its first item is all of its memory
+
+
+def test_a_write_into_an_input_expanded_over_the_batch_is_undone():
+    # A context shared by the batch is passed expanded (stride 0): its elements share memory, which a
+    # plain copy back refuses; the memory is put back through one index of each broadcast dimension.
+    lib_attn.register_backend(_HalvesSharedKWhenLong())
+    try:
+        lib_attn.configure(preference=["fk-shared-k-long", "sdpa"])
+        q, k, v = long_qkv(5, n=faulty_backends.LONG + 100)
+        shared = k[:1].clone()
+        k = shared.clone().expand_as(q[:, :, :k.shape[2]])
+        base = k[:1].clone()
+        with lib_attn.recording() as rec:
+            out = lib_attn.attention(q, k, v)
+        ((_, caught, said, ran_on, _), _), = rec.guard.items()
+        assert (caught, ran_on) == ("fk-shared-k-long", "sdpa")
+        assert said.endswith("wrote into its inputs at full size (the caller's tensors were restored)"), said
+        assert torch.equal(k[:1], base), "the caller's k was not restored"
+        assert torch.equal(out, sdpa(q, k.contiguous(), v))
+    finally:
+        lib_attn.unregister_backend("fk-shared-k-long")
