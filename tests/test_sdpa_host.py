@@ -202,3 +202,20 @@ def test_a_webui_generation_on_sdpa_never_reaches_an_extension_replacement(webui
     assert F.scaled_dot_product_attention is fn
     panel.reset()
     layers.reset()
+
+
+def test_a_replacement_taken_off_mid_run_is_never_counted_as_having_run(monkeypatch):
+    # A host puts PyTorch's function back (an extension unloaded, another setting chosen) after
+    # sdpa-host was decided: the calls from then on run PyTorch's own, and are counted as sdpa.
+    patch = Rounding()
+    patch.install(monkeypatch)
+    q, k, v = qkv()
+    with lib_attn.recording() as rec:
+        lib_attn.attention(q, k, v, backend="sdpa-host")
+        calls = patch.calls
+        monkeypatch.setattr(F, "scaled_dot_product_attention", TORCH_OWN)
+        out = lib_attn.attention(q, k, v, backend="sdpa-host")
+        lib_attn.attention(q, k, v, backend="sdpa-host")
+    assert patch.calls == calls
+    assert rec.calls == {("unet", "sdpa-host"): 1, ("unet", "sdpa"): 2}
+    assert torch.equal(out, TORCH_OWN(q, k, v))

@@ -364,5 +364,10 @@ class SdpaHost(Backend):
         return Status(True, version=callable_name(found))
 
     def run(self, q, k, v, mask, scale):
-        fn = replacement() or _TORCH_SDPA
+        fn = replacement()
+        if fn is None:
+            # Taken off after this kernel was chosen: running PyTorch's own under this id would say
+            # the replacement ran. The call falls back, with this reason, to the next backend.
+            raise RuntimeError("F.scaled_dot_product_attention is PyTorch's own again (its replacement was "
+                               "taken off)")
         return fn(q, k, v, attn_mask=_same_dtype_mask(mask, q.dtype), scale=scale)
