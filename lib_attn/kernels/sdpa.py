@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import warnings
 
 import torch
@@ -370,4 +371,24 @@ class SdpaHost(Backend):
             # the replacement ran. The call falls back, with this reason, to the next backend.
             raise RuntimeError("F.scaled_dot_product_attention is PyTorch's own again (its replacement was "
                                "taken off)")
-        return fn(q, k, v, attn_mask=_same_dtype_mask(mask, q.dtype), scale=scale)
+        # A replacement that routes its calls to this engine (a script's "every SDPA through
+        # lib_attn") would come back here call after call until Python's recursion limit, each level
+        # counted as sdpa-host. Both the call back and this call fail at once, so the call falls back.
+        here = _inside_host
+        if getattr(here, "depth", 0):
+            here.called_back = True
+            raise RuntimeError(REPLACEMENT_CALLS_BACK)
+        here.depth, here.called_back = 1, False
+        try:
+            out = fn(q, k, v, attn_mask=_same_dtype_mask(mask, q.dtype), scale=scale)
+        finally:
+            here.depth = 0
+        if here.called_back:
+            raise RuntimeError(REPLACEMENT_CALLS_BACK)
+        return out
+
+
+#: Per thread: inside the host's replacement (``depth``), and whether it called the engine back.
+_inside_host = threading.local()
+REPLACEMENT_CALLS_BACK = ("F.scaled_dot_product_attention's replacement calls this engine back (it routes its "
+                          "calls here), so it cannot run as a kernel of its own")
