@@ -16,9 +16,9 @@ reference, at a memory cost that does not grow with the call.
   that writes into its inputs is caught before it ever sees the caller's tensors.
 * **Writes at full size.** ``Watch`` keeps the fingerprints of q, k and v (``fingerprint``: sums
   of their bytes as integers that cannot wrap away a change, weighted by position, and of their
-  values, which a sign flip or a power-of-two scaling changes) and copies of them in host memory:
-  a kernel that wrote into the caller's tensors at full size (where the probe did not show it)
-  changes the fingerprints, and the copies put the tensors back.
+  values per row, which a sign flip, a power-of-two scaling or reordered tokens change) and copies
+  of them in host memory: a kernel that wrote into the caller's tensors at full size (where the
+  probe did not show it) changes the fingerprints, and the copies put the tensors back.
 
 A check fails when the output has the wrong shape, a non-finite value where the reference has none,
 or a relative L2 error over the sampled rows above the bound of the dtype the kernel computes in
@@ -271,15 +271,18 @@ def _float_bits(total: torch.Tensor) -> torch.Tensor:
 
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """Three int64 numbers that change when ``t``'s bytes do, from two reads of ``t`` and no copy of it:
+    """Four int64 numbers that change when ``t``'s bytes do, from two reads of ``t`` and no copy of it:
 
-    * the sum of its words summed along the sequence (dimension -2, in the words' own type, wrapping
-      around: a change of one value changes its column's sum), the columns added in int64, where they
-      cannot wrap; and that sum with each column (batch item, head, word) weighted by its position, so
-      a value that moves to another head or place in the row changes it;
-    * the bits of the sum of its values in its own dtype: a sign flip or a scaling by a power of two
-      changes every word by a multiple of a large power of two (2^31 for an fp32 sign), which a
-      wrapping sum of words can add up to nothing, while the sum of the values changes sign or scale.
+    * the sum of its words summed along dimension -2 (the sequence in bhsd, in the words' own type,
+      wrapping around: a change of one value changes its column's sum), the columns added in int64,
+      where they cannot wrap; and that sum with each column (batch item, head, word) weighted by its
+      position, so a value that moves to another head or place in the row changes it;
+    * the sums of its values along its last dimension (one per row: token and head), in its dtype:
+      their total's bits, and the bits of each weighted by the row's position. A sign flip
+      or a scaling by a power of two changes every word by a multiple of a large power of two (2^31
+      for an fp32 sign), which a wrapping sum of words can add up to nothing, while the row sums change
+      sign or scale; rows moved along the sequence (tokens reordered in place), which leave every
+      column's sum as it was, move their row sums to other weights.
 
     Both reductions run along the memory order of the layouts calls come in (bhsd, and bshd seen
     as bhsd), at about the speed of one read each.
@@ -289,9 +292,14 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     columns = words.sum(dim=along, dtype=words.dtype).reshape(-1).to(torch.int64)
     position = torch.arange(1, columns.numel() + 1, dtype=torch.int64, device=columns.device)
     try:
-        values = _float_bits(t.detach().sum())
+        x = t.detach()
+        x = x.reshape(1) if x.dim() == 0 else x
+        rows = x.sum(dim=-1).reshape(-1)  # in its own dtype: a half tensor summed into fp32 is a slow copy on a CPU
+        row_bits = rows.view(_INT_OF_SIZE[rows.element_size()]).to(torch.int64)
+        at = torch.arange(1, row_bits.numel() + 1, dtype=torch.int64, device=row_bits.device)
+        values = torch.cat((_float_bits(rows.sum()), (row_bits * at).sum().reshape(1)))
     except (RuntimeError, TypeError):  # a dtype torch cannot sum (fp8 on some builds): the words alone
-        values = columns.new_zeros(1)
+        values = columns.new_zeros(2)
     return torch.cat((columns.sum().reshape(1), (columns * position).sum().reshape(1), values))
 
 

@@ -404,3 +404,21 @@ def test_a_write_into_an_input_expanded_over_the_batch_is_undone():
         assert torch.equal(out, sdpa(q, k.contiguous(), v))
     finally:
         lib_attn.unregister_backend("fk-shared-k-long")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_the_fingerprint_changes_when_tokens_are_reordered_in_place(dtype, layout):
+    # A kernel that sorts or tiles tokens in place and does not put them back: every column's sum
+    # along the sequence stays as it was, and the sum of all values changes only by rounding, if at all.
+    gen = torch.Generator().manual_seed(7)
+    shape = (1, 4, 256, 64) if layout == "bhsd" else (1, 256, 4, 64)
+    seq = 2 if layout == "bhsd" else 1
+    for trial in range(40):
+        x = torch.randn(shape, generator=gen).to(dtype)
+        i, j = torch.randperm(256, generator=gen)[:2].tolist()
+        swapped = x.clone()
+        swapped.index_copy_(seq, torch.tensor([i, j]), x.index_select(seq, torch.tensor([j, i])))
+        for name, y in (("two tokens swapped", swapped), ("tokens rolled", x.roll(1 + trial, seq))):
+            assert not check.same_bits(x, y)
+            assert not torch.equal(check.fingerprint(y), check.fingerprint(x)), (name, trial)
