@@ -47,6 +47,11 @@ WROTE_INPUTS = "wrote into its inputs"
 WROTE_AT_FULL_SIZE = f"{WROTE_INPUTS} at full size (the caller's tensors changed before it was caught)"
 #: The same write, where copies of the caller's tensors were kept (``Watch``): they hold their values again.
 WROTE_RESTORED = f"{WROTE_INPUTS} at full size (the caller's tensors were restored)"
+#: The same write made through autograd (in-place ops on inputs that need gradients): the values are put
+#: back, but the inputs' autograd history keeps the write, so no recomputed output has right gradients.
+THROUGH_AUTOGRAD = "through autograd"
+WROTE_THROUGH_AUTOGRAD = (f"{WROTE_INPUTS} at full size {THROUGH_AUTOGRAD} (the caller's tensors were restored, "
+                          "but their autograd history holds the write: this call's gradients would be wrong)")
 
 PAIRS = 64
 SAMPLES = 512

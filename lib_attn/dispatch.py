@@ -350,6 +350,10 @@ def _caught(key, dec: Decision, reason: str, late: int, q, k, v, mask, scale):
                  failed=_failed.get(key), excluded=_guarded_out(spec, fp32, cfg))
     if key is not None:
         _cache[key] = new
+    if _check.THROUGH_AUTOGRAD in reason:
+        # Recomputing would hand back an output whose gradients go through the kernel's write.
+        raise RuntimeError(f"attention guard: {dec.backend} {text}; it is rejected from now on (also in the "
+                           f"tuning file), and this step cannot be recomputed: run it again")
     log.warning("attention guard: %s %s; recomputed on %s%s", dec.backend, text, new.backend,
                 f" ({late} earlier call(s) found faulty after they had returned)" if late else "")
     stats.count("guard", (role, dec.backend, text, new.backend, not late), late or 1, _scope.current().recordings)

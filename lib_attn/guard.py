@@ -115,9 +115,13 @@ def first_check(run, q, k, v, mask, scale, layout: str, dtype, approximate: bool
             watch = _check.Watch((q, k, v), keep=probe)
         except Exception as exc:  # noqa: BLE001 - as above
             return call(), _unchecked(exc)
+        history = [t.grad_fn for t in (q, k, v)] if graph else None
         out = call()
         if watch.changed():
-            return out, f"{_check.CHECK_FAILED}: {watch.undo()}"
+            reason = watch.undo()
+            if graph and any(t.requires_grad and t.grad_fn is not g for t, g in zip((q, k, v), history)):
+                reason = _check.WROTE_THROUGH_AUTOGRAD
+            return out, f"{_check.CHECK_FAILED}: {reason}"
         return out, _checked(out, q, k, v, mask, scale, layout, limit)
 
 

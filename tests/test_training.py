@@ -243,3 +243,26 @@ def test_inputs_the_guard_puts_back_keep_the_callers_graph():
             assert rel_err(got, ref) < 1e-4
     finally:
         lib_attn.unregister_backend("fk-raw-long")
+
+
+def test_a_write_through_autograd_on_long_calls_is_never_recomputed_into_wrong_gradients():
+    """A kernel that pre-scales q in place with a torch op on long calls: with q needing gradients, the
+    write enters q's autograd history, which putting the values back cannot undo. The call raises (it
+    cannot be recomputed with right gradients) and the kernel is rejected, so the step run again is right."""
+    from tests import faulty_backends
+
+    faulty_backends.register()
+    try:
+        lib_attn.configure(preference=["fk-scale-long", "sdpa"])
+        n = faulty_backends.LONG + 200
+        x = make_qkv(1, 2, n, n, 16, torch.float32)[0].requires_grad_()
+        k, v = make_qkv(1, 2, n, n, 16, torch.float32)[1:]
+        with pytest.raises(RuntimeError, match="through autograd"):
+            lib_attn.attention(x * 1.0, k, v)
+        out = lib_attn.attention(x * 1.0, k, v)   # the step again: on sdpa
+        out.sum().backward()
+        x2 = x.detach().clone().requires_grad_()
+        F.scaled_dot_product_attention(x2 * 1.0, k, v).sum().backward()
+        assert rel_err(x.grad, x2.grad) < 1e-5
+    finally:
+        faulty_backends.unregister()
