@@ -299,10 +299,15 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     try:
         x = t.detach()
         x = x.reshape(1) if x.dim() == 0 else x
-        rows = x.sum(dim=-1).reshape(-1)  # in its own dtype: a half tensor summed into fp32 is a slow copy on a CPU
-        row_bits = rows.view(_INT_OF_SIZE[rows.element_size()]).to(torch.int64)
-        at = torch.arange(1, row_bits.numel() + 1, dtype=torch.int64, device=row_bits.device)
-        values = torch.cat((_float_bits(rows.sum()), (row_bits * at).sum().reshape(1)))
+        rows = x.sum(dim=-1)  # in its own dtype: a half tensor summed into fp32 is a slow copy on a CPU
+        bits = rows.reshape(-1, rows.shape[-1] if rows.dim() else 1).view(_INT_OF_SIZE[rows.element_size()])
+        # Row (i, j) weighted by its flat position i·n + j + 1, from sums along each axis taken in
+        # int64 (no int64 copy of the rows): n·Σ i·(row i's sum) + Σ (j + 1)·(column j's sum).
+        n = bits.shape[1]
+        i = torch.arange(bits.shape[0], dtype=torch.int64, device=bits.device)
+        j = torch.arange(1, n + 1, dtype=torch.int64, device=bits.device)
+        weighted = n * (bits.sum(dim=1, dtype=torch.int64) * i).sum() + (bits.sum(dim=0, dtype=torch.int64) * j).sum()
+        values = torch.cat((_float_bits(rows.sum()), weighted.reshape(1)))
     except (RuntimeError, TypeError):  # a dtype torch cannot sum (fp8 on some builds): the words alone
         values = columns.new_zeros(2)
     return torch.cat((columns.sum().reshape(1), (columns * position).sum().reshape(1), values))
