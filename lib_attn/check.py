@@ -16,9 +16,9 @@ reference, at a memory cost that does not grow with the call.
   that writes into its inputs is caught before it ever sees the caller's tensors.
 * **Writes at full size.** ``Watch`` keeps the fingerprints of q, k and v (``fingerprint``: sums
   of their bytes as integers that cannot wrap away a change, weighted by position, and of their
-  values, which a sign flip or a power-of-two scaling changes) and copies of them in host memory:
-  a kernel that wrote into the caller's tensors at full size (where the probe did not show it)
-  changes the fingerprints, and the copies put the tensors back.
+  values per row, which a sign flip, a power-of-two scaling or reordered tokens change) and copies
+  of them in host memory: a kernel that wrote into the caller's tensors at full size (where the
+  probe did not show it) changes the fingerprints, and the copies put the tensors back.
 
 A check fails when the output has the wrong shape, a non-finite value where the reference has none,
 or a relative L2 error over the sampled rows above the bound of the dtype the kernel computes in
@@ -47,6 +47,11 @@ WROTE_INPUTS = "wrote into its inputs"
 WROTE_AT_FULL_SIZE = f"{WROTE_INPUTS} at full size (the caller's tensors changed before it was caught)"
 #: The same write, where copies of the caller's tensors were kept (``Watch``): they hold their values again.
 WROTE_RESTORED = f"{WROTE_INPUTS} at full size (the caller's tensors were restored)"
+#: The same write made through autograd (in-place ops on inputs that need gradients): the values are put
+#: back, but the inputs' autograd history keeps the write, so no recomputed output has right gradients.
+THROUGH_AUTOGRAD = "through autograd"
+WROTE_THROUGH_AUTOGRAD = (f"{WROTE_INPUTS} at full size {THROUGH_AUTOGRAD} (the caller's tensors were restored, "
+                          "but their autograd history holds the write: this call's gradients would be wrong)")
 
 PAIRS = 64
 SAMPLES = 512
@@ -271,15 +276,18 @@ def _float_bits(total: torch.Tensor) -> torch.Tensor:
 
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """Three int64 numbers that change when ``t``'s bytes do, from two reads of ``t`` and no copy of it:
+    """Four int64 numbers that change when ``t``'s bytes do, from two reads of ``t`` and no copy of it:
 
-    * the sum of its words summed along the sequence (dimension -2, in the words' own type, wrapping
-      around: a change of one value changes its column's sum), the columns added in int64, where they
-      cannot wrap; and that sum with each column (batch item, head, word) weighted by its position, so
-      a value that moves to another head or place in the row changes it;
-    * the bits of the sum of its values in its own dtype: a sign flip or a scaling by a power of two
-      changes every word by a multiple of a large power of two (2^31 for an fp32 sign), which a
-      wrapping sum of words can add up to nothing, while the sum of the values changes sign or scale.
+    * the sum of its words summed along dimension -2 (the sequence in bhsd, in the words' own type,
+      wrapping around: a change of one value changes its column's sum), the columns added in int64,
+      where they cannot wrap; and that sum with each column (batch item, head, word) weighted by its
+      position, so a value that moves to another head or place in the row changes it;
+    * the sums of its values along its last dimension (one per row: token and head), in its dtype:
+      their total's bits, and the bits of each weighted by the row's position. A sign flip
+      or a scaling by a power of two changes every word by a multiple of a large power of two (2^31
+      for an fp32 sign), which a wrapping sum of words can add up to nothing, while the row sums change
+      sign or scale; rows moved along the sequence (tokens reordered in place), which leave every
+      column's sum as it was, move their row sums to other weights.
 
     Both reductions run along the memory order of the layouts calls come in (bhsd, and bshd seen
     as bhsd), at about the speed of one read each.
@@ -289,9 +297,19 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     columns = words.sum(dim=along, dtype=words.dtype).reshape(-1).to(torch.int64)
     position = torch.arange(1, columns.numel() + 1, dtype=torch.int64, device=columns.device)
     try:
-        values = _float_bits(t.detach().sum())
+        x = t.detach()
+        x = x.reshape(1) if x.dim() == 0 else x
+        rows = x.sum(dim=-1)  # in its own dtype: a half tensor summed into fp32 is a slow copy on a CPU
+        bits = rows.reshape(-1, rows.shape[-1] if rows.dim() else 1).view(_INT_OF_SIZE[rows.element_size()])
+        # Row (i, j) weighted by its flat position i·n + j + 1, from sums along each axis taken in
+        # int64 (no int64 copy of the rows): n·Σ i·(row i's sum) + Σ (j + 1)·(column j's sum).
+        n = bits.shape[1]
+        i = torch.arange(bits.shape[0], dtype=torch.int64, device=bits.device)
+        j = torch.arange(1, n + 1, dtype=torch.int64, device=bits.device)
+        weighted = n * (bits.sum(dim=1, dtype=torch.int64) * i).sum() + (bits.sum(dim=0, dtype=torch.int64) * j).sum()
+        values = torch.cat((_float_bits(rows.sum()), weighted.reshape(1)))
     except (RuntimeError, TypeError):  # a dtype torch cannot sum (fp8 on some builds): the words alone
-        values = columns.new_zeros(1)
+        values = columns.new_zeros(2)
     return torch.cat((columns.sum().reshape(1), (columns * position).sum().reshape(1), values))
 
 
@@ -330,8 +348,25 @@ class Watch:
         """Put the caller's tensors back where copies were kept; the reason to give for the kernel."""
         if self.copies is None:
             return WROTE_AT_FULL_SIZE
+        copies, self.copies = self.copies, None
+        restored = True
         with torch.no_grad():
-            for t, c in zip(self.tensors, self.copies):
-                t.detach().copy_(c)
-        self.copies = None
-        return WROTE_RESTORED
+            for t, c in zip(self.tensors, copies):
+                # Through ``.data``, which has a version counter of its own: the kernel's write went
+                # past autograd, and so must the repair, or a backward that saved these tensors (q
+                # made by an exp, a bias added before) would fail as if they had been modified.
+                t, c = _own_elements(t.data, c)
+                try:
+                    t.copy_(c)
+                except RuntimeError:  # a layout whose elements share memory some other way
+                    restored = False
+        return WROTE_RESTORED if restored else WROTE_AT_FULL_SIZE
+
+
+def _own_elements(t: torch.Tensor, copy: torch.Tensor) -> tuple:
+    """``t`` and its copy with each of ``t``'s broadcast dimensions (stride 0: an ``expand``ed batch,
+    as a shared context is passed) cut to its first index, so that no two elements written share memory."""
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if stride == 0 and size > 1:
+            t, copy = t.narrow(dim, 0, 1), copy.narrow(dim, 0, 1)
+    return t, copy

@@ -74,7 +74,8 @@ def _key(q, k, v, mask, layout, role, backend, fp32, exact=False):
     scope = _scope.current()
     return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
             mask if mask is None else (mask.shape, mask.dtype, mask.get_device()),
-            _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+            _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                 or (mask is not None and mask.requires_grad)),
             (scope.config or _GLOBAL.config).token, scope.where.token, exact, layout, role, backend, fp32)
 
 
@@ -210,7 +211,8 @@ def attention(q, k, v, *, layout="bhsd", mask=None, scale=None, role="unet", bac
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
                mask if mask is None else (mask.shape, mask.dtype, mask.get_device()),
-               _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+               _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                 or (mask is not None and mask.requires_grad)),
                (scope.config or _GLOBAL.config).token, scope.where.token, exact, layout, role, backend, fp32)
         dec = _cache[key]
     except KeyError:
@@ -348,6 +350,10 @@ def _caught(key, dec: Decision, reason: str, late: int, q, k, v, mask, scale):
                  failed=_failed.get(key), excluded=_guarded_out(spec, fp32, cfg))
     if key is not None:
         _cache[key] = new
+    if _check.THROUGH_AUTOGRAD in reason:
+        # Recomputing would hand back an output whose gradients go through the kernel's write.
+        raise RuntimeError(f"attention guard: {dec.backend} {text}; it is rejected from now on (also in the "
+                           f"tuning file), and this step cannot be recomputed: run it again")
     log.warning("attention guard: %s %s; recomputed on %s%s", dec.backend, text, new.backend,
                 f" ({late} earlier call(s) found faulty after they had returned)" if late else "")
     stats.count("guard", (role, dec.backend, text, new.backend, not late), late or 1, _scope.current().recordings)

@@ -52,7 +52,7 @@ def _backward_math(q, k, v, mask, scale, grad):
     grad_scores = probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True))
     grad_q = torch.matmul(grad_scores, k) * scale
     grad_k = torch.matmul(grad_scores.transpose(-1, -2), q) * scale
-    return grad_q.to(dtype), grad_k.to(dtype), grad_v.to(dtype)
+    return grad_q.to(dtype), grad_k.to(dtype), grad_v.to(dtype), grad_scores
 
 
 def _setup_context(ctx, inputs, output):
@@ -65,10 +65,16 @@ def _backward(ctx, grad):
     q, k, v, mask = ctx.saved_tensors
     if ctx.layout == "bshd":
         q, k, v, grad = (t.transpose(1, 2) for t in (q, k, v, grad))
-    grads = _backward_math(q, k, v, mask, ctx.scale, grad)
+    *grads, grad_scores = _backward_math(q, k, v, mask, ctx.scale, grad)
     if ctx.layout == "bshd":
-        grads = tuple(g.transpose(1, 2) for g in grads)
-    return grads + (None,) * 7
+        grads = [g.transpose(1, 2) for g in grads]
+    # A float mask that requires grad (a learned bias) is added to the scores: its gradient is theirs,
+    # summed over the dimensions it was broadcast along.
+    wants = getattr(ctx, "needs_input_grad", None)
+    grad_mask = None
+    if mask is not None and mask.is_floating_point() and (wants[3] if wants else mask.requires_grad):
+        grad_mask = grad_scores.sum_to_size(mask.shape).to(mask.dtype)
+    return (*grads, grad_mask) + (None,) * 6
 
 
 _op = None

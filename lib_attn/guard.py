@@ -93,7 +93,7 @@ def first_check(run, q, k, v, mask, scale, layout: str, dtype, approximate: bool
     # The checks run without grad; the call itself runs in the caller's grad mode, so that its output
     # keeps the autograd graph a training step needs (a probe's output, made from copies, never has it).
     caller_grad = torch.is_grad_enabled()
-    graph = needs_grad(q, k, v)
+    graph = needs_grad(q, k, v, mask)
 
     def call():
         with torch.set_grad_enabled(caller_grad):
@@ -115,9 +115,13 @@ def first_check(run, q, k, v, mask, scale, layout: str, dtype, approximate: bool
             watch = _check.Watch((q, k, v), keep=probe)
         except Exception as exc:  # noqa: BLE001 - as above
             return call(), _unchecked(exc)
+        history = [t.grad_fn for t in (q, k, v)] if graph else None
         out = call()
         if watch.changed():
-            return out, f"{_check.CHECK_FAILED}: {watch.undo()}"
+            reason = watch.undo()
+            if graph and any(t.requires_grad and t.grad_fn is not g for t, g in zip((q, k, v), history)):
+                reason = _check.WROTE_THROUGH_AUTOGRAD
+            return out, f"{_check.CHECK_FAILED}: {reason}"
         return out, _checked(out, q, k, v, mask, scale, layout, limit)
 
 

@@ -132,7 +132,8 @@ def spec_of(q, k, v, mask, layout: str, role: str, exact: bool = False) -> CallS
         b, h, n, d = q.shape
         kv = k.shape[2]
         bq, bk, bv = q, k, v
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (mask is not None and mask.requires_grad))
     return CallSpec(
         device=device_info(q.device),
         dtype=q.dtype,

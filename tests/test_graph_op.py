@@ -123,3 +123,20 @@ def test_compiled_calls_are_decided_and_counted_when_they_run_on_every_torch(mon
     with lib_attn.use(preference=["math"]), lib_attn.recording() as rec:
         assert rel_err(compiled(x), want) < 1e-5
     assert rec.calls == {("dit", "math"): 1} and len(math_ran) == 1
+
+
+@needs_custom_op
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_compiled_learned_bias_gets_its_gradient(layout):
+    # A float mask that requires grad, broadcast over the batch: its gradient summed back to its shape.
+    compiled = torch.compile(lambda q, k, v, m: lib_attn.attention(q, k, v, mask=m, layout=layout), backend="aot_eager")
+    shape = (2, 3, 12, 8) if layout == "bhsd" else (2, 12, 3, 8)
+    q, k, v = (torch.randn(shape, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    bias = torch.randn(1, 3, 12, 12, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(shape, dtype=torch.float64)
+    out = compiled(q, k, v, bias)
+    got = torch.autograd.grad(out, (q, k, v, bias), grad)
+    ref = reference(q, k, v, mask=bias, layout=layout)
+    want = torch.autograd.grad(ref, (q, k, v, bias), grad)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-12

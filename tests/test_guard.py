@@ -376,3 +376,49 @@ def test_tuning_catches_and_undoes_a_sign_flip_or_scaling_at_full_size(bid):
     assert d.backend == "sdpa" and d.reasons_for(bid) == [
         "output check failed: wrote into its inputs at full size (the caller's tensors were restored)"]
     assert torch.equal(out, sdpa(*kept))
+
+
+class _HalvesSharedKWhenLong(faulty_backends._WritesWhenLong):
+    id, label = "fk-shared-k-long", "halves the memory of a batch-broadcast k on long calls"
+
+    def write(self, q, k):
+        k.data[:1].mul_(0.5)  # k is expanded over the batch: its first item is all of its memory
+
+
+def test_a_write_into_an_input_expanded_over_the_batch_is_undone():
+    # A context shared by the batch is passed expanded (stride 0): its elements share memory, which a
+    # plain copy back refuses; the memory is put back through one index of each broadcast dimension.
+    lib_attn.register_backend(_HalvesSharedKWhenLong())
+    try:
+        lib_attn.configure(preference=["fk-shared-k-long", "sdpa"])
+        q, k, v = long_qkv(5, n=faulty_backends.LONG + 100)
+        shared = k[:1].clone()
+        k = shared.clone().expand_as(q[:, :, :k.shape[2]])
+        base = k[:1].clone()
+        with lib_attn.recording() as rec:
+            out = lib_attn.attention(q, k, v)
+        ((_, caught, said, ran_on, _), _), = rec.guard.items()
+        assert (caught, ran_on) == ("fk-shared-k-long", "sdpa")
+        assert said.endswith("wrote into its inputs at full size (the caller's tensors were restored)"), said
+        assert torch.equal(k[:1], base), "the caller's k was not restored"
+        assert torch.equal(out, sdpa(q, k.contiguous(), v))
+    finally:
+        lib_attn.unregister_backend("fk-shared-k-long")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_the_fingerprint_changes_when_tokens_are_reordered_in_place(dtype, layout):
+    # A kernel that sorts or tiles tokens in place and does not put them back: every column's sum
+    # along the sequence stays as it was, and the sum of all values changes only by rounding, if at all.
+    gen = torch.Generator().manual_seed(7)
+    shape = (1, 4, 256, 64) if layout == "bhsd" else (1, 256, 4, 64)
+    seq = 2 if layout == "bhsd" else 1
+    for trial in range(40):
+        x = torch.randn(shape, generator=gen).to(dtype)
+        i, j = torch.randperm(256, generator=gen)[:2].tolist()
+        swapped = x.clone()
+        swapped.index_copy_(seq, torch.tensor([i, j]), x.index_select(seq, torch.tensor([j, i])))
+        for name, y in (("two tokens swapped", swapped), ("tokens rolled", x.roll(1 + trial, seq))):
+            assert not check.same_bits(x, y)
+            assert not torch.equal(check.fingerprint(y), check.fingerprint(x)), (name, trial)

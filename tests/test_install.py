@@ -1029,3 +1029,17 @@ def test_pypi_torch_for_cuda_13_is_not_given_an_xformers_for_cuda_12(env, tmp_pa
     code, out, commands = run_install(env.python, tmp_path, None, ATTN_INSTALL="xformers")
     assert code == 0 and commands == [], out
     assert "no xformers release has wheels for CUDA 13" in line_for(out, "xformers"), out
+
+
+@pytest.mark.parametrize("quote", ['"', "'"])
+def test_a_wheel_path_named_in_quotes_as_a_bat_file_keeps_them_is_taken(tmp_path, monkeypatch, quote):
+    from host_attn.install.pip import named_wheel
+    wheel = tmp_path / "my wheels" / "sageattention-2.2.0-cp310-cp310-win_amd64.whl"
+    wheel.parent.mkdir()
+    wheel.write_bytes(b"")
+    backend = types.SimpleNamespace(wheel_env="ATTN_WHEEL_SAGE")
+    monkeypatch.setenv("ATTN_WHEEL_SAGE", f"{quote}{wheel}{quote}")
+    assert named_wheel(backend) == (str(wheel), None)
+    monkeypatch.setenv("ATTN_WHEEL_SAGE", f'{quote}{tmp_path}{quote}')  # a folder, quoted: still refused
+    found, why = named_wheel(backend)
+    assert found is None and "never builds from source" in why

@@ -202,3 +202,41 @@ def test_a_webui_generation_on_sdpa_never_reaches_an_extension_replacement(webui
     assert F.scaled_dot_product_attention is fn
     panel.reset()
     layers.reset()
+
+
+def test_a_replacement_taken_off_mid_run_is_never_counted_as_having_run(monkeypatch):
+    # A host puts PyTorch's function back (an extension unloaded, another setting chosen) after
+    # sdpa-host was decided: the calls from then on run PyTorch's own, and are counted as sdpa.
+    patch = Rounding()
+    patch.install(monkeypatch)
+    q, k, v = qkv()
+    with lib_attn.recording() as rec:
+        lib_attn.attention(q, k, v, backend="sdpa-host")
+        calls = patch.calls
+        monkeypatch.setattr(F, "scaled_dot_product_attention", TORCH_OWN)
+        out = lib_attn.attention(q, k, v, backend="sdpa-host")
+        lib_attn.attention(q, k, v, backend="sdpa-host")
+    assert patch.calls == calls
+    assert rec.calls == {("unet", "sdpa-host"): 1, ("unet", "sdpa"): 2}
+    assert torch.equal(out, TORCH_OWN(q, k, v))
+
+
+def test_a_replacement_that_routes_back_to_the_engine_is_passed_over_at_once(monkeypatch):
+    # A script's "every SDPA through lib_attn" patch, with sdpa-host chosen: without a stop it comes
+    # back to sdpa-host until the recursion limit, each level counted as the replacement.
+    seen = []
+
+    def through_the_engine(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        seen.append(1)
+        return lib_attn.attention(query, key, value, mask=attn_mask, scale=scale)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", through_the_engine)
+    lib_attn.configure(preference=["sdpa-host", "sdpa"])  # the calls it routes back meet sdpa-host again
+    q, k, v = qkv()
+    with lib_attn.recording() as rec:
+        out = lib_attn.attention(q, k, v)
+        lib_attn.attention(q, k, v)
+    assert len(seen) == 1
+    assert ("unet", "sdpa-host") not in rec.calls and rec.calls[("unet", "sdpa")] >= 2
+    assert any("calls this engine back" in reason for (_, _, reason) in rec.fallbacks)
+    assert torch.equal(out, TORCH_OWN(q, k, v))

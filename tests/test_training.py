@@ -195,3 +195,74 @@ def test_sparse_runs_dense_for_calls_that_need_gradients_and_says_why():
     dense = rec.sparse.to_dict()
     assert "gradients needed" in str(dense)
     assert all(b in {bid for bid in REGISTRY} and b != "block-sparse" for _, b in rec.calls)
+
+
+@pytest.mark.parametrize("mode,preference,dtype", [
+    ("guard on", None, torch.float64), ("guard off", None, torch.float64), ("tuning on", None, torch.float64),
+    ("guard on", ["sdpa-efficient"], torch.float32), ("guard on", ["sdpa-math"], torch.float64)])
+def test_a_learned_bias_alone_gets_its_gradient_from_the_first_call(mode, preference, dtype):
+    # A float mask that requires grad (a learned relative-position bias) needs the graph as q, k and v do.
+    lib_attn.configure(**MODES[mode], **({"preference": preference} if preference else {}))
+    b, h, n, d = 2, 3, 40, 16
+    for call in range(2):
+        q, k, v = make_qkv(b, h, n, n, d, dtype)
+        bias = torch.randn(1, h, n, n, dtype=dtype, requires_grad=True)
+        out = lib_attn.attention(q, k, v, mask=bias)
+        assert out.grad_fn is not None, call
+        out.sum().backward()
+        want = bias.detach().clone().requires_grad_()
+        F.scaled_dot_product_attention(q, k, v, attn_mask=want).sum().backward()
+        assert rel_err(bias.grad, want.grad) < (1e-10 if dtype == torch.float64 else 1e-5), call
+
+
+def test_inputs_the_guard_puts_back_keep_the_callers_graph():
+    """A kernel that writes into q's memory on long calls, as a GPU kernel does (past autograd): the
+    guard restores q, and a backward that saved q (made by an exp) still runs and gives SDPA's gradients."""
+    from tests import faulty_backends
+
+    class RawScale(faulty_backends._WritesWhenLong):
+        id, label = "fk-raw-long", "pre-scales q's memory by 1/8 on long calls"
+
+        def write(self, q, k):
+            q.data.mul_(0.125)
+
+    lib_attn.register_backend(RawScale())
+    try:
+        lib_attn.configure(preference=["fk-raw-long", "sdpa"])
+        n = faulty_backends.LONG + 200
+        x, k, v = (t.requires_grad_() for t in make_qkv(1, 2, n, n, 16, torch.float32))
+        q = x.exp()  # exp keeps its output for its backward
+        out = lib_attn.attention(q, k, v)
+        assert lib_attn.explain(q, k, v).backend == "sdpa"
+        out.sum().backward()
+        x2, k2, v2 = (t.detach().clone().requires_grad_() for t in (x, k, v))
+        want = F.scaled_dot_product_attention(x2.exp(), k2, v2)
+        want.sum().backward()
+        assert rel_err(out.detach(), want.detach()) < 1e-5
+        for got, ref in ((x.grad, x2.grad), (k.grad, k2.grad), (v.grad, v2.grad)):
+            assert rel_err(got, ref) < 1e-4
+    finally:
+        lib_attn.unregister_backend("fk-raw-long")
+
+
+def test_a_write_through_autograd_on_long_calls_is_never_recomputed_into_wrong_gradients():
+    """A kernel that pre-scales q in place with a torch op on long calls: with q needing gradients, the
+    write enters q's autograd history, which putting the values back cannot undo. The call raises (it
+    cannot be recomputed with right gradients) and the kernel is rejected, so the step run again is right."""
+    from tests import faulty_backends
+
+    faulty_backends.register()
+    try:
+        lib_attn.configure(preference=["fk-scale-long", "sdpa"])
+        n = faulty_backends.LONG + 200
+        x = make_qkv(1, 2, n, n, 16, torch.float32)[0].requires_grad_()
+        k, v = make_qkv(1, 2, n, n, 16, torch.float32)[1:]
+        with pytest.raises(RuntimeError, match="through autograd"):
+            lib_attn.attention(x * 1.0, k, v)
+        out = lib_attn.attention(x * 1.0, k, v)   # the step again: on sdpa
+        out.sum().backward()
+        x2 = x.detach().clone().requires_grad_()
+        F.scaled_dot_product_attention(x2 * 1.0, k, v).sum().backward()
+        assert rel_err(x.grad, x2.grad) < 1e-5
+    finally:
+        faulty_backends.unregister()

@@ -90,6 +90,9 @@ WHEEL_SCHEMES = ("http://", "https://", "file://")
 def named_wheel(backend):
     """(the wheel named in the backend's ATTN_WHEEL_* variable or None, why it is refused or None)."""
     value = os.environ.get(backend.wheel_env, "").strip() if backend.wheel_env else ""
+    if len(value) > 1 and value[0] == value[-1] and value[0] in "\"'":
+        # ``set ATTN_WHEEL_SAGE="C:\my wheels\x.whl"`` in a .bat file keeps the quotes in the value.
+        value = value[1:-1].strip()
     if not value:
         return None, None
     has_scheme = "://" in value

@@ -91,8 +91,11 @@ def additive_bias(mask: torch.Tensor, dtype: torch.dtype, shape: tuple, align: i
     return bias.expand(shape)
 
 
-def needs_grad(q, k, v) -> bool:
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+def needs_grad(q, k, v, mask=None) -> bool:
+    """The call's output needs an autograd graph: grad mode is on and q, k, v or a float mask (a
+    learned bias) require grad."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (mask is not None and mask.requires_grad))
 
 
 #: Why an approximate kernel does not take a call that asks for exact attention.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..spec import FLOATS, HALF
-from .base import Backend, Status, default_scale, new_output
+from .base import Backend, Status, default_scale, needs_grad, new_output
 
 CHUNK_BYTES = 16 * 2**20
 
@@ -32,7 +32,7 @@ class Math(Backend):
         vc = v.to(compute)
         row_bytes = b * h * kv * torch.finfo(compute).bits // 8
         rows = max(1, min(n, CHUNK_BYTES // max(row_bytes, 1)))
-        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        grad = needs_grad(q, k, v, mask)
         blocks = []
         out = None if grad else new_output((b, h, n, v.shape[-1]), q.dtype, q.device)
         for start in range(0, n, rows):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import warnings
 
 import torch
@@ -268,7 +269,7 @@ class SdpaEfficient(_PinnedSdpa):
         q, k, v = last_dim_contiguous(q, k, v)
         bias = None if mask is None else additive_bias(mask, q.dtype, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), 16)
         # Backward needs the log-sum-exp of the forward.
-        return self.op(q, k, v, bias, needs_grad(q, k, v), 0.0, False, scale=scale)[0]
+        return self.op(q, k, v, bias, needs_grad(q, k, v, bias), 0.0, False, scale=scale)[0]
 
 
 class SdpaCudnn(_PinnedSdpa):
@@ -315,7 +316,7 @@ class SdpaCudnn(_PinnedSdpa):
             # cuDNN mishandles -inf in a bias; PyTorch masks with the most negative fp16 value for it.
             bias = None if mask is None else additive_bias(
                 mask, q.dtype, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), 16, neg=-65504.0)
-            return self.op(q, k, v, bias, needs_grad(q, k, v), 0.0, False, False, scale=scale)[0]
+            return self.op(q, k, v, bias, needs_grad(q, k, v, bias), 0.0, False, False, scale=scale)[0]
         return self.op(q, k, v, 0.0, False, False, scale=scale)[0]
 
 
@@ -364,5 +365,30 @@ class SdpaHost(Backend):
         return Status(True, version=callable_name(found))
 
     def run(self, q, k, v, mask, scale):
-        fn = replacement() or _TORCH_SDPA
-        return fn(q, k, v, attn_mask=_same_dtype_mask(mask, q.dtype), scale=scale)
+        fn = replacement()
+        if fn is None:
+            # Taken off after this kernel was chosen: running PyTorch's own under this id would say
+            # the replacement ran. The call falls back, with this reason, to the next backend.
+            raise RuntimeError("F.scaled_dot_product_attention is PyTorch's own again (its replacement was "
+                               "taken off)")
+        # A replacement that routes its calls to this engine (a script's "every SDPA through
+        # lib_attn") would come back here call after call until Python's recursion limit, each level
+        # counted as sdpa-host. Both the call back and this call fail at once, so the call falls back.
+        here = _inside_host
+        if getattr(here, "depth", 0):
+            here.called_back = True
+            raise RuntimeError(REPLACEMENT_CALLS_BACK)
+        here.depth, here.called_back = 1, False
+        try:
+            out = fn(q, k, v, attn_mask=_same_dtype_mask(mask, q.dtype), scale=scale)
+        finally:
+            here.depth = 0
+        if here.called_back:
+            raise RuntimeError(REPLACEMENT_CALLS_BACK)
+        return out
+
+
+#: Per thread: inside the host's replacement (``depth``), and whether it called the engine back.
+_inside_host = threading.local()
+REPLACEMENT_CALLS_BACK = ("F.scaled_dot_product_attention's replacement calls this engine back (it routes its "
+                          "calls here), so it cannot run as a kernel of its own")
