@@ -127,10 +127,12 @@ def _sparse_dict(device: torch.device, info=None) -> dict:
             b["design"] = design
             if design == "flex":
                 b["compiler"] = _flex_compiler(device.type)
-            elif getattr(backend, "flex_failed", ""):
-                b["compiler"] = f"FlexAttention failed here: {backend.flex_failed}"
+            elif getattr(backend, "flex_failures", None):
+                b["compiler"] = f"FlexAttention failed here: {next(iter(backend.flex_failures.values()))}"
             elif not flex.available():
                 b["compiler"] = "this torch has no FlexAttention (torch 2.5 and later)"
+            else:
+                b["compiler"] = f"FlexAttention with the pooled term does not run on {device.type}: the gather design serves"
     return {"settings": settings.text if settings is not None else None, "backends": backends}
 
 
