@@ -620,7 +620,7 @@ def sparse(seed: int):
     rank, world, _ = launch.init(timeout=60)
     lib_attn.configure(sparse="block-sparse, min_tokens=512, dense=none, budget=0.2")
     n, heads = 2048, 2 * world
-    q, k, v = local_inputs(1, heads, (n,), 32, torch.float32, torch.device("cpu"), seed=seed, strength=0.6)
+    q, k, v = local_inputs(1, heads, (n,), 32, torch.float32, torch.device("cpu"), seed=seed, strength=1.0)
     want = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 32 ** 0.5, dim=-1) @ v.double()
     start, stop = parallel.bounds(n, world, rank)
     out = {"rank": rank}

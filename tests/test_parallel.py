@@ -184,7 +184,7 @@ def test_sparse_attention_runs_under_ulysses_and_says_why_ring_steps_run_dense()
         res = r["result"]
         ulysses, ring = res["ulysses"], res["ring"]
         # Ulysses: each rank attends over the whole sequence for its heads, sparse, within the budget
-        assert ulysses["sparse_calls"] == 1 and ["dit", "block-sparse"] in ulysses["calls"]
+        assert ulysses["sparse_calls"] == 1 and ["dit", "block-sparse"] in ulysses["calls"], res
         assert ulysses["error_max"] <= 0.2 and 0 < ulysses["err"] <= 0.2
         # ring: the steps run dense, each counted as a fallback from the sparse backend with the reason
         assert ring["sparse_calls"] == 0 and ring["err"] < 1e-5
