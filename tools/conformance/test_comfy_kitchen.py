@@ -231,7 +231,7 @@ def sol_case(release: str, root: str) -> None:
             else:
                 result = backend.run_sparse(*(as_bshd(x) for x in (q, k, v)), scale, knob)
                 out = result.out
-                assert result.lse is None and 0 < float(result.kept) <= 1
+                assert result.lse is None and 0 < result.share() <= 1
         assert out.dtype == dtype and out.shape == direct.shape, (name, out.dtype, out.shape)
         assert torch.equal(out, direct), f"{name}: the engine's call differs from sol_attn's own"
         assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v))), f"{name}: the call wrote to q, k or v"
@@ -279,7 +279,7 @@ def sol_case(release: str, root: str) -> None:
                      Knob("topk", 0.1), Knob("topk", 0.2), Knob("topk", 0.4)):
             result = backend.run_sparse(q, k, v, None, knob)
             errors[label, knob] = err = _rel_l2(result.out, ref)
-            print(f"  {label:6} {knob}: {err:.3f}, {float(result.kept):.2f} of key blocks exact")
+            print(f"  {label:6} {knob}: {err:.3f}, {result.share():.2f} of key blocks exact")
     default = Knob("threshold", sol.DEFAULT_TAU)
     assert errors["local", default] < errors["random", default] / 3, errors
     assert errors["random", default] > 0.5, "random q and k have no local attention to route to"
