@@ -29,6 +29,7 @@ def device(monkeypatch):
     sim.alloc(4 * GIB)                    # the model's weights
     sim.alloc(26 * GIB)                   # an earlier generation's peak: torch's lifetime peak is 30 GiB
     sim.free(26 * GIB)
+    sim.empty_cache()                     # that generation ended as A1111 ends each one: devices.torch_gc()
     return sim
 
 
