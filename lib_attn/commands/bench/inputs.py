@@ -48,6 +48,14 @@ def output_error(out: torch.Tensor, rows: torch.Tensor, ref: torch.Tensor) -> Tu
     return rel, diff.abs().max().item()
 
 
+def grid_coords(grid: Tuple[int, ...]):
+    """(tokens, their coordinates on ``grid`` as an (n, len(grid)) float64 tensor), in row-major order."""
+    n = math.prod(grid)
+    coords = torch.stack(torch.meshgrid(*[torch.arange(size, dtype=torch.float64) for size in grid], indexing="ij"),
+                         dim=-1).reshape(n, len(grid))
+    return n, coords
+
+
 def local_inputs(b: int, heads: int, grid: Tuple[int, ...], head_dim: int, dtype: torch.dtype,
                  device: torch.device, seed: int = 0, strength: float = 0.7):
     """q, k, v whose attention is local, as a video model's is: each token's q and k hold the same
@@ -57,11 +65,7 @@ def local_inputs(b: int, heads: int, grid: Tuple[int, ...], head_dim: int, dtype
     at wavelengths from 2 to about the axis' length; ``strength`` scales it (0: plain random inputs).
     Returned as (b, heads, tokens, head_dim) non-contiguous views, as ``make_inputs``'s."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    n = 1
-    for size in grid:
-        n *= size
-    coords = torch.stack(torch.meshgrid(*[torch.arange(size, dtype=torch.float64) for size in grid], indexing="ij"),
-                         dim=-1).reshape(n, len(grid))
+    n, coords = grid_coords(grid)
     per_axis = max(1, head_dim // (2 * len(grid)))
     features = []
     for axis, size in enumerate(grid):
@@ -92,11 +96,7 @@ def rope_inputs(b: int, heads: int, grid: Tuple[int, ...], head_dim: int, dtype:
     the offset between two tokens, highest between neighbours, as a trained model's local heads'.
     ``strength`` scales q (the scores' sharpness). Returned as (b, heads, tokens, head_dim) views."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    n = 1
-    for size in grid:
-        n *= size
-    coords = torch.stack(torch.meshgrid(*[torch.arange(size, dtype=torch.float64) for size in grid], indexing="ij"),
-                         dim=-1).reshape(n, len(grid))
+    n, coords = grid_coords(grid)
     pairs = head_dim // 2
     split = [pairs // len(grid) + (1 if i < pairs % len(grid) else 0) for i in range(len(grid))]
     # wavelengths from 2 tokens to twice the axis' length, log-spaced (RoPE's span, fitted to the grid)
