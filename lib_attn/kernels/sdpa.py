@@ -34,6 +34,8 @@ from .base import Backend, Status, additive_bias, as_4d, default_scale, last_dim
 
 log = logging.getLogger("lib_attn")
 _TORCH_SDPA = _compat.TORCH_SDPA
+#: Why neither ``sdpa`` nor ``sdpa-host`` can run on an old torch.
+NO_SDPA = Status(False, f"torch {_compat.TORCH_VERSION_TEXT} < 2.1 (no scaled_dot_product_attention with scale)")
 
 
 def _run_public(q, k, v, mask, scale):
@@ -106,7 +108,7 @@ class Sdpa(Backend):
 
     def _probe(self) -> Status:
         if not _compat.HAS_SDPA:
-            return Status(False, f"torch {_compat.TORCH_VERSION_TEXT} < 2.1 (no scaled_dot_product_attention with scale)")
+            return NO_SDPA
         return Status(True, version=f"torch {_compat.TORCH_VERSION_TEXT}")
 
     def runner(self, spec: CallSpec):
@@ -358,7 +360,7 @@ class SdpaHost(Backend):
 
     def _probe(self) -> Status:
         if not _compat.HAS_SDPA:
-            return Status(False, f"torch {_compat.TORCH_VERSION_TEXT} < 2.1 (no scaled_dot_product_attention with scale)")
+            return NO_SDPA
         found = replacement()
         if found is None:
             return Status(False, "nothing replaced F.scaled_dot_product_attention here (it is PyTorch's own)")
