@@ -327,11 +327,12 @@ def install(backend, torch, host, dry_run):
             return _say_pip_failure(backend, torch, exc, held)
     finally:
         os.unlink(constraints)
-    moved = {name: (version, dist_version(name)) for name, version in held.items() if dist_version(name) != version}
+    now = installed_pins()   # read once: each package's metadata lookup scans the whole environment
+    moved = {name: (version, now.get(name)) for name, version in held.items() if now.get(name) != version}
     if moved:
         say(backend, "WARNING: pip changed " + ", ".join(f"{n} {a} -> {b or 'removed'}" for n, (a, b) in moved.items()))
     after = dist_version(backend.dist)
-    added = sorted(set(installed_pins()) - set(held) - {canonical(backend.dist)})
+    added = sorted(set(now) - set(held) - {canonical(backend.dist)})
     error = _import_check(host.python, backend.module) if after else "not found after the install"
     if error is not None:
         if before is None and after is not None:
