@@ -52,7 +52,7 @@ class Decision:
     checked: bool = field(default=True, repr=False)
     countdown: int = field(default=_guard.NEVER, repr=False)
     late: object = field(default=None, repr=False)  # the guard's device-side count (CUDA, mode on)
-    #: While sparse attention is on: the ``lib_attn.sparse.plan.Plan`` that serves every call of the
+    #: While sparse attention is on: the ``lib_attn.sparse_plan.Plan`` that serves every call of the
     #: signature (the guard's path hands each call to it), else None.
     plan: object = field(default=None, repr=False)
     #: The counters of ``count_key`` and ``fallback_key`` (and of the fallback's whole path: every

@@ -33,7 +33,7 @@ from .chains import chain_for, tuning_chain
 from .decision import Decision, decide, decide_tuned, trusted, wrap
 from .kernels import BACKEND_IDS, REGISTRY, not_in_chains
 from .kernels.base import failure_text, is_sticky
-from .sparse import plan as _sparse_plan
+from . import sparse_plan as _sparse_plan
 from .spec import CallSpec, spec_of, validate
 
 log = logging.getLogger("lib_attn")
@@ -136,7 +136,7 @@ _DENSE = "dense"
 
 def _sparse_decision(q, k, v, mask, scale, key, cfg, spec: CallSpec) -> Decision:
     """The decision of a signature while sparse attention is on: its ``plan`` serves every call (sparse,
-    or dense with its reason, see ``lib_attn.sparse.plan``); the dense calls run the decision the
+    or dense with its reason, see ``lib_attn.sparse_plan``); the dense calls run the decision the
     configuration makes for them without sparse, under ``(_DENSE,) + key``."""
     layout, role, backend, fp32 = key[-4:]
     dense_key = (_DENSE,) + key

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 
 from .schedule import OTHERWISE, parse
-from .sparse.readout import SparseReport
+from .sparse_report import SparseReport
 
 MIB = 1024 * 1024
 
@@ -186,7 +186,7 @@ class Report:
     backend id): n}, the calls a schedule served, per rule (``rule_items`` in the schedule's order);
     ``parallel``: {(role, kind, mode, ranks, ulysses, ring, note): (calls, bytes this rank sent)}, the
     calls split over several ranks (``lib_attn.parallel``); ``sparse``: what sparse attention did
-    (``lib_attn.sparse.readout.SparseReport``), or None when it served no call; ``recomputed``:
+    (``lib_attn.sparse_report.SparseReport``), or None when it served no call; ``recomputed``:
     {(role, backend id): n}, the calls of ``calls`` that ran inside a backward pass (recomputed by
     activation checkpointing), the rest being forward calls.
     """

@@ -20,7 +20,7 @@ import time
 from collections import Counter
 
 from . import scope as _scope
-from .sparse.readout import SparseReport
+from .sparse_report import SparseReport
 
 #: What each backend id ran as, e.g. {"flash-attn": {"flash-attn 2.8.3 (FA3)"}}, filled per decision.
 _kernels: dict[str, set] = {}

@@ -14,7 +14,7 @@ from lib_attn.kernels.block_sparse import flex, gather
 from lib_attn.kernels.block_sparse.routing import blocks, route
 from lib_attn.commands.bench.inputs import rope_inputs
 from lib_attn.kernels.sparse import Knob
-from lib_attn.sparse import measure
+from lib_attn import sparse_measure as measure
 from tests.engine_helpers import make_qkv, reference, rel_err
 
 

@@ -10,7 +10,7 @@ import torch
 
 import lib_attn
 from lib_attn.integrations.diffusers import route
-from lib_attn.sparse import measure
+from lib_attn import sparse_measure as measure
 
 from engine_helpers import reference, rel_err
 

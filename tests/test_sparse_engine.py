@@ -16,8 +16,8 @@ from lib_attn import schedule as sched
 from lib_attn.commands.bench.inputs import local_inputs
 from lib_attn.kernels import REGISTRY
 from lib_attn.report import Report
-from lib_attn.sparse import measure
-from lib_attn.sparse import plan as sparse_plan
+from lib_attn import sparse_measure as measure
+from lib_attn import sparse_plan
 from tests.engine_helpers import reference, rel_err
 
 CPU = torch.device("cpu")

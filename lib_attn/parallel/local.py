@@ -39,7 +39,7 @@ from ..check import bound
 from ..decision import decide
 from ..kernels import REGISTRY
 from ..kernels.base import default_scale, last_dim_contiguous
-from ..sparse import plan as _sparse_plan
+from .. import sparse_plan as _sparse_plan
 from ..spec import spec_of
 
 log = logging.getLogger("lib_attn")

@@ -39,8 +39,8 @@ from lib_attn.kernels import REGISTRY
 from lib_attn.check import Samples
 from lib_attn.kernels.block_sparse import flex
 from lib_attn.kernels.sparse import TOPK_LADDER
-from lib_attn.sparse import measure as sparse_measure
-from lib_attn.sparse import plan as sparse_plan
+from lib_attn import sparse_measure
+from lib_attn import sparse_plan
 
 from ..formats import fmt_time, format_table
 from .inputs import local_inputs, output_error, reference_rows, rope_inputs, sample_rows

@@ -2,7 +2,7 @@
 sparse tables (``lib_attn.stats``), and its JSON, which the hosts show and store.
 
 Errors are the relative L2 error of a call's output on the sampled rows against exact attention, as
-measured (``lib_attn.sparse.measure.output_error``), over the sparse outputs that were returned; a
+measured (``lib_attn.sparse_measure.output_error``), over the sparse outputs that were returned; a
 measured output over the budget is recomputed, and counted apart (``replaced``) with its error.
 ``kept`` is the share of (query block, key block) pairs the measured calls computed. Seconds are measured on the CPU, where a call's time can
 be read without waiting for a device; elsewhere they are absent.

@@ -1,5 +1,10 @@
-"""The user's sparse settings: which sparse backend, the error budget, the minimum tokens, the routing
+"""Sparse attention for long self-attention calls, held to an error budget the user sets; this module
+holds the user's settings: which sparse backend, the error budget, the minimum tokens, the routing
 knob and the dense windows, checked before anything changes.
+
+The rest sits on the floor it serves: ``sparse_report`` (what sparse did, as data) beside ``stats``,
+``sparse_measure`` (a sparse call's error) beside ``check``, and ``sparse_plan`` (what runs each call)
+beside the dispatcher.
 
 One line of text holds them all (a flag, a setting, the infotext), read by ``parse`` and written by
 ``Sparse.text``::
@@ -14,9 +19,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .. import schedule as _schedule
-from ..kernels import REGISTRY
-from ..kernels.sparse import Knob, is_sparse
+from . import schedule as _schedule
+from .kernels import REGISTRY
+from .kernels.sparse import Knob, is_sparse
 
 #: The method that takes the first sparse backend, in registry order, that can take a call.
 AUTO = "auto"

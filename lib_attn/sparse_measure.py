@@ -24,8 +24,8 @@ import math
 
 import torch
 
-from .. import check as _check
-from ..kernels.base import default_scale
+from . import check as _check
+from .kernels.base import default_scale
 
 #: Scores of the sampled rows held at once by ``routed_errors``.
 ROW_BYTES = 8 * 2**20

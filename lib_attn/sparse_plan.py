@@ -43,16 +43,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import check as _check
-from .. import guard as _guard
-from .. import schedule as _schedule
-from .. import scope as _scope
-from .. import stats
-from ..decision import verdict
-from ..kernels import REGISTRY, SPARSE_IDS, status
-from ..kernels.base import failure_text
-from ..spec import NO_MASK
-from . import measure
+from . import check as _check
+from . import guard as _guard
+from . import schedule as _schedule
+from . import scope as _scope
+from . import stats
+from .decision import verdict
+from .kernels import REGISTRY, SPARSE_IDS, status
+from .kernels.base import failure_text
+from .spec import NO_MASK
+from . import sparse_measure as measure
 
 log = logging.getLogger("lib_attn")
 
