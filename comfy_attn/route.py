@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextvars
 import importlib
+import inspect
 import os
 import sys
 
@@ -376,6 +377,7 @@ def route_everything(config: dict | None = None) -> list[str]:
     route_vae_blocks()
     _passes_as_vae()
     _samplings_are_segments()
+    _prompts_end_with_a_report()
     return _names.targets() + _blocks.targets()
 
 
@@ -452,6 +454,47 @@ def _as_segment(method):
             return method(self, *args, **kwargs)
     outer_sample.__name__, outer_sample.__qualname__ = method.__name__, method.__qualname__
     return outer_sample
+
+
+def _prompts_end_with_a_report() -> None:
+    """Under the global route a prompt that sent no report (everything that ran attention came from ComfyUI's
+    cache, and no report node ran) sends, when ComfyUI's executor ends it (``PromptExecutor.execute``), the
+    report of the run that made the images its cache entries hold, with the cache note (``run.prompt_ended``)."""
+    execution, _ = import_quietly("execution")   # ComfyUI's main.py has it loaded before the custom nodes
+    cls = getattr(execution, "PromptExecutor", None)
+    method = cls.__dict__.get("execute") if cls is not None else None
+    if method is not None and not _names.is_patched(cls, "execute"):
+        _names.patch(cls, "execute", _ends_with_a_report(method))
+
+
+def _ends_with_a_report(method):
+    def execute(self, prompt, prompt_id, *args, **kwargs):
+        try:
+            return method(self, prompt, prompt_id, *args, **kwargs)
+        finally:
+            if _everything[0]:
+                run.prompt_ended(prompt_id, _cached_outputs(self, prompt))
+    execute.__name__, execute.__qualname__ = method.__name__, method.__qualname__
+    return execute
+
+
+def _cached_outputs(executor, prompt) -> list:
+    """The values ComfyUI's output cache holds for the nodes of ``prompt`` after it ran: each node's
+    ``CacheEntry.outputs`` (``caches.outputs.get_local`` in 0.19, where ``get`` is a coroutine; ``get`` in 0.8)."""
+    cache = getattr(getattr(executor, "caches", None), "outputs", None)
+    get = getattr(cache, "get_local", None) or getattr(cache, "get", None)
+    values = []
+    for node_id in prompt if get is not None else ():
+        try:
+            entry = get(node_id)
+        except Exception:  # noqa: BLE001 - a cache this package does not know: no note rather than a failed prompt
+            continue
+        if inspect.isawaitable(entry):
+            getattr(entry, "close", lambda: None)()
+            continue
+        for output in getattr(entry, "outputs", None) or ():
+            values.extend(output if isinstance(output, (list, tuple)) else (output,))
+    return values
 
 
 def routing() -> voice.Routing:

@@ -411,6 +411,95 @@ def test_the_global_route_sends_each_samplings_and_decodes_report_and_the_cache_
     assert "these images come from ComfyUI's cache" in text[-1] and "(prompt p1)" in text[-1]
 
 
+class _Decoder:
+    """A sampler and a VAE decode in one node (a seed in, images out), as KSampler then VAEDecode make them."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 1})}}
+
+    RETURN_TYPES = ("IMAGE",)
+    FUNCTION = "run"
+
+    def run(self, seed):
+        from comfy.sd import VAE
+        from comfy_attn import run
+        return (VAE().decode(sample(unet_patcher(seed), prompt_id=run.prompt_id())),)
+
+
+class _Save:
+    """SaveImage's place: an output node with images in and nothing out."""
+    saved = []
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"images": ("IMAGE",), "filename_prefix": ("STRING", {"default": "x"})}}
+
+    RETURN_TYPES = ()
+    FUNCTION = "save"
+    OUTPUT_NODE = True
+
+    def save(self, images, filename_prefix):
+        self.saved.append(filename_prefix)
+        return {"ui": {"images": [filename_prefix]}, "result": ()}
+
+
+def test_under_the_global_route_a_cached_prompt_without_a_report_node_sends_the_cache_note(comfy_factory,
+                                                                                           monkeypatch):
+    """A prompt queued again (or with only a save node's input changed) runs no sampling and no decode: when
+    it ends, the report of the prompt that made its images goes to the page that queued it, with the note."""
+    comfy = comfy_factory(argv=("--cpu",), env={"ATTN_COMFY_ROUTE": "auto"})
+    assert comfy.load_node()
+    import execution
+    import nodes
+    monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, "TestDecoder", _Decoder)
+    monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, "TestSave", _Save)
+    monkeypatch.setattr(_Save, "saved", [])
+
+    def prompt(seed=1, prefix="a", report=False):
+        graph = {"1": {"class_type": "TestDecoder", "inputs": {"seed": seed}},
+                 "2": {"class_type": "TestSave", "inputs": {"images": ["1", 0], "filename_prefix": prefix}}}
+        if report:
+            graph["3"] = {"class_type": "FlashAttentionReport", "inputs": {"images": ["1", 0]}}
+        return graph
+
+    executor = execution.PromptExecutor(comfy.server)
+
+    def reports(prompt_id):
+        return [(data, sid) for event, data, sid in comfy.server.sent
+                if event == "flash-attention.report" and data["prompt_id"] == prompt_id]
+
+    executor.execute(prompt(), "p1", {"client_id": "page-1"})
+    assert executor.ran == ["1", "2"] and len(reports("p1")) == 2                  # its sampling and its decode
+    executor.execute(prompt(seed=2), "p2", {"client_id": "page-1"})                 # another prompt in between
+    for again, prefix in (("p3", "a"), ("p4", "b")):                                # all cached; the save runs
+        executor.execute(prompt(prefix=prefix), again, {"client_id": "page-2"})
+        assert executor.ran == ([] if prefix == "a" else ["2"])
+        ((data, sid),) = reports(again)
+        assert sid == "page-2"                                                     # to the page that queued it
+        assert {(c["role"], c["count"]) for c in data["calls"]} == {("unet", 4), ("vae", 1)}
+        assert "these images come from ComfyUI's cache" in data["text"][-1] and "(prompt p1)" in data["text"][-1]
+    sent = len(comfy.server.sent)
+    executor.execute(prompt(seed=3, report=True), "p5", {"client_id": "page-1"})    # ran: its own reports only
+    assert len(reports("p5")) == 3 and len(comfy.server.sent) == sent + 3
+    executor.execute(prompt(seed=3, prefix="c", report=True), "p6", {"client_id": "page-1"})
+    ((data, _),) = reports("p6")                                                     # its report node was cached
+    assert "(prompt p5)" in data["text"][-1]
+
+
+def test_a_prompt_ended_outside_the_global_route_sends_nothing_more(comfy_factory, monkeypatch):
+    comfy = comfy_factory(argv=("--cpu",))
+    assert comfy.load_node()
+    import execution
+    import nodes
+    monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, "TestDecoder", _Decoder)
+    executor = execution.PromptExecutor(comfy.server)
+    graph = {"1": {"class_type": "TestDecoder", "inputs": {"seed": 1}}}
+    executor.execute(graph, "p1", {"client_id": "page-1"})
+    executor.execute(graph, "p2", {"client_id": "page-1"})
+    assert executor.ran == [] and not [e for e, _, _ in comfy.server.sent if e == "flash-attention.report"]
+
+
 def test_under_the_global_route_a_prompt_that_ran_no_attention_never_claims_comfyuis_own(comfy_factory):
     # Seen in ComfyUI 0.19.3 under ATTN_COMFY_ROUTE=auto: a prompt whose decode came from ComfyUI's cache and
     # whose report node was given an inverted copy of those images said "ComfyUI's own attention".
