@@ -38,6 +38,7 @@ import contextvars
 import importlib
 import inspect
 import os
+import re
 import sys
 
 import lib_attn
@@ -84,6 +85,9 @@ _names = Patches("comfy-names")
 _everything = [False]   # the global route is on
 _scanned = [0]          # len(sys.modules) when the names were last looked for
 _read: set = set()      # the modules _renamed has read
+_unreachable: list = [] # where packs' modules keep ComfyUI's function beyond any rebinding (``_held``)
+#: The entries of a pack's dict read for copies, at most (a dict that large is a table, not a registry).
+MAX_HELD = 256
 
 
 def role_of(model_patcher) -> str:
@@ -114,6 +118,7 @@ def make_sample_wrapper(config: dict, role: str = "unet", fp32: str | None = Non
     the calls it took (``_taken_after``)."""
     def wrapper(executor, *args, **kwargs):
         rebind_names()   # a pack loaded after the node was run (ComfyUI loads folders in no set order)
+        _say_unreachable()
         model = getattr(getattr(executor.class_obj, "model_patcher", None), "model", None)
         token = _serving.set((role, fp32, model, override))
         if replaced:
@@ -317,7 +322,8 @@ def _renamed(chosen) -> list:
     """(module name, module, attribute) where a module outside ComfyUI's own holds ComfyUI's chosen function
     under a name of its own (``from comfy.ldm.modules.attention import optimized_attention as attn``, or a
     pack's ``attention_fn = attention_pytorch`` where that is the chosen one). Each module is read once (a
-    module's names are bound when it is imported): about 0.03 ms a module."""
+    module's names are bound when it is imported): about 0.03 ms a module. A custom node pack's module is
+    also read for copies no rebinding reaches (``_held``)."""
     ids = {id(value) for value in chosen}
     found = []
     for module_name, module in list(sys.modules.items()):
@@ -328,7 +334,45 @@ def _renamed(chosen) -> list:
         _read.add(module_name)
         found.extend((module_name, module, name) for name, value in list(namespace.items())
                      if id(value) in ids and name not in NAMES)
+        if _pack_module(module_name, module):
+            _unreachable.extend(_held(module_name, module, namespace, ids))
     return found
+
+
+def _pack_module(module_name: str, module) -> bool:
+    """A custom node pack's module: ComfyUI's loader names a pack (and so its submodules) by its folder's path;
+    a pack that puts its folder on ``sys.path`` has modules of plain names, found by their file's folder."""
+    if "/" in module_name or "\\" in module_name:
+        return True
+    path = getattr(module, "__file__", None) or ""
+    folder_paths = sys.modules.get("folder_paths")
+    roots = getattr(folder_paths, "get_folder_paths", lambda _: [])("custom_nodes") if folder_paths else []
+    real = os.path.realpath(path) if path else ""
+    return bool(real) and any(real.startswith(os.path.join(os.path.realpath(root), "")) for root in roots)
+
+
+def _held(module_name: str, module, namespace: dict, ids: set) -> list[str]:
+    """Where a pack's module keeps ComfyUI's chosen function in a dict of its own (``{"comfy": optimized_attention}``)
+    or as an attribute of a class it defines (``attention = staticmethod(optimized_attention)``): calls made
+    through those reach ComfyUI's function, which no rebinding of a name reaches, so the report names them."""
+    shown = re.split(r"[\\/]", module_name)[-1]
+    where = []
+    for name, value in list(namespace.items()):
+        if isinstance(value, dict):
+            where.extend(f"{shown}.{name}[{key!r}]" for key, held in list(value.items())[:MAX_HELD] if id(held) in ids)
+        elif isinstance(value, type) and getattr(value, "__module__", None) == getattr(module, "__name__", None):
+            for attr, held in list(vars(value).items()):
+                if id(getattr(held, "__func__", held)) in ids:
+                    where.append(f"{shown}.{name}.{attr}")
+    return where
+
+
+def _say_unreachable() -> None:
+    """The run's report names the copies of ComfyUI's function that packs keep where no rebinding reaches."""
+    if _unreachable:
+        run.note(f"ComfyUI's attention function is also kept in {', '.join(_unreachable)} (a custom node pack's "
+                 "dict or class attribute), where this extension cannot put its own: calls made through it run on "
+                 "ComfyUI's attention and are not counted here")
 
 
 def _rebound(module_role: str, original, wrap):
@@ -451,6 +495,7 @@ def _as_segment(method):
             return method(self, *args, **kwargs)
         rebind_names()
         with run.segment():
+            _say_unreachable()
             return method(self, *args, **kwargs)
     outer_sample.__name__, outer_sample.__qualname__ = method.__name__, method.__qualname__
     return outer_sample
@@ -510,6 +555,7 @@ def undo() -> int:
     _everything[0] = False
     _scanned[0] = 0
     _read.clear()
+    _unreachable.clear()
     _functions.clear()   # they hold the precision rule of the ComfyUI they were made for
     _consults.clear()
     return _names.undo() + _blocks.undo()

@@ -115,11 +115,11 @@ def cross_attention(q, k, v, ip_k, ip_v, extra_options):
 '''
 
 
-def load_pack(tmp_path):
+def load_pack(tmp_path, source=PACK):
     import nodes
     folder = tmp_path / "custom_nodes" / "ComfyUI_IPAdapter_plus"
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "__init__.py").write_text(PACK)
+    (folder / "__init__.py").write_text(source)
     assert asyncio.run(nodes.load_custom_node(str(folder)))
     return sys.modules[str(folder).replace(".", "_x_")]
 
@@ -186,6 +186,69 @@ def test_under_the_global_route_a_packs_calls_are_routed_whatever_the_load_order
     with lib_attn.recording() as rec:                  # outside a model call: as ComfyUI's attention module's calls
         pack.optimized_attention(q, k, v, 4)
     assert rec.calls == {("unet", "sdpa"): 1}
+
+
+HOLDING_PACK = '''
+from comfy.ldm.modules.attention import optimized_attention
+
+NODE_CLASS_MAPPINGS = {}
+KERNELS = {"comfy": optimized_attention}              # a pack's table of attention functions, read per call
+SIZES = {"comfy": 1, "other": 2}                      # a dict holding no function
+
+
+class Attention:
+    kernel = staticmethod(optimized_attention)        # kept on a class
+
+
+def cross_attention(q, k, v, ip_k, ip_v, extra_options):
+    out = KERNELS["comfy"](q, k, v, extra_options["n_heads"])
+    return out + Attention.kernel(q, ip_k, ip_v, extra_options["n_heads"]) * 0.5
+'''
+
+
+@pytest.mark.parametrize("when", ["before this package", "after the node ran"])
+def test_a_packs_copy_in_a_dict_or_class_attribute_is_named_in_the_report_where_it_is_not_reached(
+        comfy_factory, tmp_path, when):
+    """A pack loaded before this package keeps ComfyUI's own function in a dict or on a class, which no
+    rebinding of a module's name reaches: its calls run on ComfyUI's attention, and the report names where
+    the copies are. A pack loaded later copies the rebound name: its calls reach the node, and nothing is said."""
+    comfy = comfy_factory(argv=("--cpu",))
+    pack = load_pack(tmp_path, HOLDING_PACK) if when == "before this package" else None
+    assert comfy.load_node()
+    import nodes
+    if pack is None:
+        (routed,) = node(nodes, "FlashAttentionBackend", model=pack_patcher(None), tune="auto", **BACKEND)
+        pack = routed.model.diffusion_model.pack = load_pack(tmp_path, HOLDING_PACK)
+    else:
+        (routed,) = node(nodes, "FlashAttentionBackend", model=pack_patcher(pack), tune="auto", **BACKEND)
+    ref = sample(pack_patcher(pack))
+    with lib_attn.recording() as rec:
+        out = sample(routed, steps=2)
+    assert rel_err(out, ref) <= 1e-5
+    text = node(nodes, "FlashAttentionReport", images=out)["ui"]["text"]
+    said = [line for line in text if "cannot put its own" in line]
+    if when == "after the node ran":
+        assert rec.calls == {("dit", "sdpa"): 2 * 2} and not said
+        return
+    assert not rec.calls                                                            # ComfyUI's own, as it says
+    (line,) = said
+    assert "ComfyUI_IPAdapter_plus.KERNELS['comfy']" in line and "ComfyUI_IPAdapter_plus.Attention.kernel" in line
+    assert "SIZES" not in line
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_under_the_global_route_a_packs_unreachable_copies_are_named_in_each_samplings_report(comfy_factory,
+                                                                                             tmp_path, before):
+    comfy = comfy_factory(argv=("--cpu",), env={"ATTN_COMFY_ROUTE": "auto"})
+    pack = load_pack(tmp_path, HOLDING_PACK) if before else None
+    assert comfy.load_node()
+    pack = pack or load_pack(tmp_path, HOLDING_PACK)
+    comfy.server.client_id = "page-1"
+    with lib_attn.recording() as rec:
+        sample(pack_patcher(pack), steps=2)
+    (data,) = [data for event, data, _ in comfy.server.sent if event == "flash-attention.report"]
+    named = any("KERNELS['comfy']" in line and "Attention.kernel" in line for line in data["text"])
+    assert (named, dict(rec.calls)) == ((True, {}) if before else (False, {("dit", "sdpa"): 4})), data["text"]
 
 
 # --- the serving marker belongs to the model being sampled -----------------------------------------------------
