@@ -2,12 +2,13 @@
 Attention report (shows what the run's attention did).
 
 Choices list only valid values, which ComfyUI checks itself ("Value not in list", on the input that
-holds the value). ComfyUI (0.8.0 to 0.19.3) calls ``VALIDATE_INPUTS`` with the inputs its signature
-names and reports a failed check once for every one of them, with the same text: so the check takes the
-backend chain typed by hand alone, and a bad chain is refused before the graph runs once, on ``chain``.
-The schedule and the sparse settings are checked when the node runs, before anything of them is put
-in force, and refused with a message that names the input and the wrong part (``schedule rule N (…)``,
-``sparse budget …``); the chain is checked there again (the API can skip the page).
+holds the value). The text typed by hand (the chain, the schedule, the sparse settings) is checked by
+``VALIDATE_INPUTS`` before the graph runs. ComfyUI (0.8.0 to 0.19.3) reports a failed check once for
+every input the method takes, each with the same text, and has no way to fail one input alone; so the
+text names the input that holds each bad value, one line each (``chain: unknown backend id …``,
+``schedule rule 2 (…): …``, ``sparse method …``), and the page (``web/flash_attention.js``) keeps each
+line on the input it names only. The values are checked again when the node runs, before anything of
+them is put in force (the API can skip the page; a linked value is known only then).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from lib_attn.config import FP32_POLICIES, GUARD_MODES, TUNE_MODES
 
 from lib_attn import readout
 from host_attn.node_options import (AUTO, CHAIN_TOOLTIP, FP32_TOOLTIP, GUARD_TOOLTIP, STRICT_TOOLTIP, TUNE_TOOLTIP,
-                                    backend_choices, backend_tooltip, config_for, problem,
+                                    backend_choices, backend_tooltip, config_for, problems,
                                     schedule_tooltip, sparse_tooltip)
 
 from . import route, run
@@ -26,9 +27,12 @@ from . import route, run
 CATEGORY = "advanced/attention"
 
 
-def _validate(chain):
-    """True, or what is wrong with the chain (ComfyUI's answer to VALIDATE_INPUTS)."""
-    return problem(chain) or True
+def _validate(**values):
+    """True, or what is wrong (ComfyUI's answer to VALIDATE_INPUTS): a line per input holding a bad value,
+    each starting with the input's name."""
+    found = problems(**values)
+    lines = [text if text.startswith(f"{name} ") else f"{name}: {text}" for name, text in found.items()]
+    return "\n".join(lines) or True
 
 
 def _common_inputs() -> dict:
@@ -65,8 +69,8 @@ class AttentionBackend:
     DESCRIPTION = "Runs the model's attention on the fastest kernel that takes each call, falling back per call."
 
     @classmethod
-    def VALIDATE_INPUTS(cls, chain):
-        return _validate(chain)
+    def VALIDATE_INPUTS(cls, chain, schedule="", sparse=""):
+        return _validate(chain=chain, schedule=schedule, sparse=sparse)
 
     def apply(self, model, backend, chain, strict, fp32, tune, guard=GUARD_MODES[0], schedule="", sparse=""):
         config = config_for(("unet", "dit"), backend, chain, strict, fp32, tune, guard, schedule, sparse)
@@ -88,7 +92,7 @@ class VAEAttentionBackend:
 
     @classmethod
     def VALIDATE_INPUTS(cls, chain):
-        return _validate(chain)
+        return _validate(chain=chain)
 
     def apply(self, vae, backend, chain, strict, fp32):
         return (route.route_vae(vae, config_for(("vae",), backend, chain, strict, fp32)),)

@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import contextvars
 import importlib
+import inspect
 import os
+import re
 import sys
 
 import lib_attn
@@ -83,6 +85,9 @@ _names = Patches("comfy-names")
 _everything = [False]   # the global route is on
 _scanned = [0]          # len(sys.modules) when the names were last looked for
 _read: set = set()      # the modules _renamed has read
+_unreachable: list = [] # where packs' modules keep ComfyUI's function beyond any rebinding (``_held``)
+#: The entries of a pack's dict read for copies, at most (a dict that large is a table, not a registry).
+MAX_HELD = 256
 
 
 def role_of(model_patcher) -> str:
@@ -113,6 +118,7 @@ def make_sample_wrapper(config: dict, role: str = "unet", fp32: str | None = Non
     the calls it took (``_taken_after``)."""
     def wrapper(executor, *args, **kwargs):
         rebind_names()   # a pack loaded after the node was run (ComfyUI loads folders in no set order)
+        _say_unreachable()
         model = getattr(getattr(executor.class_obj, "model_patcher", None), "model", None)
         token = _serving.set((role, fp32, model, override))
         if replaced:
@@ -316,7 +322,8 @@ def _renamed(chosen) -> list:
     """(module name, module, attribute) where a module outside ComfyUI's own holds ComfyUI's chosen function
     under a name of its own (``from comfy.ldm.modules.attention import optimized_attention as attn``, or a
     pack's ``attention_fn = attention_pytorch`` where that is the chosen one). Each module is read once (a
-    module's names are bound when it is imported): about 0.03 ms a module."""
+    module's names are bound when it is imported): about 0.03 ms a module. A custom node pack's module is
+    also read for copies no rebinding reaches (``_held``)."""
     ids = {id(value) for value in chosen}
     found = []
     for module_name, module in list(sys.modules.items()):
@@ -327,7 +334,45 @@ def _renamed(chosen) -> list:
         _read.add(module_name)
         found.extend((module_name, module, name) for name, value in list(namespace.items())
                      if id(value) in ids and name not in NAMES)
+        if _pack_module(module_name, module):
+            _unreachable.extend(_held(module_name, module, namespace, ids))
     return found
+
+
+def _pack_module(module_name: str, module) -> bool:
+    """A custom node pack's module: ComfyUI's loader names a pack (and so its submodules) by its folder's path;
+    a pack that puts its folder on ``sys.path`` has modules of plain names, found by their file's folder."""
+    if "/" in module_name or "\\" in module_name:
+        return True
+    path = getattr(module, "__file__", None) or ""
+    folder_paths = sys.modules.get("folder_paths")
+    roots = getattr(folder_paths, "get_folder_paths", lambda _: [])("custom_nodes") if folder_paths else []
+    real = os.path.realpath(path) if path else ""
+    return bool(real) and any(real.startswith(os.path.join(os.path.realpath(root), "")) for root in roots)
+
+
+def _held(module_name: str, module, namespace: dict, ids: set) -> list[str]:
+    """Where a pack's module keeps ComfyUI's chosen function in a dict of its own (``{"comfy": optimized_attention}``)
+    or as an attribute of a class it defines (``attention = staticmethod(optimized_attention)``): calls made
+    through those reach ComfyUI's function, which no rebinding of a name reaches, so the report names them."""
+    shown = re.split(r"[\\/]", module_name)[-1]
+    where = []
+    for name, value in list(namespace.items()):
+        if isinstance(value, dict):
+            where.extend(f"{shown}.{name}[{key!r}]" for key, held in list(value.items())[:MAX_HELD] if id(held) in ids)
+        elif isinstance(value, type) and getattr(value, "__module__", None) == getattr(module, "__name__", None):
+            for attr, held in list(vars(value).items()):
+                if id(getattr(held, "__func__", held)) in ids:
+                    where.append(f"{shown}.{name}.{attr}")
+    return where
+
+
+def _say_unreachable() -> None:
+    """The run's report names the copies of ComfyUI's function that packs keep where no rebinding reaches."""
+    if _unreachable:
+        run.note(f"ComfyUI's attention function is also kept in {', '.join(_unreachable)} (a custom node pack's "
+                 "dict or class attribute), where this extension cannot put its own: calls made through it run on "
+                 "ComfyUI's attention and are not counted here")
 
 
 def _rebound(module_role: str, original, wrap):
@@ -376,6 +421,7 @@ def route_everything(config: dict | None = None) -> list[str]:
     route_vae_blocks()
     _passes_as_vae()
     _samplings_are_segments()
+    _prompts_end_with_a_report()
     return _names.targets() + _blocks.targets()
 
 
@@ -449,9 +495,51 @@ def _as_segment(method):
             return method(self, *args, **kwargs)
         rebind_names()
         with run.segment():
+            _say_unreachable()
             return method(self, *args, **kwargs)
     outer_sample.__name__, outer_sample.__qualname__ = method.__name__, method.__qualname__
     return outer_sample
+
+
+def _prompts_end_with_a_report() -> None:
+    """Under the global route a prompt that sent no report (everything that ran attention came from ComfyUI's
+    cache, and no report node ran) sends, when ComfyUI's executor ends it (``PromptExecutor.execute``), the
+    report of the run that made the images its cache entries hold, with the cache note (``run.prompt_ended``)."""
+    execution, _ = import_quietly("execution")   # ComfyUI's main.py has it loaded before the custom nodes
+    cls = getattr(execution, "PromptExecutor", None)
+    method = cls.__dict__.get("execute") if cls is not None else None
+    if method is not None and not _names.is_patched(cls, "execute"):
+        _names.patch(cls, "execute", _ends_with_a_report(method))
+
+
+def _ends_with_a_report(method):
+    def execute(self, prompt, prompt_id, *args, **kwargs):
+        try:
+            return method(self, prompt, prompt_id, *args, **kwargs)
+        finally:
+            if _everything[0]:
+                run.prompt_ended(prompt_id, _cached_outputs(self, prompt))
+    execute.__name__, execute.__qualname__ = method.__name__, method.__qualname__
+    return execute
+
+
+def _cached_outputs(executor, prompt) -> list:
+    """The values ComfyUI's output cache holds for the nodes of ``prompt`` after it ran: each node's
+    ``CacheEntry.outputs`` (``caches.outputs.get_local`` in 0.19, where ``get`` is a coroutine; ``get`` in 0.8)."""
+    cache = getattr(getattr(executor, "caches", None), "outputs", None)
+    get = getattr(cache, "get_local", None) or getattr(cache, "get", None)
+    values = []
+    for node_id in prompt if get is not None else ():
+        try:
+            entry = get(node_id)
+        except Exception:  # noqa: BLE001 - a cache this package does not know: no note rather than a failed prompt
+            continue
+        if inspect.isawaitable(entry):
+            getattr(entry, "close", lambda: None)()
+            continue
+        for output in getattr(entry, "outputs", None) or ():
+            values.extend(output if isinstance(output, (list, tuple)) else (output,))
+    return values
 
 
 def routing() -> voice.Routing:
@@ -467,6 +555,7 @@ def undo() -> int:
     _everything[0] = False
     _scanned[0] = 0
     _read.clear()
+    _unreachable.clear()
     _functions.clear()   # they hold the precision rule of the ComfyUI they were made for
     _consults.clear()
     return _names.undo() + _blocks.undo()

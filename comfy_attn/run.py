@@ -11,7 +11,9 @@ script), so that a page shows its own prompts' reports only.
 ComfyUI serves a node whose inputs did not change from its cache, without running it: a report node
 that runs on images made by an earlier prompt (its upstream came from the cache) shows what ran when
 they were made. So each run remembers, weakly, the images its routed VAE passes returned and the
-images its report node was given.
+images its report node was given. Under the global route a prompt that sent no report (its VAE pass
+came from the cache, and it has no report node, or that came from the cache too) sends the report of
+the run that made the images its cache entries hold, with the same note, when it ends.
 """
 from __future__ import annotations
 
@@ -50,6 +52,8 @@ _context = None
 #: (weak reference to images a run made or reported on, that run), newest last; a few runs' worth.
 _made: list = []
 KEEP = 16
+#: The prompt whose report was sent last (by a sampling, a VAE pass or a report node).
+_sent: list = [None]
 
 
 def prompt_id():
@@ -148,17 +152,37 @@ def report_for(images) -> Report | None:
         remember(images, run)
         return run.report()
     earlier = made_by(images)
-    if earlier is None:
-        return None
+    return None if earlier is None else cached_report(earlier)
+
+
+def cached_report(earlier: Run) -> Report:
+    """The report of ``earlier``, the run that made images ComfyUI served from its cache, with a note saying so."""
     report = earlier.report()
     cached = (f"these images come from ComfyUI's cache: this is what ran when they were made "
               f"(prompt {earlier.prompt_id})")
     return dataclasses.replace(report, notes=(*report.notes, cached))
 
 
+def prompt_ended(prompt_id, values) -> Report | None:
+    """Prompt ``prompt_id`` has ended (under the global route). Where it sent no report (no sampling or VAE pass
+    of it ran, and no report node of it ran) and ``values``, the outputs ComfyUI's cache holds for its nodes,
+    hold images an earlier run made, that run's report goes to the client that queued the prompt, with the
+    cache note, as a report node would show it; returns it (None: nothing sent)."""
+    if _sent[0] == prompt_id:
+        return None
+    order = {id(run): i for i, (_, run) in enumerate(list(_made))}
+    runs = [run for run in map(made_by, values) if run is not None]
+    if not runs:
+        return None
+    report = cached_report(max(runs, key=lambda run: order.get(id(run), -1)))
+    send(report, prompt_id)
+    return report
+
+
 def send(report: Report, prompt_id=None) -> None:
     """The report of prompt ``prompt_id`` to the client that queued it (ComfyUI's ``client_id`` of the
     prompt it executes), as the server message ``MESSAGE``: its JSON, with ``text`` and ``prompt_id``."""
+    _sent[0] = prompt_id
     server = getattr(getattr(sys.modules.get("server"), "PromptServer", None), "instance", None)
     client = getattr(server, "client_id", None)
     if server is not None and client is not None:
@@ -172,3 +196,4 @@ def reset() -> None:
         _run = None
         _context = None
         _made.clear()
+        _sent[0] = None

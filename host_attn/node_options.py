@@ -58,13 +58,31 @@ def config_for(roles, backend: str, chain: str, strict: bool, fp32: str, tune: s
 def problem(chain, schedule="", sparse="") -> str | None:
     """What is wrong with a chain, a schedule or sparse settings typed by hand, or None (a value linked
     from another node arrives as None: it is checked when the node runs)."""
-    try:
-        parse_chain(AUTO, chain)
-        schedules.parse(schedule or None)
-        sparse_settings.parse(sparse or None)
-    except ValueError as exc:
-        return str(exc)
-    return None
+    found = problems(chain=chain, schedule=schedule, sparse=sparse)
+    return next(iter(found.values()), None)
+
+
+#: Each input a node checks before the graph runs, with its parser.
+_PARSERS = {
+    "chain": lambda text: parse_chain(AUTO, text),
+    "schedule": lambda text: schedules.parse(text or None),
+    "sparse": lambda text: sparse_settings.parse(text or None),
+}
+
+
+def problems(**values) -> dict[str, str]:
+    """What is wrong with each of ``values`` (``chain``, ``schedule``, ``sparse``: text typed by hand), by
+    input name, in that order; a value linked from another node arrives as None and is checked when the
+    node runs."""
+    found = {}
+    for name, text in values.items():
+        if text is None:
+            continue
+        try:
+            _PARSERS[name](text)
+        except ValueError as exc:
+            found[name] = str(exc)
+    return found
 
 
 def backend_tooltip() -> str:

@@ -56,7 +56,9 @@ def availability(device=None, reason=None, ignored=()) -> dict:
         },
         "backends": [
             {"id": b.id, "label": b.label, "available": b.available, "version": b.version or None,
-             "reason": (reason(b.id, b.reason) if reason is not None else b.reason) or None}
+             "reason": (reason(b.id, b.reason) if reason is not None else b.reason) or None,
+             # a few words for a dropdown label (``flash-attn — needs a GPU``), as the webuis' lists show
+             "short_reason": None if b.available else short_reason(b, device.type)}
             for b in lib_attn.backends()
         ],
         "default_chains": {role: list(lib_attn.default_chain(role, device)) for role in lib_attn.ROLES

@@ -179,4 +179,14 @@ await app.queuePrompt(0);
 api.message("execution_start", { prompt_id: "mine-12" });
 api.message("flash-attention.report", { text: ["the sixth unnamed workflow's report"], prompt_id: "mine-12" });
 seen.api_file_own = shown(sixth);
+// A refused prompt: ComfyUI's node_errors for a backend node's bad values, as its validation gives them.
+seen.refused = {};
+for (const [name, nodeErrors] of Object.entries(input.refusals ?? {})) {
+    api.refusal = { error: { type: "prompt_outputs_failed_validation", message: "Prompt outputs failed validation",
+                             details: "" }, node_errors: nodeErrors };
+    api.promptIds.push(`refused-${name}`);
+    await app.queuePrompt(0);
+    seen.refused[name] = app.lastNodeErrors;
+}
+api.refusal = null;
 console.log(JSON.stringify(seen));

@@ -733,14 +733,13 @@ def test_block_rules_follow_comfyuis_unet_blocks(comfy_factory):
     ("0-150%: sdpa", ["schedule rule 1", "'0-150%'", "within 0-100%"]),
     ("0-50% sdpa", ["schedule rule 1", "no ':'", "example"]),
 ])
-def test_a_bad_schedule_is_refused_when_the_node_runs_naming_it(comfy_factory, text, words):
+def test_a_bad_schedule_is_refused_before_the_graph_runs_and_when_the_node_runs_naming_it(comfy_factory, text, words):
     _, nodes = loaded(comfy_factory)
     import execution
     cls = nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"]
     values = dict(model=None, tune="auto", guard="on", schedule=text, **BACKEND)
-    # ComfyUI reports a failed check on every input VALIDATE_INPUTS takes: it takes the chain alone, so a
-    # schedule is refused when the node runs, with its own name, and never blamed on the chain
-    assert execution.validate(cls, values) == (True, [])
+    ok, errors = execution.validate(cls, values)                               # before the graph runs
+    assert not ok and all(all(w in e["details"] for w in words) for e in errors)
     before = lib_attn.config()
     with pytest.raises(ValueError) as raised:                                  # the API may skip the page
         execution.execute(cls, dict(values, model=unet_patcher()))
@@ -750,7 +749,7 @@ def test_a_bad_schedule_is_refused_when_the_node_runs_naming_it(comfy_factory, t
 def test_a_schedule_linked_from_another_node_is_checked_when_the_node_runs(comfy_factory):
     _, nodes = loaded(comfy_factory)
     cls = nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"]
-    assert cls.VALIDATE_INPUTS(chain=None) is True                            # ComfyUI gives None for a link
+    assert cls.VALIDATE_INPUTS(chain=None, schedule=None) is True             # ComfyUI gives None for a link
     assert cls.INPUT_TYPES()["optional"]["schedule"][0] == "STRING"
     assert "0-20%: sdpa" in cls.INPUT_TYPES()["optional"]["schedule"][1]["tooltip"]
 
@@ -1120,12 +1119,13 @@ def test_mochis_blocks_are_joint(comfy_factory):
     ("sparsest", ["sparse method 'sparsest' is not one of auto, sol, block-sparse"]),
     ("block-sparse, min_tokens=0", ["sparse min_tokens '0' must be a whole number >= 1"]),
 ])
-def test_bad_sparse_settings_are_refused_when_the_node_runs_naming_the_value(comfy_factory, text, words):
+def test_bad_sparse_settings_are_refused_before_the_graph_runs_and_when_the_node_runs(comfy_factory, text, words):
     _, nodes = loaded(comfy_factory)
     import execution
     cls = nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"]
     values = dict(model=None, tune="auto", guard="on", sparse=text, **BACKEND)
-    assert execution.validate(cls, values) == (True, [])                       # never blamed on the chain
+    ok, errors = execution.validate(cls, values)                               # before the graph runs
+    assert not ok and all(all(w in e["details"] for w in words) for e in errors)
     before = lib_attn.config()
     with pytest.raises(ValueError) as raised:                                  # the API may skip the page
         execution.execute(cls, dict(values, model=unet_patcher()))
@@ -1135,7 +1135,7 @@ def test_bad_sparse_settings_are_refused_when_the_node_runs_naming_the_value(com
 def test_the_node_puts_its_sparse_settings_in_force_while_its_model_samples(comfy_factory, monkeypatch):
     _, nodes = loaded(comfy_factory)
     cls = nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"]
-    assert cls.VALIDATE_INPUTS(chain="") is True                              # the sparse input: checked at run
+    assert cls.VALIDATE_INPUTS(chain="", sparse="sol, budget=0.15") is True
     assert "sol" in cls.INPUT_TYPES()["optional"]["sparse"][1]["tooltip"]
     seen = []
     from comfy_attn import route

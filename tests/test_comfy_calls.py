@@ -115,11 +115,11 @@ def cross_attention(q, k, v, ip_k, ip_v, extra_options):
 '''
 
 
-def load_pack(tmp_path):
+def load_pack(tmp_path, source=PACK):
     import nodes
     folder = tmp_path / "custom_nodes" / "ComfyUI_IPAdapter_plus"
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "__init__.py").write_text(PACK)
+    (folder / "__init__.py").write_text(source)
     assert asyncio.run(nodes.load_custom_node(str(folder)))
     return sys.modules[str(folder).replace(".", "_x_")]
 
@@ -186,6 +186,69 @@ def test_under_the_global_route_a_packs_calls_are_routed_whatever_the_load_order
     with lib_attn.recording() as rec:                  # outside a model call: as ComfyUI's attention module's calls
         pack.optimized_attention(q, k, v, 4)
     assert rec.calls == {("unet", "sdpa"): 1}
+
+
+HOLDING_PACK = '''
+from comfy.ldm.modules.attention import optimized_attention
+
+NODE_CLASS_MAPPINGS = {}
+KERNELS = {"comfy": optimized_attention}              # a pack's table of attention functions, read per call
+SIZES = {"comfy": 1, "other": 2}                      # a dict holding no function
+
+
+class Attention:
+    kernel = staticmethod(optimized_attention)        # kept on a class
+
+
+def cross_attention(q, k, v, ip_k, ip_v, extra_options):
+    out = KERNELS["comfy"](q, k, v, extra_options["n_heads"])
+    return out + Attention.kernel(q, ip_k, ip_v, extra_options["n_heads"]) * 0.5
+'''
+
+
+@pytest.mark.parametrize("when", ["before this package", "after the node ran"])
+def test_a_packs_copy_in_a_dict_or_class_attribute_is_named_in_the_report_where_it_is_not_reached(
+        comfy_factory, tmp_path, when):
+    """A pack loaded before this package keeps ComfyUI's own function in a dict or on a class, which no
+    rebinding of a module's name reaches: its calls run on ComfyUI's attention, and the report names where
+    the copies are. A pack loaded later copies the rebound name: its calls reach the node, and nothing is said."""
+    comfy = comfy_factory(argv=("--cpu",))
+    pack = load_pack(tmp_path, HOLDING_PACK) if when == "before this package" else None
+    assert comfy.load_node()
+    import nodes
+    if pack is None:
+        (routed,) = node(nodes, "FlashAttentionBackend", model=pack_patcher(None), tune="auto", **BACKEND)
+        pack = routed.model.diffusion_model.pack = load_pack(tmp_path, HOLDING_PACK)
+    else:
+        (routed,) = node(nodes, "FlashAttentionBackend", model=pack_patcher(pack), tune="auto", **BACKEND)
+    ref = sample(pack_patcher(pack))
+    with lib_attn.recording() as rec:
+        out = sample(routed, steps=2)
+    assert rel_err(out, ref) <= 1e-5
+    text = node(nodes, "FlashAttentionReport", images=out)["ui"]["text"]
+    said = [line for line in text if "cannot put its own" in line]
+    if when == "after the node ran":
+        assert rec.calls == {("dit", "sdpa"): 2 * 2} and not said
+        return
+    assert not rec.calls                                                            # ComfyUI's own, as it says
+    (line,) = said
+    assert "ComfyUI_IPAdapter_plus.KERNELS['comfy']" in line and "ComfyUI_IPAdapter_plus.Attention.kernel" in line
+    assert "SIZES" not in line
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_under_the_global_route_a_packs_unreachable_copies_are_named_in_each_samplings_report(comfy_factory,
+                                                                                             tmp_path, before):
+    comfy = comfy_factory(argv=("--cpu",), env={"ATTN_COMFY_ROUTE": "auto"})
+    pack = load_pack(tmp_path, HOLDING_PACK) if before else None
+    assert comfy.load_node()
+    pack = pack or load_pack(tmp_path, HOLDING_PACK)
+    comfy.server.client_id = "page-1"
+    with lib_attn.recording() as rec:
+        sample(pack_patcher(pack), steps=2)
+    (data,) = [data for event, data, _ in comfy.server.sent if event == "flash-attention.report"]
+    named = any("KERNELS['comfy']" in line and "Attention.kernel" in line for line in data["text"])
+    assert (named, dict(rec.calls)) == ((True, {}) if before else (False, {("dit", "sdpa"): 4})), data["text"]
 
 
 # --- the serving marker belongs to the model being sampled -----------------------------------------------------
@@ -347,24 +410,46 @@ def test_the_precision_check_of_a_rebound_name_is_looked_up_once(comfy_factory, 
 
 # --- a bad value, once, on its input -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("inputs,where,words", [
+BAD_VALUES = [
     (dict(chain="flash-atn"), "chain", ["unknown backend id 'flash-atn'", "valid ids"]),
-    (dict(schedule="0-50%: sdpa; 50-100%: flahs"), None, ["schedule rule 2", "'flahs'"]),
-    (dict(sparse="sol, budget=1.5"), None, ["sparse budget '1.5'"]),
-])
-def test_a_bad_value_is_reported_once_on_the_input_that_holds_it(comfy_factory, inputs, where, words):
-    """The shipped graph's inputs, all present, one of them bad: ComfyUI names every input its check takes."""
+    (dict(schedule="0-50%: sdpa; 50-100%: flahs"), "schedule", ["schedule rule 2", "'flahs'"]),
+    (dict(sparse="sol, budget=1.5"), "sparse", ["sparse budget '1.5'"]),
+]
+
+
+@pytest.mark.parametrize("inputs,where,words", BAD_VALUES)
+def test_a_bad_value_is_refused_before_the_graph_runs_naming_the_input_that_holds_it(comfy_factory, inputs, where,
+                                                                                       words):
+    """The shipped graph's inputs, all present, one of them bad: ComfyUI reports the check's text on every
+    input the check takes (the page keeps it on the input it names: test_comfy_web); the text names that
+    input on a line of its own, and the node refuses it again when it runs (the API can skip the page)."""
     _, nodes = loaded(comfy_factory)
     import execution
     cls = nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"]
     values = {**dict(model=None, tune="auto", guard="on", schedule="", sparse=""), **BACKEND, **inputs}
     ok, errors = execution.validate(cls, values)
-    assert [e["extra_info"]["input_name"] for e in errors] == ([where] if where else [])
-    assert all(all(w in e["details"] for w in words) for e in errors)
-    if where is None:                                                            # refused when the node runs
-        with pytest.raises(ValueError) as raised:
-            execution.execute(cls, dict(values, model=unet_patcher()))
-        assert all(w in str(raised.value) for w in words)
+    assert not ok and [e["extra_info"]["input_name"] for e in errors] == ["chain", "schedule", "sparse"]
+    for error in errors:
+        (line,) = error["details"].split(" - ", 1)[1].split("\n")
+        assert line.startswith((f"{where} ", f"{where}: ")) and all(w in line for w in words), line
+    with pytest.raises(ValueError) as raised:
+        execution.execute(cls, dict(values, model=unet_patcher()))
+    assert all(w in str(raised.value) for w in words)
+
+
+def test_every_bad_value_has_its_own_line_and_a_link_is_checked_when_the_node_runs(comfy_factory):
+    _, nodes = loaded(comfy_factory)
+    import execution
+    cls = nodes.NODE_CLASS_MAPPINGS["FlashAttentionBackend"]
+    bad = {k: v for inputs, _, _ in BAD_VALUES for k, v in inputs.items()}
+    values = {**dict(model=None, tune="auto", guard="on"), **BACKEND, **bad}
+    ok, errors = execution.validate(cls, values)
+    lines = errors[0]["details"].split(" - ", 1)[1].split("\n")
+    assert [line.split(" ")[0].rstrip(":") for line in lines] == ["chain", "schedule", "sparse"]
+    # a value linked from another node reaches the check as None (ComfyUI knows it only when the node runs)
+    assert cls.VALIDATE_INPUTS(chain=None, schedule=None, sparse=None) is True
+    # a graph saved before the schedule and sparse inputs existed: the check is given the chain alone
+    assert execution.validate(cls, {**dict(model=None, tune="auto"), **BACKEND}) == (True, [])
 
 
 # --- the global route's report --------------------------------------------------------------------------------
@@ -387,6 +472,95 @@ def test_the_global_route_sends_each_samplings_and_decodes_report_and_the_cache_
     text = node(nodes, "FlashAttentionReport", prompt_id="p3", images=images)["ui"]["text"]  # p1's, from the cache
     assert text[0].endswith("×4") and text[1].startswith("VAE: sdpa")
     assert "these images come from ComfyUI's cache" in text[-1] and "(prompt p1)" in text[-1]
+
+
+class _Decoder:
+    """A sampler and a VAE decode in one node (a seed in, images out), as KSampler then VAEDecode make them."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 1})}}
+
+    RETURN_TYPES = ("IMAGE",)
+    FUNCTION = "run"
+
+    def run(self, seed):
+        from comfy.sd import VAE
+        from comfy_attn import run
+        return (VAE().decode(sample(unet_patcher(seed), prompt_id=run.prompt_id())),)
+
+
+class _Save:
+    """SaveImage's place: an output node with images in and nothing out."""
+    saved = []
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"images": ("IMAGE",), "filename_prefix": ("STRING", {"default": "x"})}}
+
+    RETURN_TYPES = ()
+    FUNCTION = "save"
+    OUTPUT_NODE = True
+
+    def save(self, images, filename_prefix):
+        self.saved.append(filename_prefix)
+        return {"ui": {"images": [filename_prefix]}, "result": ()}
+
+
+def test_under_the_global_route_a_cached_prompt_without_a_report_node_sends_the_cache_note(comfy_factory,
+                                                                                           monkeypatch):
+    """A prompt queued again (or with only a save node's input changed) runs no sampling and no decode: when
+    it ends, the report of the prompt that made its images goes to the page that queued it, with the note."""
+    comfy = comfy_factory(argv=("--cpu",), env={"ATTN_COMFY_ROUTE": "auto"})
+    assert comfy.load_node()
+    import execution
+    import nodes
+    monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, "TestDecoder", _Decoder)
+    monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, "TestSave", _Save)
+    monkeypatch.setattr(_Save, "saved", [])
+
+    def prompt(seed=1, prefix="a", report=False):
+        graph = {"1": {"class_type": "TestDecoder", "inputs": {"seed": seed}},
+                 "2": {"class_type": "TestSave", "inputs": {"images": ["1", 0], "filename_prefix": prefix}}}
+        if report:
+            graph["3"] = {"class_type": "FlashAttentionReport", "inputs": {"images": ["1", 0]}}
+        return graph
+
+    executor = execution.PromptExecutor(comfy.server)
+
+    def reports(prompt_id):
+        return [(data, sid) for event, data, sid in comfy.server.sent
+                if event == "flash-attention.report" and data["prompt_id"] == prompt_id]
+
+    executor.execute(prompt(), "p1", {"client_id": "page-1"})
+    assert executor.ran == ["1", "2"] and len(reports("p1")) == 2                  # its sampling and its decode
+    executor.execute(prompt(seed=2), "p2", {"client_id": "page-1"})                 # another prompt in between
+    for again, prefix in (("p3", "a"), ("p4", "b")):                                # all cached; the save runs
+        executor.execute(prompt(prefix=prefix), again, {"client_id": "page-2"})
+        assert executor.ran == ([] if prefix == "a" else ["2"])
+        ((data, sid),) = reports(again)
+        assert sid == "page-2"                                                     # to the page that queued it
+        assert {(c["role"], c["count"]) for c in data["calls"]} == {("unet", 4), ("vae", 1)}
+        assert "these images come from ComfyUI's cache" in data["text"][-1] and "(prompt p1)" in data["text"][-1]
+    sent = len(comfy.server.sent)
+    executor.execute(prompt(seed=3, report=True), "p5", {"client_id": "page-1"})    # ran: its own reports only
+    assert len(reports("p5")) == 3 and len(comfy.server.sent) == sent + 3
+    executor.execute(prompt(seed=3, prefix="c", report=True), "p6", {"client_id": "page-1"})
+    ((data, _),) = reports("p6")                                                     # its report node was cached
+    assert "(prompt p5)" in data["text"][-1]
+
+
+def test_a_prompt_ended_outside_the_global_route_sends_nothing_more(comfy_factory, monkeypatch):
+    comfy = comfy_factory(argv=("--cpu",))
+    assert comfy.load_node()
+    import execution
+    import nodes
+    monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, "TestDecoder", _Decoder)
+    executor = execution.PromptExecutor(comfy.server)
+    graph = {"1": {"class_type": "TestDecoder", "inputs": {"seed": 1}}}
+    executor.execute(graph, "p1", {"client_id": "page-1"})
+    executor.execute(graph, "p2", {"client_id": "page-1"})
+    assert executor.ran == [] and not [e for e, _, _ in comfy.server.sent if e == "flash-attention.report"]
 
 
 def test_under_the_global_route_a_prompt_that_ran_no_attention_never_claims_comfyuis_own(comfy_factory):

@@ -15,6 +15,8 @@ import torch
 import lib_attn
 from tests.doubles.comfy_fixtures import REPO_ROOT, comfy_factory  # noqa: F401
 from tests.test_comfy import BACKEND, loaded, node, sample, unet_patcher
+from tests.test_comfy_calls import BAD_VALUES
+from webui_attn.settings.choices import choice_label
 
 NO_ID = "00000000-0000-0000-0000-000000000000"   # the frontend's id of a workflow that has none
 FRONTEND = os.path.join(os.path.dirname(os.path.abspath(__file__)), "doubles", "comfy_frontend")
@@ -48,6 +50,28 @@ def history_entry(number, workflow_id, lines, report_id="9"):
             "status": {"completed": True}}
 
 
+def refusals(nodes) -> dict:
+    """ComfyUI's node_errors (the ComfyUI double's validation) for a prompt whose Attention backend node holds
+    one bad value (each of BAD_VALUES), all three, or a bad value of a list (ComfyUI's own check), and whose
+    VAE node holds a bad chain."""
+    import execution
+
+    def errors(name, **inputs):
+        cls = nodes.NODE_CLASS_MAPPINGS[name]
+        base = dict(model=None, tune="auto", guard="on", schedule="", sparse="") if name == "FlashAttentionBackend" \
+            else dict(vae=None)
+        ok, found = execution.validate(cls, {**base, **BACKEND, **inputs})
+        assert not ok
+        return {"errors": found, "dependent_outputs": ["9"], "class_type": name}
+
+    cases = {where: {"2": errors("FlashAttentionBackend", **inputs)} for inputs, where, _ in BAD_VALUES}
+    every = {k: v for inputs, _, _ in BAD_VALUES for k, v in inputs.items()}
+    cases["all three"] = {"2": errors("FlashAttentionBackend", **every),
+                          "3": errors("FlashAttentionVAEBackend", chain="flash-atn")}
+    cases["list"] = {"2": errors("FlashAttentionBackend", fp32="sideways")}
+    return cases
+
+
 @pytest.fixture
 def scenario(comfy_factory, tmp_path):
     _, nodes = loaded(comfy_factory)
@@ -73,6 +97,7 @@ def scenario(comfy_factory, tmp_path):
         "subgraph_history": {"p4": history_entry(4, "workflow-3", ["the subgraph node's last report"], "5:9"),
                              "p5": history_entry(5, "workflow-3", ["a report node of the root graph"])},
         "unnamed_history": {"p6": history_entry(6, NO_ID, ["some unnamed workflow's report"])},
+        "refusals": refusals(nodes),
     }
     (tmp_path / "input.json").write_text(json.dumps(data))
     out = subprocess.run([node_binary(), SCENARIO, str(root), str(tmp_path / "input.json")], capture_output=True,
@@ -132,8 +157,9 @@ def test_backend_lists_mark_what_cannot_run_here_and_keep_the_id(scenario):
     infos = {b.id: b for b in lib_attn.backends()}
     for which in ("backend", "vae"):
         got = seen["labels"][which]
-        expected = ["auto", *(bid if infos[bid].available else f"{bid} (unavailable)" for bid in lib_attn.BACKEND_IDS)]
-        assert got["labels"] == expected
+        expected = ["auto", *(bid if infos[bid].available else choice_label(infos[bid]) for bid in lib_attn.BACKEND_IDS)]
+        assert got["labels"] == expected                                    # the webuis' words: "flash-attn — needs a GPU"
+    assert any(" — " in label for label in seen["labels"]["backend"]["labels"])
     assert seen["labels"]["backend"]["value"] == "flash-attn"
 
 
@@ -169,3 +195,27 @@ def test_unnamed_workflows_opened_from_api_files_never_show_each_others_report(s
     assert seen["api_file_message"] == ""
     assert seen["api_file_output"] == ""
     assert seen["api_file_own"] == "the sixth unnamed workflow's report"
+
+
+@pytest.mark.parametrize("where", [where for _, where, _ in BAD_VALUES])
+def test_a_bad_value_is_shown_once_on_the_input_that_holds_it(scenario, where):
+    """ComfyUI reports a failed check on every input the check takes; the page shows it on its own input."""
+    data, seen = scenario
+    assert len(data["refusals"][where]["2"]["errors"]) == 3                 # as ComfyUI answers
+    (shown,) = seen["refused"][where]["2"]["errors"]
+    assert shown["extra_info"]["input_name"] == where and shown["type"] == "custom_validation_failed"
+    words = next(w for _, name, w in BAD_VALUES if name == where)
+    assert shown["details"].startswith(f"{where} - ") and all(w in shown["details"] for w in words)
+    assert f"{where} - {where}: " not in shown["details"]                    # the input named once
+
+
+def test_several_bad_values_each_shown_on_its_own_input_and_other_errors_as_comfyui_sent_them(scenario):
+    data, seen = scenario
+    shown = seen["refused"]["all three"]
+    assert [e["extra_info"]["input_name"] for e in shown["2"]["errors"]] == ["chain", "schedule", "sparse"]
+    for error in shown["2"]["errors"]:
+        name = error["extra_info"]["input_name"]
+        others = {"chain", "schedule", "sparse"} - {name}
+        assert "\n" not in error["details"] and not any(f"- {o}" in error["details"] for o in others), error
+    assert [e["extra_info"]["input_name"] for e in shown["3"]["errors"]] == ["chain"]
+    assert seen["refused"]["list"] == data["refusals"]["list"]                # "Value not in list": untouched

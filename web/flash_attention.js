@@ -1,4 +1,5 @@
-// The Attention report node's readout and the backend dropdowns' labels.
+// The Attention report node's readout, the backend dropdowns' labels, and a backend node's refused values
+// shown each on its own input.
 //
 // The readout is a DOM widget (a read-only textarea, as ComfyUI's own "Preview as Text" node shows
 // text) that is never serialised: neither into the prompt, where it would become an input of the
@@ -210,15 +211,51 @@ export function promptQueued(id, graphId, nodes) {
     }
 }
 
+// ComfyUI reports a failed VALIDATE_INPUTS once on every input the check takes, each with the same text;
+// the backend nodes' text has a line per bad value, starting with the name of the input that holds it
+// ("chain: unknown backend id …", "schedule rule 2 (…): …"). Each input keeps the lines that name it, so
+// a bad value is shown once, on its own input. ``nodeErrors``: the /prompt answer's node_errors, changed
+// in place.
+const CUSTOM_CHECK = "custom_validation_failed";
+
+function ownLines(error) {
+    const name = error?.extra_info?.input_name;
+    const head = `${name} - `;
+    const details = String(error?.details ?? "");
+    if (!name || !details.startsWith(head)) return [error];
+    const lines = details.slice(head.length).split("\n")
+        .filter((line) => line.startsWith(`${name} `) || line.startsWith(`${name}: `))
+        .map((line) => (line.startsWith(`${name}: `) ? line.slice(name.length + 2) : line));
+    return lines.length ? [{ ...error, details: head + lines.join("\n") }] : [];
+}
+
+export function oneErrorPerValue(nodeErrors) {
+    for (const entry of Object.values(nodeErrors ?? {})) {
+        if (!BACKEND_NODES.includes(entry?.class_type) || !Array.isArray(entry.errors)) continue;
+        const kept = entry.errors.flatMap((error) => (error?.type === CUSTOM_CHECK ? ownLines(error) : [error]));
+        if (kept.length) entry.errors = kept;   // text of another form: left as ComfyUI sent it
+    }
+    return nodeErrors;
+}
+
 // api.queuePrompt answers with the prompt id ComfyUI gave the prompt this page queued; the workflow
-// open when it was called is the one that queued it.
+// open when it was called is the one that queued it. A refused prompt's errors (the answer of a queue
+// with some outputs refused, or the error thrown for a prompt refused whole) are put on their inputs
+// before the page shows them.
 function watchQueue() {
     const queue = api.queuePrompt;
     if (typeof queue !== "function" || queue.flashAttention) return;
     const watched = async function (...args) {
         const graphId = workflowKey();
         const nodes = new Set(reportNodes(app.graph).map(([node]) => node));
-        const answer = await queue.apply(this, args);
+        let answer;
+        try {
+            answer = await queue.apply(this, args);
+        } catch (error) {
+            oneErrorPerValue(error?.response?.node_errors);
+            throw error;
+        }
+        oneErrorPerValue(answer?.node_errors);
         promptQueued(answer?.prompt_id, graphId, nodes);
         return answer;
     };
@@ -226,21 +263,25 @@ function watchQueue() {
     api.queuePrompt = watched;
 }
 
+// The backends that cannot run here, each with a few words on why (the status route's short_reason).
 let unavailable = null;
 export function unavailableIds() {
     unavailable ??= api.fetchApi(STATUS_ROUTE)
         .then((response) => response.json())
-        .then((status) => new Set(status.availability.backends.filter((b) => !b.available).map((b) => b.id)))
-        .catch(() => new Set());
+        .then((status) => new Map(status.availability.backends.filter((b) => !b.available)
+            .map((b) => [b.id, b.short_reason ?? "unavailable"])))
+        .catch(() => new Map());
     return unavailable;
 }
 
-// A backend dropdown shows "id (unavailable)" for a backend that cannot run here; the value stays the id.
+// A backend dropdown shows "id — why" for a backend that cannot run here (``flash-attn — needs a GPU``, the
+// words of the webuis' lists); the value stays the id.
 export async function labelBackends(node) {
     const widget = node.widgets?.find((w) => w.name === "backend");
     if (!widget) return;
     const missing = await unavailableIds();
-    widget.options.getOptionLabel = (value) => (missing.has(value) ? `${value} (unavailable)` : String(value ?? ""));
+    widget.options.getOptionLabel = (value) => (missing.has(value) ? `${value} — ${missing.get(value)}`
+                                                                   : String(value ?? ""));
     node.setDirtyCanvas?.(true, true);
 }
 

@@ -7,9 +7,12 @@ is reported once for every input it names ("Custom validation failed for node", 
 that input). ``execute`` runs ``FUNCTION`` inside the node's execution context (its prompt id), with
 ``PromptServer.instance.client_id`` set to the client that queued the prompt (the page sends its own
 with every prompt; an API script may send none, then it is None), as ``PromptExecutor.execute`` sets
-it for the whole prompt; a node's exception fails the prompt with that exception.
+it for the whole prompt; a node's exception fails the prompt with that exception. ``PromptExecutor``
+runs whole prompts with ComfyUI's output cache between them, as main.py's prompt worker does.
 """
 import inspect
+from types import SimpleNamespace
+from typing import NamedTuple
 
 from comfy_execution.utils import CurrentNodeContext
 
@@ -52,7 +55,7 @@ def execute(node_cls, inputs, prompt_id="prompt-1", node_id="1", client_id="clie
         return getattr(node_cls(), node_cls.FUNCTION)(**inputs)
 
 
-def run_prompt(prompt, outputs_cache, prompt_id="prompt-1"):
+def run_prompt(prompt, outputs_cache, prompt_id="prompt-1", client_id="client-1"):
     """Runs a whole prompt (node id -> {"class_type", "inputs"}; a linked input is ``[node id, output slot]``)
     as ComfyUI's executor does with its output cache: each node's key from ``comfy_execution.caching``, a
     node whose key ``outputs_cache`` holds is not run and gives the stored outputs, the others run (their
@@ -73,7 +76,8 @@ def run_prompt(prompt, outputs_cache, prompt_id="prompt-1"):
             return outputs[node_id]
         node = prompt[node_id]
         inputs = {name: run(value[0])[value[1]] if is_link(value) else value for name, value in node["inputs"].items()}
-        outputs[node_id] = execute(nodes.NODE_CLASS_MAPPINGS[node["class_type"]], inputs, prompt_id, node_id)
+        outputs[node_id] = execute(nodes.NODE_CLASS_MAPPINGS[node["class_type"]], inputs, prompt_id, node_id,
+                                   client_id)
         ran.append(node_id)
         outputs_cache[key] = outputs[node_id]
         return outputs[node_id]
@@ -81,3 +85,50 @@ def run_prompt(prompt, outputs_cache, prompt_id="prompt-1"):
     for node_id in prompt:
         run(node_id)
     return outputs, ran
+
+
+class CacheEntry(NamedTuple):
+    ui: dict
+    outputs: list
+
+
+class OutputCache:
+    """``caches.outputs`` as ComfyUI 0.19.3's executor leaves it after a prompt: ``get_local(node id)`` gives the
+    ``CacheEntry`` stored under that node's key in the prompt that ran last (``get`` is a coroutine there)."""
+
+    def __init__(self):
+        self.store, self.keys = {}, {}
+
+    def get_local(self, node_id):
+        key = self.keys.get(node_id)
+        return self.store.get(key) if key is not None else None
+
+    async def get(self, node_id):
+        return self.get_local(node_id)
+
+
+class PromptExecutor:
+    """What main.py's prompt worker calls for each prompt: ``execute(prompt, prompt_id, extra_data,
+    execute_outputs)``, synchronous (0.19.3 runs its ``execute_async`` inside), setting the server's client id
+    from ``extra_data`` first. Nodes run as ``run_prompt`` runs them; the cache keeps each node's outputs as a
+    ``CacheEntry`` (an output node's ``result``), as ComfyUI's does."""
+
+    def __init__(self, server):
+        self.server = server
+        self.caches = SimpleNamespace(outputs=OutputCache())
+        self.ran = []
+
+    def execute(self, prompt, prompt_id, extra_data={}, execute_outputs=[]):
+        from comfy_execution.caching import CacheKeySetInputSignature, DynamicPrompt, IsChangedCache
+
+        self.server.client_id = extra_data.get("client_id")
+        self.server.last_prompt_id = prompt_id
+        cache = self.caches.outputs
+        keys = CacheKeySetInputSignature(DynamicPrompt(prompt), list(prompt), IsChangedCache(DynamicPrompt(prompt)))
+        cache.keys = {node_id: keys.get_data_key(node_id) for node_id in prompt}
+        held = {key: entry.outputs for key, entry in cache.store.items()}
+        _, self.ran = run_prompt(prompt, held, prompt_id, self.server.client_id)
+        for key, outputs in held.items():
+            if key not in cache.store:
+                result = outputs.get("result", ()) if isinstance(outputs, dict) else outputs
+                cache.store[key] = CacheEntry(ui={}, outputs=list(result))

@@ -1,4 +1,14 @@
 // ComfyApi as an extension meets it: fetchApi, and server messages as events with a detail.
+
+// What queuePrompt throws when ComfyUI refuses a prompt (a status other than 200): the answer's body as
+// ``response`` ({error, node_errors}).
+export class PromptExecutionError extends Error {
+    constructor(response) {
+        super("Prompt execution failed");
+        this.response = response;
+    }
+}
+
 class Api extends EventTarget {
     constructor() {
         super();
@@ -7,6 +17,7 @@ class Api extends EventTarget {
         this.queued = [];
         this.promptIds = [];
         this.answerGate = null;
+        this.refusal = null;  // the body of ComfyUI's 400 answer, while a test has the server refuse prompts
     }
 
     async fetchApi(route) {
@@ -24,6 +35,7 @@ class Api extends EventTarget {
         this.queued.push({ number, prompt: output, workflow });
         const id = this.promptIds.shift();
         await (this.answerGate ?? Promise.resolve());
+        if (this.refusal) throw new PromptExecutionError(JSON.parse(JSON.stringify(this.refusal)));
         return { prompt_id: id, number, node_errors: {} };
     }
 

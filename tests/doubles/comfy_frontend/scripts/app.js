@@ -1,5 +1,5 @@
 // ComfyApp and litegraph's node as an extension script meets them (see README.md).
-import { api } from "./api.js";
+import { api, PromptExecutionError } from "./api.js";
 
 export const NODE_TITLE_HEIGHT = 30;
 export const NODE_SLOT_HEIGHT = 20;
@@ -103,10 +103,21 @@ class App {
 
     executed(node, output) { node.onExecuted?.(output); }
 
-    // The Run button: the prompt to api.queuePrompt, looked up on the api object at each call.
+    // The Run button: the prompt to api.queuePrompt, looked up on the api object at each call. The errors
+    // of a refused prompt are what the page shows (lastNodeErrors: the canvas marks each input an error
+    // names, the errors panel lists each error's message and details): those of the answer, or of the
+    // PromptExecutionError thrown for a prompt refused whole, which the page catches.
     async queuePrompt(number) {
         const p = await this.graphToPrompt();
-        return api.queuePrompt(number, p, {});
+        try {
+            const answer = await api.queuePrompt(number, p, {});
+            this.lastNodeErrors = answer?.node_errors ?? null;
+            return answer;
+        } catch (error) {
+            if (!(error instanceof PromptExecutionError)) throw error;
+            this.lastNodeErrors = error.response.node_errors ?? null;
+            return null;
+        }
     }
 
     async setup() { for (const ext of this.extensions) await ext.setup?.(this); }
