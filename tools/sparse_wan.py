@@ -186,6 +186,7 @@ class Calls:
         self.seconds = 0.0  # spent measuring, left out of the step times
         self.model_calls = -1
         self._qkv = None
+        self.last = None  # the last call's (q, k, v), (batch, tokens, heads, head dim)
 
     @contextlib.contextmanager
     def watching(self):
@@ -204,7 +205,7 @@ class Calls:
                 q, k, v = self._qkv
                 out = args[0].unflatten(2, (q.shape[2], -1))
                 self.found.append((self.model_calls, i, float64_error(q, k, v, out, self.rows, self.gen)))
-                self._qkv = None
+                self.last, self._qkv = self._qkv, None
                 self.seconds += time.perf_counter() - started
             return hook
 
@@ -243,11 +244,34 @@ def run(args, sparse) -> dict:
     with torch.no_grad(), route(pipe, sparse=sparse), lib_attn.recording() as rec, calls.watching():
         sample(pipe, args.frames, args.height, args.width, args.steps, on_step=on_step)
     steps = [b - a for a, b in zip(marks, marks[1:])]
-    return {"pipeline": type(pipe).__name__, "report": lib_attn.Report.from_recording(rec), "calls": calls.found,
-            "steps": steps}
+    f, h, w = latent_grid(args.frames, args.height, args.width)
+    return {"pipeline": type(pipe).__name__, "tokens": f * (h // 2) * (w // 2), "steps": steps,
+            "report": lib_attn.Report.from_recording(rec), "calls": calls.found, "last": calls.last}
 
 
-def main(argv=None) -> int:
+def call_times(q, k, v, sparse: str, rounds: int) -> tuple:
+    """Median seconds of one self-attention call (q, k, v of the run's last call), PyTorch's SDPA against
+    the engine with ``sparse`` on (its first call, which calibrates, left out), interleaved ``rounds`` times;
+    and the engine's readout of those calls."""
+    import torch.nn.functional as F
+
+    q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    dense, engine = [], []
+
+    def served(q, k, v):
+        return lib_attn.attention(q, k, v, role="dit")
+
+    with torch.no_grad(), lib_attn.use(sparse=sparse), lib_attn.recording() as rec:
+        served(q, k, v)
+        for _ in range(rounds):
+            for times, fn in ((dense, F.scaled_dot_product_attention), (engine, served)):
+                started = time.perf_counter()
+                fn(q, k, v)
+                times.append(time.perf_counter() - started)
+    return statistics.median(dense), statistics.median(engine), lib_attn.Report.from_recording(rec)
+
+
+def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--frames", type=int, default=13)
     parser.add_argument("--height", type=int, default=768)
@@ -260,7 +284,12 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--sparse", default="block-sparse")
     parser.add_argument("--no-dense", action="store_true", help="skip the run with sparse off")
-    args = parser.parse_args(argv)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds timing the last call alone")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
     f, h, w = latent_grid(args.frames, args.height, args.width)
     print(f"tokens {f * (h // 2) * (w // 2):,} ({f} × {h // 2} × {w // 2}); {args.layers} layers, {args.heads} heads "
           f"of {args.head_dim}; {args.steps} steps; sparse {args.sparse!r}", flush=True)
@@ -283,6 +312,11 @@ def main(argv=None) -> int:
     times = result["steps"]
     print(f"\nseconds per step, sparse on: {' '.join(f'{s:.1f}' for s in times)} "
           f"(median {statistics.median(times):.1f})")
+    if args.rounds and result["last"] is not None:
+        dense, engine, report = call_times(*result["last"], args.sparse, args.rounds)
+        print(f"the run's last self-attention call alone, median of {args.rounds} interleaved: SDPA {dense:.2f} s, "
+              f"engine with sparse on {engine:.2f} s ({dense / engine:.2f}x)")
+        print("  " + "\n  ".join(readout.sparse_lines(report)))
     if not args.no_dense:
         lib_attn.reset()
         args.rows = 0
