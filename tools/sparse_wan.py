@@ -4,7 +4,9 @@ more, sampled with classifier-free guidance as diffusers' WanPipeline samples, t
 self-attention call's returned output, and the time per step with sparse on and off.
 
     python tools/sparse_wan.py [--frames 13 --height 768 --width 1024 --steps 6 --layers 3 --heads 2]
-                               [--sparse "block-sparse"] [--gain 3] [--rows 1024] [--no-dense]
+                               [--sparse "block-sparse"] [--gain 3] [--rows 1024] [--rounds 3] [--no-dense]
+
+(docs/sparse.md's numbers: ``--steps 10``; the last call's timing: ``--steps 1 --rounds 5 --no-dense``.)
 
 **Local attention, honestly made.** Wan's self-attention computes ``q = norm_q(to_q(x))``, ``k = norm_k(to_k(x))``
 (an RMS norm over all heads), then rotates both by the token's place on the latent (frame, row, column) grid
@@ -14,7 +16,7 @@ it, the score of query i and key j is ``c · R(p_j - p_i) c / sqrt(d)``, a funct
 relative place only, largest at the same place: attention to neighbours in space and time, as RoPE gives
 a video model. The values, the feed-forward layers and everything else are random. ``--gain`` sets how
 sharp that is (the score at the same place is ``gain**2 * d / sqrt(d)``); at 3 the calls' error against
-float64 at top-k 0.2 of 128-token blocks is about 0.03, at 2 about 0.26 (over the default budget).
+float64 at top-k 0.2 of 128-token blocks is 0.01-0.08 (by layer), at 2 about 0.26 (over the default budget).
 
 **The run.** WanPipeline with prompt embeddings given (random, 16 tokens) and latents out, so no text
 encoder or VAE runs; it needs ``transformers`` (WanPipeline's module imports it). Without it, ``WanLoop``
@@ -321,7 +323,8 @@ def main(argv=None) -> int:
         lib_attn.reset()
         args.rows = 0
         off = run(args, "off")["steps"]
-        print(f"seconds per step, sparse off: {' '.join(f'{s:.1f}' for s in off)} (median {statistics.median(off):.1f})")
+        print(f"seconds per step, sparse off: {' '.join(f'{s:.1f}' for s in off)} "
+              f"(median {statistics.median(off):.1f})")
     return 0
 
 
