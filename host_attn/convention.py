@@ -32,8 +32,9 @@ from . import voice
 BOOKKEEPING = frozenset(("transformer_options", "_inside_attn_wrapper"))
 #: Keywords the engine's functions act on.
 HONOURED = frozenset(("scale", "enable_gqa", "low_precision_attention"))
-#: Keywords a call may pass that need no look: the function's own parameters and the bookkeeping.
-ORDINARY = BOOKKEEPING | frozenset(("mask", "attn_precision", "skip_reshape", "skip_output_reshape"))
+#: Keywords a call may pass that need no look: the function's own parameters (``heads`` too: Wan's and other
+#: ComfyUI model files pass it by name, which ``wrap_attn`` hands an override among the keywords) and the bookkeeping.
+ORDINARY = BOOKKEEPING | frozenset(("heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape"))
 
 
 def unknown_keywords(kwargs) -> list[str]:

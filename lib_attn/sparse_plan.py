@@ -248,8 +248,7 @@ def model_token(module) -> int | None:
     """The token of ``module`` as it is now (its weights included), or None without one."""
     if module is None:
         return None
-    first = next(module.parameters(), None)
-    weights = None if first is None else (id(first), first._version)
+    weights = _weights(next(module.parameters(), None))
     with _lock:
         known = _models.get(module)
         if known is not None and known[1] == weights:
@@ -262,6 +261,17 @@ def model_token(module) -> int | None:
             _gone.append(known[0])
             known[0], known[1] = token, weights
         return token
+
+
+def _weights(first):
+    """What tells a module's weights apart: its first parameter and that tensor's version counter. An
+    inference tensor has no counter (ComfyUI loads and runs models under ``torch.inference_mode``): the
+    tensor and its storage then, which a weight replaced (ComfyUI's patching of a LoRA, a reload) changes."""
+    if first is None:
+        return None
+    if first.is_inference():
+        return (id(first), first.data_ptr())
+    return (id(first), first._version)
 
 
 def _gone_with(known: list) -> None:

@@ -99,6 +99,27 @@ def test_a_keyword_the_engine_does_not_take_goes_to_comfyuis_function_and_is_nam
         route.function("dit")(q, k, v, 4, window=3)
 
 
+@pytest.mark.parametrize("skip_reshape", [False, True])
+def test_heads_passed_by_keyword_as_wan_passes_it_reach_the_engine(comfy_factory, skip_reshape):
+    # Wan (and other ComfyUI model files) call optimized_attention(q, k, v, heads=n, transformer_options=...):
+    # wrap_attn hands the override heads among the keywords; it is the function's own parameter, not a keyword
+    # the engine cannot take, so the call is the engine's, and no note says ComfyUI's function ran it.
+    _, nodes = loaded(comfy_factory)
+    from comfy.ldm.modules import attention
+    from comfy_attn import run
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 12, 16) for _ in range(3))
+    args = (q, k, v) if skip_reshape else tuple(t.transpose(1, 2).reshape(2, 12, 64) for t in (q, k, v))
+    with lib_attn.recording() as rec:
+        out = attention.optimized_attention(*args, heads=4, skip_reshape=skip_reshape,
+                                            transformer_options=override_options())
+    assert rec.calls == {("dit", "sdpa"): 1}
+    want = reference(q, k, v).transpose(1, 2).reshape(2, 12, 64)
+    assert rel_err(out, want) <= 1e-5
+    report = run.current_report()                                             # None: nothing noted
+    assert report is None or not any("ran on ComfyUI's own function" in n for n in report.notes)
+
+
 # --- packs that call ComfyUI's function by name -------------------------------------------------------------
 
 PACK = '''

@@ -160,6 +160,24 @@ def test_a_second_model_with_the_same_shapes_is_calibrated_on_its_own(second):
     assert rec.sparse.calls >= 40
 
 
+def test_a_model_made_and_run_under_inference_mode_goes_sparse_and_is_told_from_another():
+    # ComfyUI loads and runs a prompt's models under torch.inference_mode: their parameters are inference
+    # tensors, which keep no version counter
+    with torch.inference_mode():
+        first = Model([local(0), local(1)])
+        with lib_attn.recording() as rec:
+            for _ in range(3):
+                first(torch.zeros(1))
+        assert first.blocks[0].proj.weight.is_inference()
+        assert rec.sparse.calls == 6 and not rec.sparse.dense
+        second = Model([diffuse(2), diffuse(3)])  # the same shapes: its own kinds, held to the budget
+        with lib_attn.recording() as rec:
+            second(torch.zeros(1))
+    assert len(sparse_plan._kinds) == 4
+    assert rec.sparse.calls == 0 and sum(rec.sparse.dense.values()) == 2
+    assert max(e for block in first.blocks for e in block.errors) <= BUDGET
+
+
 def test_a_module_that_goes_drops_its_kinds():
     model = Model([local(0)])
     model(torch.zeros(1))
