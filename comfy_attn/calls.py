@@ -203,7 +203,7 @@ def make_override(role: str, fp32: str | None = None, previous=None, config: dic
         # another model samples, and no later node of this model hands this call its engine function
         if config and serving is not None and serving[3] is not override and getattr(func, ENGINE_FUNCTION,
                                                                                       None) is None:
-            with lib_attn.use(**config):
+            with lib_attn.use(**config, hosted=True):
                 return call(func, *args, **kwargs)
         return call(func, *args, **kwargs)
 

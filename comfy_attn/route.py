@@ -415,7 +415,7 @@ def route_everything(config: dict | None = None) -> list[str]:
     """Serve every call of ComfyUI's module names and every VAE block on the engine; returns what was
     routed. ``config`` is put in force for good."""
     if config:
-        lib_attn.configure(**config)
+        lib_attn.configure(**config, hosted=True)
     _everything[0] = True
     rebind_names()
     route_vae_blocks()

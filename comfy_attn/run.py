@@ -101,7 +101,7 @@ def segment(config: dict | None = None):
     also when it ends with an error (strict mode)."""
     run = begin()
     try:
-        with lib_attn.use(**config) if config else contextlib.nullcontext():
+        with lib_attn.use(**config, hosted=True) if config else contextlib.nullcontext():
             yield run
     finally:
         run.touched = time.perf_counter()

@@ -95,7 +95,7 @@ def _default(environ, variable: str, field: str, meanwhile: str):
     if not text:
         return None
     try:
-        lib_attn.configure(**{field: text})
+        lib_attn.configure(**{field: text}, hosted=True)
     except ValueError as exc:
         voice.log_once((f"comfy-{field}", text), f"{variable}={text!r}: {exc}. No default {field}; {meanwhile}.")
         return None

@@ -95,7 +95,7 @@ def _default(environ, variable: str, field: str):
     text = environ.get(variable, "").strip()
     if text:
         try:
-            lib_attn.configure(**{field: text})
+            lib_attn.configure(**{field: text}, hosted=True)
         except ValueError as exc:
             raise ValueError(f"{variable}={text!r}: {exc}") from None
     return getattr(lib_attn.config(), field)

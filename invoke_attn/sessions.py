@@ -105,7 +105,7 @@ class Session:
         told = _watch_steps(context, role in choices.DENOISERS)
         _watch_loads(context)
         with contextlib.ExitStack() as stack:
-            config = stack.enter_context(lib_attn.use(**choice.config))
+            config = stack.enter_context(lib_attn.use(**choice.config, hosted=True))
             stack.enter_context(lib_attn.recording(into=self.recording))
             bypassed = collections.Counter()
             stack.enter_context(work.running(role, bypassed))

@@ -6,11 +6,14 @@ import contextlib
 import functools
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from . import schedule as _schedule
 from . import scope as _scope
 from . import sparse as _sparse
-from .kernels import BACKEND_IDS, not_in_chains
-from .spec import ROLES
+from .device import DeviceInfo, device_info
+from .kernels import BACKEND_IDS, REGISTRY, not_in_chains, status
+from .spec import ROLES, CallSpec
 
 FP32_POLICIES = ("cast", "keep")
 #: ``auto``: measure on CUDA devices, fixed order elsewhere; ``on``: measure on every device;
@@ -132,8 +135,56 @@ def _mode(value, modes: tuple, name: str) -> str:
     return value
 
 
+def _cannot_run(bid: str, settings, device) -> list[str]:
+    """Why sparse backend ``bid`` can take no call of these settings on ``device``: a call it would be
+    most likely to take (self-attention of ``min_tokens`` tokens, one head, head dim 128) is refused."""
+    found = status(bid)
+    if not found.available:
+        return [f"not available: {found.reason}"]
+    backend = REGISTRY[bid]
+    dtype = torch.float32 if backend.takes_dtype(torch.float32, device.type) else device.half_dtype
+    tokens = settings.min_tokens
+    return backend.reasons(CallSpec(device, dtype, 1, 1, tokens, tokens, 128, role="dit"),
+                           asked=settings.method != _sparse.AUTO)
+
+
+def sparse_problem(settings, device=None) -> str:
+    """Why sparse ``settings`` cannot run on ``device`` (a ``DeviceInfo``, a torch device or its name; this
+    machine's default device when None): every call would run dense. The text names the method, why, what to do and the methods
+    that can run there; "" when they can (or for no settings)."""
+    if settings is None:
+        return ""
+    device = device if isinstance(device, DeviceInfo) else device_info(device)
+    named = settings.method != _sparse.AUTO
+    candidates = (settings.method,) if named else _sparse.methods()[1:]
+    why = {bid: _cannot_run(bid, settings, device) for bid in candidates}
+    if not all(why.values()):
+        return ""
+    others = [bid for bid in _sparse.methods()[1:] if bid not in why and not _cannot_run(bid, settings, device)]
+    todo = sorted({f"pip install {REGISTRY[bid].packages[0]}" for bid, reasons in why.items()
+                   if REGISTRY[bid].packages and reasons[0].startswith("not available")})
+    text = (f"sparse method {settings.method!r} cannot run on this device ({device.type}: {device.describe()}), "
+            "every call would run dense: "
+            + "; ".join(f"{bid}: {'; '.join(reasons)}" for bid, reasons in why.items()))
+    if todo:
+        text += f". To install: {', '.join(todo)}"
+    usable = ([_sparse.AUTO] + others) if others else []
+    return text + (f". Methods that can run here: {', '.join(usable)}; or 'off' for none" if usable else
+                   ". No sparse method can run here; 'off' for none")
+
+
+def checked_sparse(value, device=None):
+    """Sparse settings as a script puts them in force: ``lib_attn.sparse.parse(value)``, refused with
+    ``SparseError`` (``sparse_problem``'s text) where their method cannot run on ``device``."""
+    settings = _sparse.parse(value)
+    problem = sparse_problem(settings, device)
+    if problem:
+        raise _sparse.SparseError(problem)
+    return settings
+
+
 def configure(preference=None, fp32=None, strict=None, tune=None, avoid=None, guard=None, schedule=None,
-              sparse=None) -> Config:
+              sparse=None, *, hosted: bool = False) -> Config:
     """Change the process-wide configuration; an argument left at None keeps its current value. (Inside
     a ``use`` block the configuration ``use`` put in force stays in force there until the block ends.)
 
@@ -154,14 +205,18 @@ def configure(preference=None, fp32=None, strict=None, tune=None, avoid=None, gu
     long self-attention calls, held to an error budget: one line of text
     (``"block-sparse, budget=0.15, min_tokens=12288, topk=0.2, dense=0-20%; first 1"``), a dict of
     its fields, True (every default) or a ``lib_attn.sparse.Sparse``; ``""``, ``"off"`` or False for
-    none (see ``lib_attn.sparse``). Every argument is checked before anything changes: a ValueError
-    leaves the configuration as it was.
+    none (see ``lib_attn.sparse``); a method that cannot run on this machine's default device (not
+    installed, or not on this device) raises ``SparseError`` saying why, what to do and the methods that
+    can. Every argument is checked before anything changes: a ValueError leaves the configuration as it
+    was. ``hosted``: a host's settings (a webui's, a node's), which must never fail a page or a
+    generation: a sparse method that cannot run here is put in force, its calls run dense and the
+    report says why.
     """
-    _set(_merged(_config, preference, fp32, strict, tune, avoid, guard, schedule, sparse))
+    _set(_merged(_config, preference, fp32, strict, tune, avoid, guard, schedule, sparse, hosted))
     return _config
 
 
-def _merged(base: Config, preference, fp32, strict, tune, avoid, guard, schedule, sparse) -> Config:
+def _merged(base: Config, preference, fp32, strict, tune, avoid, guard, schedule, sparse, hosted) -> Config:
     """``base`` with the arguments that are not None, each checked (ValueError before anything changes)."""
     pref = base.preference if preference is None else normalise_preference(preference)
     left_out = base.avoid if avoid is None else tuple(i for i in _check_ids(avoid, "avoid") if i != "math")
@@ -172,7 +227,7 @@ def _merged(base: Config, preference, fp32, strict, tune, avoid, guard, schedule
     mode = base.tune if tune is None else _mode(tune, TUNE_MODES, "tune")
     guard_mode = base.guard if guard is None else _mode(guard, GUARD_MODES, "guard")
     rules = base.schedule if schedule is None else _schedule.parse(schedule)
-    sparse_settings = base.sparse if sparse is None else _sparse.parse(sparse)
+    sparse_settings = base.sparse if sparse is None else (_sparse.parse if hosted else checked_sparse)(sparse)
     return Config(pref, base.fp32 if fp32 is None else fp32, base.strict if strict is None else strict, mode,
                   left_out, guard_mode, rules, sparse_settings)
 
@@ -187,13 +242,14 @@ def _set(new: Config) -> None:
 
 
 @contextlib.contextmanager
-def use(preference=None, fp32=None, strict=None, tune=None, avoid=None, guard=None, schedule=None, sparse=None):
+def use(preference=None, fp32=None, strict=None, tune=None, avoid=None, guard=None, schedule=None, sparse=None, *,
+        hosted: bool = False):
     """The configuration in force here with these arguments changed (as ``configure`` takes them), for
     the ``with`` block and in this thread or task only: other threads keep theirs, and the one in force
     here before returns on exit. The block has its own schedule position (starting where sampling was
     when it began); recordings open here count its calls."""
     outer = _scope.current()
-    new = _merged(outer.config or _config, preference, fp32, strict, tune, avoid, guard, schedule, sparse)
+    new = _merged(outer.config or _config, preference, fp32, strict, tune, avoid, guard, schedule, sparse, hosted)
     with _scope.entered(_scope.Scope(new, _schedule.Where(new.positional, like=outer.where), outer.recordings)):
         yield new
 

@@ -258,10 +258,12 @@ def parse(text) -> Schedule | None:
                                      f"takes every call this one would: join their backends in one rule")
         shadow = shadowing(rules, rule)
         if shadow:
+            raise _fail(i + 1, part, f"never holds: {_rule_names(shadow)} take{'s' if len(shadow) == 1 else ''} "
+                                     f"every call it would first; move it before rule {shadow[0].index + 1}, or "
+                                     "narrow it")
+        shadow = shadowing(rules, rule, known_step=True)
+        if shadow:
             names = _rule_names(shadow)
-            if rule.steps is not None or not any(r.steps is not None for r in shadow):
-                raise _fail(i + 1, part, f"never holds: {names} take{'s' if len(shadow) == 1 else ''} every call "
-                                         f"it would first; move it before rule {shadow[0].index + 1}, or narrow it")
             _warn_once(f"schedule rule {i + 1} ({part.strip()!r}) takes only calls made where no sampling step is "
                        f"known: {names} take every call of it at a known step first; move it before rule "
                        f"{shadow[0].index + 1} for it to hold while sampling")
@@ -279,48 +281,104 @@ def _warn_once(text: str) -> None:
     log.warning(text)
 
 
-def shadowing(earlier: list, rule: Rule) -> list:
-    """The earlier rules that take every call ``rule`` would take at a known step ([] when some call
-    reaches it): one rule whose conditions hold wherever ``rule``'s do, or rules that do so but for
-    their step windows, whose windows together cover ``rule``'s (all steps when it names none; it
-    then still takes calls made where no step is known)."""
-    wider = [r for r in earlier if _wider_but_steps(r, rule)]
-    whole = next((r for r in wider if r.steps is None), None)
-    if whole is not None:
-        return [whole]
-    lo, hi = rule.steps if rule.steps is not None else (0.0, 1.0)
-    covering, reach = [], lo
-    for r in sorted((r for r in wider if r.steps[1] > lo and r.steps[0] < hi), key=lambda r: r.steps):
-        if r.steps[0] > reach:
-            break
-        if r.steps[1] > reach or (r.steps[1] == reach == 1.0):
-            covering.append(r)
-            reach = r.steps[1]
-    # [A, B) windows: up to 1.0 a window ending at 100% also takes 100%.
-    return sorted(covering, key=lambda r: r.index) if reach >= hi else []
+#: The kinds of attention each role's calls can be (``kind``: only a DiT's calls are joint).
+ROLE_KINDS = {"unet": ("self", "cross"), "dit": KINDS, "vae": ("self", "cross")}
+#: A position the host does not tell (no step known, no pass named), or a rule with no condition on it.
+_UNKNOWN = None
 
 
-def _wider_but_steps(a: Rule, b: Rule) -> bool:
-    """``a``'s conditions other than its step window hold wherever ``b``'s do."""
-    if not b.roles <= a.roles:
-        return False
-    if a.kinds and not (b.kinds and b.kinds <= a.kinds):
-        return False
-    if a.passes and not (b.passes and b.passes <= a.passes):
-        return False
-    if a.sigmas is not None and not (b.sigmas is not None and a.sigmas[0] <= b.sigmas[0] and b.sigmas[1] <= a.sigmas[1]):
-        return False
-    return a.blocks is None or (b.blocks is not None and _blocks_within(b.blocks, a.blocks))
+def shadowing(earlier: list, rule: Rule, known_step: bool = False) -> list:
+    """The earlier rules that together take every call ``rule`` would, first ([] when some call reaches
+    it): each call goes to the first rule that holds for it, so one rule or several (``self`` and
+    ``cross``; step windows or sigma ranges that cover ``rule``'s between them) may leave it none.
+    ``known_step``: only the calls made at a known step (a rule with no step window also takes those
+    made where no step is known, which rules with step windows never take)."""
+    dims = _dimensions(earlier, rule)
+    region = tuple(own for own, _ in dims)
+    if known_step and rule.steps is None:
+        region = region[:2] + (region[2] - {_UNKNOWN},) + region[3:]
+    sets = [tuple(of(r) for _, of in dims) for r in earlier]
+    takers: set = set()
+    if not _covered(region, list(zip(earlier, sets)), takers):
+        return []
+    return sorted(takers, key=lambda r: r.index)
 
 
-def _blocks_within(inner: tuple, outer: tuple) -> bool:
-    if inner == outer:
+def _covered(region: tuple, candidates: list, takers: set) -> bool:
+    """Whether the earlier rules take every call of ``region`` (a set of atoms per dimension), each call
+    by the first of them that holds for it; the rules that take some are added to ``takers``."""
+    candidates = [(r, sets) for r, sets in candidates if all(own & part for own, part in zip(sets, region))]
+    if not candidates:
+        return False
+    (first, sets), rest = candidates[0], candidates[1:]
+    d = next((d for d, (own, part) in enumerate(zip(sets, region)) if not part <= own), None)
+    if d is None:
+        takers.add(first)
         return True
-    if outer[0] == "range":
-        return inner[0] == "range" and outer[1] <= inner[1] and inner[2] <= outer[2]
-    if outer[0] == "first":
-        return (inner[0] == "first" and inner[1] <= outer[1]) or (inner[0] == "range" and inner[2] < outer[1])
-    return inner[0] == "last" and inner[1] <= outer[1]
+    inside = region[:d] + (region[d] & sets[d],) + region[d + 1:]
+    outside = region[:d] + (region[d] - sets[d],) + region[d + 1:]
+    return _covered(inside, candidates, takers) and _covered(outside, rest, takers)
+
+
+def _dimensions(earlier: list, rule: Rule) -> list:
+    """Per condition, (``rule``'s calls as a set of atoms, a function giving an earlier rule's atoms):
+    role and kind; pass; step window; sigma range; blocks. Windows are cut at every earlier rule's bounds."""
+    def pairs(r):
+        return frozenset((role, k) for role in r.roles for k in ROLE_KINDS[role] if not r.kinds or k in r.kinds)
+
+    passes = frozenset(rule.passes) or frozenset(PASSES + (_UNKNOWN,))
+    return [(pairs(rule), pairs), (passes, lambda r: frozenset(r.passes) or passes),
+            _step_atoms(earlier, rule), _sigma_atoms(earlier, rule), _block_atoms(earlier, rule)]
+
+
+def _step_atoms(earlier: list, rule: Rule) -> tuple:
+    # [A, B) windows cut where any rule's starts or ends; a window up to 100% also takes 100% (the atom 1.0)
+    lo, hi = rule.steps or (0.0, 1.0)
+    cuts = sorted({lo, hi} | {x for r in earlier if r.steps for x in r.steps if lo < x < hi})
+    atoms = frozenset(zip(cuts, cuts[1:])) | ({1.0} if hi == 1.0 else set()) | (
+        {_UNKNOWN} if rule.steps is None else set())
+
+    def of(r):
+        if r.steps is None:
+            return atoms
+        return frozenset(a for a in atoms if a is not _UNKNOWN and (
+            r.steps[1] == 1.0 if a == 1.0 else r.steps[0] <= a[0] and a[1] <= r.steps[1]))
+    return atoms, of
+
+
+def _sigma_atoms(earlier: list, rule: Rule) -> tuple:
+    # inclusive ranges: each bound is an atom and so is each open stretch between two; a rule with no range
+    # also takes calls where no sigma is known, which only another rule with no range takes
+    if rule.sigmas is None:
+        return frozenset({_UNKNOWN}), lambda r: frozenset({_UNKNOWN}) if r.sigmas is None else frozenset()
+    lo, hi = rule.sigmas
+    cuts = sorted({lo, hi} | {x for r in earlier if r.sigmas for x in r.sigmas if lo < x < hi})
+    atoms = frozenset([(x, x) for x in cuts] + [(a, b, "open") for a, b in zip(cuts, cuts[1:])])
+    return atoms, lambda r: atoms if r.sigmas is None else frozenset(
+        a for a in atoms if r.sigmas[0] <= a[0] and a[1] <= r.sigmas[1])
+
+
+def _block_atoms(earlier: list, rule: Rule) -> tuple:
+    # ``first N`` is blocks 0..N-1 in any model; ``last N`` depends on the model's count, so only another
+    # ``last`` reaching as far takes it; a rule with no block condition also takes calls in unknown blocks
+    def span(blocks):
+        return (0, blocks[1] - 1) if blocks[0] == "first" else (blocks[1], blocks[2])
+
+    def any_block(r):
+        return atoms if r.blocks is None else frozenset()
+    if rule.blocks is None:
+        atoms = frozenset({_UNKNOWN})
+        return atoms, any_block
+    if rule.blocks[0] == "last":
+        atoms = frozenset({rule.blocks})
+        return atoms, lambda r: atoms if r.blocks is None or (r.blocks[0] == "last" and r.blocks[1] >= rule.blocks[1]) \
+            else frozenset()
+    lo, hi = span(rule.blocks)
+    cuts = sorted({lo, hi + 1} | {x for r in earlier if r.blocks and r.blocks[0] != "last"
+                                  for x in (span(r.blocks)[0], span(r.blocks)[1] + 1) if lo < x <= hi})
+    atoms = frozenset((a, b - 1) for a, b in zip(cuts, cuts[1:]))
+    return atoms, lambda r: any_block(r) if r.blocks is None or r.blocks[0] == "last" else frozenset(
+        a for a in atoms if span(r.blocks)[0] <= a[0] and a[1] <= span(r.blocks)[1])
 
 
 # --- where sampling is ------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ agrees with a float64 reference of the same call."""
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -84,5 +85,24 @@ def test_route_refuses_bad_sparse_settings_before_anything_changes():
     with pytest.raises(lib_attn.SparseError, match="budget '2'"):
         with route(model, sparse="block-sparse, budget=2"):
             pass
+    assert [type(m.processor) for m in model.modules() if hasattr(m, "processor")] == before
+    assert lib_attn.config().sparse is None
+
+
+def test_route_refuses_a_sparse_method_that_cannot_run_on_the_models_device(monkeypatch):
+    from lib_attn.kernels import reset_probes
+
+    monkeypatch.setitem(sys.modules, "comfy_kitchen", None)  # Sol-Attn not installed
+    reset_probes()
+    model = flux()
+    before = [type(m.processor) for m in model.modules() if hasattr(m, "processor")]
+    try:
+        with pytest.raises(lib_attn.SparseError, match=r"sparse method 'sol' cannot run on this device \(cpu: .*To "
+                                                       r"install: pip install comfy-kitchen\. Methods that can run "
+                                                       r"here: auto, block-sparse"):
+            with route(model, sparse="sol"):
+                pass
+    finally:
+        reset_probes()
     assert [type(m.processor) for m in model.modules() if hasattr(m, "processor")] == before
     assert lib_attn.config().sparse is None

@@ -134,6 +134,17 @@ def test_each_mistake_names_the_rule_the_part_and_what_is_valid(text, message):
      "rule 1 ('0-30%'), rule 2 ('30-60%') and rule 3 ('60-100% cross') take"),
     ("sigma 0-20: sdpa; sigma 1-5 hires: sage", 2, "rule 1 ('sigma 20-0') takes"),
     ("unet: sdpa; unet cross: sage", 2, "rule 1 ('unet') takes"),
+    # several earlier rules that between them take every call of a later one
+    ("self: sdpa; cross: sage; unet: math", 3, "rule 1 ('self') and rule 2 ('cross') take"),
+    ("unet: sdpa; dit: sage; self: math", 3, "rule 1 ('unet') and rule 2 ('dit') take"),
+    ("sigma 14-3: sdpa; sigma 3-0: sage; sigma 10-1 cross: math", 3,
+     "rule 1 ('sigma 14-3') and rule 2 ('sigma 3-0') take"),
+    ("first 2: sdpa; blocks 2-5: sage; blocks 1-4 cross: math", 3, "rule 1 ('first 2') and rule 2 ('blocks 2-5') take"),
+    ("base: sdpa; hires: sage; base hires: math", 3, "rule 1 ('base') and rule 2 ('hires') take"),
+    ("0-50%: sdpa; 50-100% self: sage; 50-100% cross: math; 60-90% unet: sdpa-math", 4,
+     "rule 2 ('50-100% self') and rule 3 ('50-100% cross') take"),
+    # a rule with no window: the windowed rule takes its calls at a known step, rule 2 the others
+    ("0-100%: sdpa; unet: sage; unet self: math", 3, "rule 1 ('0-100%') and rule 2 ('unet') take"),
 ])
 def test_a_rule_earlier_rules_always_take_first_is_refused_naming_them(text, shadowed, by):
     with pytest.raises(ScheduleError) as exc:
@@ -146,7 +157,13 @@ def test_a_rule_earlier_rules_always_take_first_is_refused_naming_them(text, sha
     "cross: sdpa; 0-20%: sdpa; 20-80%: sage3, sage; 80-100%: sdpa; vae: sdpa-efficient",
     "0-50%: sdpa; 40-100% cross: sage", "0-30%: sdpa; 40-100%: math; 20-50%: sage",  # a gap from 30 to 40%
     "cross: sdpa; 25-75% self: sage; vae: sdpa-efficient", "first 2: auto; last 2: auto; hires: sdpa; 10-90%: sage",
-    "first 2: sdpa; blocks 1-3: sage", "hires: sdpa; 0-50%: sage", "unet: sdpa; dit: sage; self: math",
+    "first 2: sdpa; blocks 1-3: sage", "hires: sdpa; 0-50%: sage", "unet: sdpa; dit cross: sage; self: math",
+    "self: sdpa; cross: sage; dit: math",                              # a DiT's joint calls reach rule 3
+    "sigma 14-4: sdpa; sigma 3-0: sage; sigma 10-1: math",             # sigmas between 3 and 4 reach rule 3
+    "first 2: sdpa; blocks 3-5: sage; blocks 1-4: math",               # block 2 reaches rule 3
+    "last 1: sdpa; last 2 cross: sage; first 1: math",                 # how many blocks: the model says
+    "base: sdpa; hires: sage; refiner: math; self: sdpa-math",         # calls of a pass no host named
+    "0-50%: sdpa; 50-100% self: sage; 50-100% cross: math; 60-90%: sdpa-math",  # joint calls at 60-90%
 ])
 def test_rules_that_some_call_reaches_are_kept(text, caplog):
     with caplog.at_level(logging.WARNING, logger="lib_attn"):
@@ -171,6 +188,15 @@ def test_a_rule_with_no_window_behind_windows_that_cover_every_step_is_kept_with
             lib_attn.attention(*cross_call())
     got = served(text, calls)
     assert got == {("cross", "sdpa-math"): 1, ("0-20%", "sdpa"): 2, ("20-80%", "math"): 6, ("80-100%", "sdpa"): 2}
+
+
+def test_a_rule_with_no_window_behind_kinds_whose_windows_cover_every_step_is_kept_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="lib_attn"):
+        parse("0-100% self: sdpa; 0-100% cross: sage; unet: math")
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == ("schedule rule 3 ('unet: math') takes only calls made where no sampling step is known: rule 1 "
+                    "('0-100% self') and rule 2 ('0-100% cross') take every call of it at a known step first; move it "
+                    "before rule 1 for it to hold while sampling")
 
 
 def test_the_schedules_pages_examples_parse_with_no_rule_shadowed(caplog):

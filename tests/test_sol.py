@@ -16,8 +16,10 @@ import types
 import pytest
 import torch
 
+import lib_attn
+from lib_attn.config import sparse_problem
 from lib_attn.device import DeviceInfo
-from lib_attn.kernels import REGISTRY, SPARSE_IDS, sol
+from lib_attn.kernels import REGISTRY, SPARSE_IDS, reset_probes, sol
 from lib_attn.kernels.sparse import Knob
 from lib_attn.spec import CallSpec
 
@@ -174,8 +176,9 @@ def test_the_probe_finds_sol_attn_or_says_what_is_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "comfy_kitchen", None)
     found = SOL.probe()
     assert not found.available and found.reason.startswith("ModuleNotFoundError")
-    assert found.reason.endswith("hub: no kernel hub repository with a Sol-Attn build is known to the engine; "
-                                 "comfy-kitchen's wheel carries it (ATTN_INSTALL=comfy-kitchen)")
+    assert found.reason.endswith("hub: no kernel hub build of Sol-Attn is known to the engine; comfy-kitchen's "
+                                 "wheel carries it (compiled for NVIDIA sm80+ and AMD RDNA3+; elsewhere an eager "
+                                 "reference, slower than dense)")
 
 
 def test_a_sparse_call_reaches_sol_attn_in_its_layout_with_scale_knob_and_sinks(monkeypatch):
@@ -224,3 +227,58 @@ def test_a_gpu_without_its_compiled_kernels_is_refused_unless_sol_is_named(monke
     assert SOL.reasons(spec()) == [] and SOL.reasons(spec(TURING)) == ["GPU sm75 < sm80 (Sol-Attn's compiled kernels)"]
     (cpu,) = SOL.reasons(spec(CPU, dtype=torch.float32))
     assert cpu.startswith("cpu: Sol-Attn runs its eager reference here")
+
+
+@pytest.fixture
+def fresh_probes():
+    reset_probes()
+    lib_attn.reset()
+    yield
+    lib_attn.reset()
+    reset_probes()
+
+
+def test_a_script_naming_sol_where_it_cannot_run_is_refused_with_what_to_do(monkeypatch, fresh_probes):
+
+    monkeypatch.setitem(sys.modules, "comfy_kitchen", None)  # not installed
+    with pytest.raises(lib_attn.SparseError) as refused:
+        lib_attn.configure(sparse="sol, budget=0.2")
+    text = str(refused.value)
+    assert text.startswith("sparse method 'sol' cannot run on this device (cpu: ") and "comfy_kitchen" in text
+    assert "To install: pip install comfy-kitchen" in text and "ATTN_INSTALL" not in text
+    assert text.endswith("Methods that can run here: auto, block-sparse; or 'off' for none")
+    assert lib_attn.config().sparse is None                       # nothing changed
+    with pytest.raises(lib_attn.SparseError, match="sparse method 'sol' cannot run"):
+        with lib_attn.use(sparse={"method": "sol"}):
+            pass
+    assert lib_attn.sparse.parse("sol").method == "sol"         # a paste of settings is only read: never refused
+    lib_attn.configure(sparse="block-sparse")                   # one that runs here is taken
+
+    _stand_in(monkeypatch)  # installed: compiled kernels on sm80+, the eager reference on a CPU when named
+    sys.modules["comfy_kitchen"].sol_attn_is_available = lambda device=None: True
+    reset_probes()
+    settings = lib_attn.sparse.parse("sol")
+    assert sparse_problem(settings, CPU) == "" and sparse_problem(settings, A100) == ""
+    turing = sparse_problem(settings, TURING)
+    assert turing.startswith("sparse method 'sol' cannot run on this device (cuda: RTX 2080 (sm75)), every call "
+                             "would run dense: sol: GPU sm75 < sm80 (Sol-Attn's compiled kernels)")
+    assert "pip install" not in turing                            # installed: nothing to install
+    # under auto the eager reference never runs: a CPU has block-sparse, so auto is taken
+    assert sparse_problem(lib_attn.sparse.parse("auto"), CPU) == ""
+    # the eager reference's own limit holds for every call of min_tokens or more
+    assert "would hold 6.0 GiB of scores" in sparse_problem(lib_attn.sparse.parse("sol, min_tokens=40000"), CPU)
+
+
+def test_a_host_keeps_sol_where_it_cannot_run_its_calls_run_dense_and_say_why(monkeypatch, fresh_probes):
+    monkeypatch.setitem(sys.modules, "comfy_kitchen", None)
+    lib_attn.configure(sparse="sol, dense=none", hosted=True)     # a webui's setting, a node's input
+    assert lib_attn.config().sparse.method == "sol"
+    q = torch.randn(1, 12288, 1, 128)
+    with lib_attn.recording() as rec:
+        out = lib_attn.attention(q, q, q, role="dit", layout="bshd")
+    assert torch.equal(out, lib_attn.attention(q, q, q, role="dit", layout="bshd", backend="sdpa"))
+    ((role, reason), n), = rec.sparse.dense.items()
+    assert (role, n) == ("dit", 1) and reason.startswith("sol: not available: ModuleNotFoundError: import of comfy_kitchen")
+    assert "ATTN_INSTALL" not in reason and "comfy-kitchen's wheel carries it" in reason
+    with lib_attn.use(sparse="sol", hosted=True) as cfg:
+        assert cfg.sparse.method == "sol"

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from .. import _compat, stats
 from .. import schedule as _schedule
 from .. import scope as _scope
+from ..config import checked_sparse as _checked_sparse
 from ..config import current as _current_config
 from ..config import use as _use_config
 from ..dispatch import attention
@@ -475,8 +476,8 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
     pass the pipeline's steps belong to, e.g. "refiner" for an SDXL refiner pipeline.
 
     ``sparse`` (sparse settings as ``lib_attn.configure(sparse=...)`` takes them: text, a dict, True, a
-    ``lib_attn.Sparse``, or "off") is put in force for the scope; bad ones raise ``SparseError`` before
-    anything changes. Its dense windows, like a schedule, make the scope tell the step and the block.
+    ``lib_attn.Sparse``, or "off") is put in force for the scope; bad ones, or a method that cannot run on
+    the models' device, raise ``SparseError`` first. Its dense windows make the scope tell step and block.
 
     ``parallel`` (a ``lib_attn.parallel.Parallel``, every rank running the same pipeline) splits the
     denoiser's sequence over the ranks and puts the configuration in force for the scope
@@ -492,13 +493,12 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
         raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
     if pass_name is not None and pass_name not in _schedule.PASSES:
         raise ValueError(f"pass {pass_name!r} is not one of {', '.join(_schedule.PASSES)}")
-    if sparse is not None:
-        from .. import sparse as _sparse
-
-        sparse = _sparse.parse(sparse) or "off"
+    models = _models(model_or_pipeline, role)
+    if sparse is not None:  # refused where its method cannot run on the device of the models' weights
+        weights = next((p for model, _ in models for p in model.parameters()), None)
+        sparse = _checked_sparse(sparse, None if weights is None else weights.device) or "off"
     routing = Routing()
     plan, seen = [], set()
-    models = _models(model_or_pipeline, role)
     as_sdpa, differ = _split.same_as_sdpa(models, processor_kind) if parallel is None else ({}, {})
     if parallel is not None:
         # Split attention that the split cannot reach would attend to one rank's share of the tokens
@@ -534,7 +534,7 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
                 if model_role in _schedule.DENOISER:
                     _split.refuse_hooks(scope, model, split=False)
         if schedule is not None or sparse is not None:
-            scope.enter_context(_use_config(schedule=schedule, sparse=sparse))
+            scope.enter_context(_use_config(schedule=schedule, sparse=sparse, hosted=True))  # checked above
         if _current_config().positional is not None:
             _follow_sampling(scope, model_or_pipeline, models, pass_name)
         try:

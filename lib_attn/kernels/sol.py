@@ -46,8 +46,8 @@ DEFAULT_TAU = 1.3
 LOG2E = 1.4426950408889634
 
 #: Why the kernel hub does not serve Sol-Attn here.
-HUB_REASON = ("no kernel hub repository with a Sol-Attn build is known to the engine; comfy-kitchen's wheel "
-              "carries it (ATTN_INSTALL=comfy-kitchen)")
+HUB_REASON = ("no kernel hub build of Sol-Attn is known to the engine; comfy-kitchen's wheel carries it (compiled "
+              "for NVIDIA sm80+ and AMD RDNA3+; elsewhere an eager reference, slower than dense)")
 
 _sink_tokens: contextvars.ContextVar[int] = contextvars.ContextVar("attn_sol_sink_tokens", default=0)
 

@@ -48,7 +48,7 @@ def set_layer(name: str, layer: dict | None) -> dict:
     _layers[name] = dict(layer) if layer else None
     config = merged()
     try:
-        lib_attn.configure(**config)
+        lib_attn.configure(**config, hosted=True)
     except ValueError:
         _layers[name] = previous
         raise
