@@ -71,8 +71,14 @@ def pooled_reference(q, k, v, scale, routing) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("merged", [True, False], ids=["second-pass", "joined-keys"])
 @pytest.mark.parametrize("n, knob", [(512, Knob("topk", 0.3)), (700, Knob("threshold", 0.6)), (333, Knob("topk", 0.5))])
-def test_gather_counts_the_unrouted_blocks_through_their_pooled_term(n, knob):
+def test_gather_counts_the_unrouted_blocks_through_their_pooled_term(n, knob, merged, monkeypatch):
+    # both ways of the pooled term: a second pass merged by log-sum-exp (CPU, torch 2.3 and later), and the
+    # mean keys joined to the gathered ones under an additive mask (elsewhere)
+    if merged and not gather.merges_lse("cpu"):
+        pytest.skip("PyTorch's CPU SDPA operator returns its log-sum-exp and takes a mask from torch 2.3")
+    monkeypatch.setattr(gather, "merges_lse", lambda device_type: merged)
     block = 64
     q, k, v = make_qkv(2, 3, n, n, 16, torch.float64, seed=5)
     scale = 0.25
@@ -140,6 +146,7 @@ def test_backend_runs_bshd_views_and_half_inputs_via_its_contract():
 def test_flex_design_computes_the_routed_attention():
     torch._dynamo.reset()  # this test's shapes compile on their own (earlier ones would make them dynamic)
     flex._warm.clear()
+    flex._static_shapes.clear()
     n, block = 600, 128  # a last block of 88 tokens
     q, k, v = make_qkv(1, 2, n, n, 32, torch.float32, seed=4)
     for knob in (Knob("topk", 0.4), Knob("threshold", 0.7), Knob("topk", 1.0)):
@@ -153,8 +160,8 @@ def test_flex_design_computes_the_routed_attention():
             out, _ = flex.run(q, k, v, 0.25, pooled, block)
         assert rel_err(out, pooled_reference(q, k, v, 0.25, pooled)) < 1e-5
     backend = REGISTRY["block-sparse"]
-    # the pooled routing runs FlexAttention on CUDA; on a CPU the gather design (see POOLED_FLEX_DEVICES)
-    assert backend.design("cuda") == "flex" and backend.design("cpu") == "gather" and backend.design("mps") == "gather"
+    # the pooled routing runs FlexAttention on CUDA and on a CPU (compiled per shape there); elsewhere gather
+    assert backend.design("cuda") == "flex" and backend.design("cpu") == "flex" and backend.design("mps") == "gather"
     assert rel_err(backend.run_sparse(q, k, v, 0.25, Knob("topk", 1.0)).out, reference(q, k, v, scale=0.25)) < 1e-5
 
 
@@ -174,3 +181,33 @@ def test_a_compiler_that_fails_leaves_the_gather_design(monkeypatch, caplog):
     assert "no compiler" in backend.flex_failures[("cpu", torch.float64, 16)]
     assert backend.design("cpu", torch.float32, 16) == "flex"  # another dtype: not failed there
     assert "gather design serves" in caplog.text
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_gather_second_pass_holds_half_and_single_precision_to_their_bounds(dtype, bound):
+    # the routed blocks in the call's dtype, the pooled pass and the merge in fp32: the error against float64
+    # is the dtype's, on a call whose last blocks are short (1,000 tokens, 64-token blocks)
+    if not gather.merges_lse("cpu"):
+        pytest.skip("PyTorch's CPU SDPA operator returns its log-sum-exp and takes a mask from torch 2.3")
+    q, k, v = make_qkv(1, 2, 1000, 1000, 32, torch.float64, seed=7)
+    routing = route(q, k, 0.2, 64, "topk", 0.3, pooled_rest=True)
+    exact = pooled_reference(q, k, v, 0.2, routing)
+    out = gather.run(*(t.to(dtype) for t in (q, k, v)), 0.2, routing, 64)
+    assert out.dtype == dtype and rel_err(out, exact) < bound
+
+
+@pytest.mark.skipif(not flex.available(), reason="FlexAttention arrived in torch 2.5")
+def test_a_cpu_compiles_a_bounded_number_of_shapes_then_gathers(monkeypatch):
+    # each shape compiles on a CPU; past STATIC_SHAPES a new shape runs the gather design, never FlexAttention
+    # eagerly (which computes every score), and no failure is recorded
+    backend = type(REGISTRY["block-sparse"])()
+    monkeypatch.setattr(flex, "_static_shapes", {("cpu", torch.float32, (9,), (9,), True)})
+    monkeypatch.setattr(flex, "STATIC_SHAPES", 1)
+    ran = []
+    monkeypatch.setattr(flex, "run", lambda *args: ran.append(args))
+    q, k, v = make_qkv(1, 2, 300, 300, 16, torch.float32, seed=3)
+    assert not flex.serves(q, k, True) and flex.serves(q, k, False)
+    out = backend.run_sparse(q, k, v, None, Knob("topk", 1.0)).out
+    assert not ran and not backend.flex_failures and rel_err(out, reference(q, k, v)) < 1e-5
+    monkeypatch.setattr(flex, "_static_shapes", {flex._shape(q, k, True)})
+    assert flex.serves(q, k, True)
