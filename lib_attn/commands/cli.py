@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="columns to time: auto and/or backend ids (default: auto + every "
                         "available backend)")
     b.add_argument("--json", dest="json_path", metavar="FILE", help="write all results as JSON")
-    b.add_argument("--plot", metavar="FILE.png", help="bar chart of ms per step (needs matplotlib)")
+    b.add_argument("--plot", metavar="FILE.png", help="bar chart of ms per step; with --sparse, error against the "
+                   "share of blocks kept (needs matplotlib)")
     _add_device(b)
     # --seconds, not --budget, so as not to read as sparse attention's error budget; --budget still works.
     b.add_argument("--seconds", "--budget", dest="budget", type=float, default=None, metavar="S",
@@ -217,6 +218,9 @@ def _sparse_bench(args, parser: argparse.ArgumentParser) -> int:
                          f"({', '.join(shapes.VIDEO_MODELS)}) or --sparse-call")
     doc = sparse_bench.run(calls, dtypes[0], device, max(1, args.sparse_rounds), args.sparse_topk, settings)
     _print(sparse_bench.render(doc))
+    if args.plot:
+        bench.plot_sparse(doc, args.plot)
+        _print(f"chart written to {args.plot}")
     if args.json_path:
         _save_json(doc, args.json_path)
         _print(f"\nJSON written to {args.json_path}")
@@ -224,12 +228,12 @@ def _sparse_bench(args, parser: argparse.ArgumentParser) -> int:
 
 
 def _bench(args, parser: argparse.ArgumentParser) -> int:
-    if args.sparse:
-        return _sparse_bench(args, parser)
     if args.plot:
         missing = bench.matplotlib_missing()
         if missing:
             parser.error(missing)
+    if args.sparse:
+        return _sparse_bench(args, parser)
     device = _device(args.device, parser)
     dtypes = _dtypes(args.dtype, parser)
     backends = _split(args.backends)
