@@ -63,6 +63,10 @@ def test_progress_is_told_at_each_step_and_while_a_step_runs():
     (["--sparse-topk", "0"], "must be in (0, 1]"),
     (["--sparse-settings", "block-sparse, budget=3"], "budget '3'"),
     (["--model", "sdxl"], "no long self-attention call"),
+    (["--sparse-call", "1x1024x1x16", "--sparse-grid", "4x16x15"], "holds 960 tokens, the call 1024"),
+    (["--sparse-call", "1x1024x1x16", "--sparse-grid", "4x16"], "holds 64 tokens"),
+    (["--sparse-call", "1x1024x1x16", "--sparse-grid", "4xax16"], "write FxHxW"),
+    (["--sparse-grid", "4x16x16"], "--sparse-grid needs --sparse-call"),
 ])
 def test_bad_arguments_are_refused_naming_them(args, words):
     done = subprocess.run([sys.executable, "-m", "lib_attn", "bench", "--sparse", *args], cwd=ROOT,
@@ -105,10 +109,10 @@ def test_sparse_bench_writes_its_chart_from_the_command_line(tmp_path):
 
     path = tmp_path / "run.png"
     done = subprocess.run([sys.executable, "-m", "lib_attn", "bench", "--sparse", "--sparse-call", "1x1024x1x16",
-                           "--sparse-rounds", "1", "--sparse-settings", "block-sparse, min_tokens=1, dense=none, budget=0.5",
+                           "--sparse-grid", "4x16x16", "--sparse-rounds", "1", "--sparse-settings", "block-sparse, min_tokens=1, dense=none, budget=0.5",
                            "--plot", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONPATH=ROOT))
     assert done.returncode == 0, done.stderr
-    assert f"chart written to {path}" in done.stdout
+    assert f"chart written to {path}" in done.stdout and "on grid 4x16x16" in done.stdout
     series = Image.open(path).text["Series"].split("; ")
     assert any(s.startswith("local: routed") for s in series) and any(s.startswith("diffuse: with the pooled") for s in series)
