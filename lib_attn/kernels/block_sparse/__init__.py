@@ -21,8 +21,10 @@ from .routing import route, scores
 log = logging.getLogger("lib_attn")
 #: Device types whose FlexAttention is compiled (elsewhere it would run eagerly, on the full scores).
 FLEX_DEVICES = ("cuda", "cpu")
-#: Where FlexAttention runs the pooled routing (on a CPU compiled per shape: ``flex.STATIC_DEVICES``).
-POOLED_FLEX_DEVICES = ("cuda", "cpu")
+#: Where FlexAttention runs the pooled routing. On a CPU the gather design runs it: PyTorch's C++ lowering
+#: (2.13) fails to compile the pooled rows' score modifier once shapes go dynamic, and compiled for fixed
+#: shapes (``dynamic=False``) it ran slower than the gather design's second pass (docs/sparse.md).
+POOLED_FLEX_DEVICES = ("cuda",)
 
 
 class BlockSparse(SparseBackend):
@@ -83,7 +85,7 @@ class BlockSparse(SparseBackend):
         with torch.no_grad():
             routing = route(q, k, scale, self.block, knob.name, knob.value, self.pooled)
             where = (q.device.type, q.dtype, q.shape[-1])
-            if self.design(*where) == "flex" and flex.serves(q, k, routing.pooled):
+            if self.design(*where) == "flex":
                 try:
                     out, lse = flex.run(q, k, v, scale, routing, self.block)
                     return SparseResult(out, lse, routing.kept)

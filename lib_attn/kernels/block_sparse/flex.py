@@ -12,13 +12,6 @@ The first call of each shape compiles (seconds); a compiler that fails (no C++ c
 no Triton for a GPU) is remembered with its reason for the device, dtype and head dim it failed on, and
 the gather design serves those. ``torch.compile`` is not safe to enter from two threads at once: calls
 of a shape not yet compiled run one at a time.
-
-On a CPU a pooled routing compiles for each shape (``dynamic=False``): PyTorch's C++ lowering of
-FlexAttention (torch 2.13) emits code that does not compile for the pooled rows' score modifier once
-shapes are dynamic, and compiles it for fixed ones. A model's long calls come in few shapes; past
-``STATIC_SHAPES`` of them a new shape runs the gather design (``serves``), since ``torch.compile``
-recompiles a function a bounded number of times (8) and then runs it eagerly, where FlexAttention
-computes every score.
 """
 from __future__ import annotations
 
@@ -29,60 +22,36 @@ import torch
 from ... import _compat
 from .routing import pooled
 
-#: The compiled kernel, for dynamic shapes (False) and compiled per shape (True).
-_compiled: dict = {}
+_compiled = None
 _lock = threading.Lock()
 #: The (device type, dtype, shapes, pooled) calls compiled and run once: they run without the lock.
 _warm: set = set()
-#: Device types whose pooled calls compile for each shape, and how many shapes a process compiles there.
-STATIC_DEVICES = ("cpu",)
-STATIC_SHAPES = 6
-#: The shapes compiled for fixed shapes so far.
-_static_shapes: set = set()
 
 
 def available() -> bool:
     return _compat.FLEX_ATTENTION is not None
 
 
-def _static(q, pooled_rest: bool) -> bool:
-    return pooled_rest and q.device.type in STATIC_DEVICES
-
-
-def _shape(q, k, pooled_rest: bool) -> tuple:
-    return q.device.type, q.dtype, tuple(q.shape), tuple(k.shape), pooled_rest
-
-
-def serves(q, k, pooled_rest: bool) -> bool:
-    """Whether the compiled kernel takes a call of these shapes: always where shapes may be dynamic; where
-    each shape compiles, a shape already compiled or one of the first ``STATIC_SHAPES``."""
-    if not _static(q, pooled_rest):
-        return True
-    return _shape(q, k, pooled_rest) in _static_shapes or len(_static_shapes) < STATIC_SHAPES
-
-
-def _kernel(static: bool):
+def _kernel():
+    global _compiled
     with _lock:
-        if static not in _compiled:
-            _compiled[static] = torch.compile(_compat.FLEX_ATTENTION, dynamic=False if static else None)
-    return _compiled[static]
+        if _compiled is None:
+            _compiled = torch.compile(_compat.FLEX_ATTENTION)
+    return _compiled
 
 
 def _call(q, k, v, mask, scale, pooled_rest, **extra):
     """The compiled kernel, under the lock until this kind of call has run once."""
-    key = _shape(q, k, pooled_rest) + (bool(extra),)
+    key = (q.device.type, q.dtype, tuple(q.shape), tuple(k.shape), pooled_rest, bool(extra))
     if isinstance(mask, _Modded):
         extra = dict(extra, score_mod=mask.score_mod)
         mask = mask.mask
-    static = _static(q, pooled_rest)
-    kernel = _kernel(static)
+    kernel = _kernel()
     if key in _warm:
         return kernel(q, k, v, block_mask=mask, scale=scale, **extra)
     with _lock:
         out = kernel(q, k, v, block_mask=mask, scale=scale, **extra)
         _warm.add(key)
-        if static:
-            _static_shapes.add(key[:-1])
     return out
 
 
