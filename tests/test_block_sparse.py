@@ -182,7 +182,7 @@ def test_a_compiler_that_fails_leaves_the_gather_design(monkeypatch, caplog):
     assert "gather design serves" in caplog.text
 
 
-@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.float16, 3e-3), (torch.bfloat16, 2e-2)])
 def test_gather_second_pass_holds_half_and_single_precision_to_their_bounds(dtype, bound):
     # the routed blocks in the call's dtype, the pooled pass and the merge in fp32: the error against float64
     # is the dtype's, on a call whose last blocks are short (1,000 tokens, 64-token blocks)
