@@ -63,6 +63,10 @@ def test_progress_is_told_at_each_step_and_while_a_step_runs():
     (["--sparse-topk", "0"], "must be in (0, 1]"),
     (["--sparse-settings", "block-sparse, budget=3"], "budget '3'"),
     (["--model", "sdxl"], "no long self-attention call"),
+    (["--sparse-call", "1x1024x1x16", "--sparse-grid", "4x16x15"], "holds 960 tokens, the call 1024"),
+    (["--sparse-call", "1x1024x1x16", "--sparse-grid", "4x16"], "holds 64 tokens"),
+    (["--sparse-call", "1x1024x1x16", "--sparse-grid", "4xax16"], "write FxHxW"),
+    (["--sparse-grid", "4x16x16"], "--sparse-grid needs --sparse-call"),
 ])
 def test_bad_arguments_are_refused_naming_them(args, words):
     done = subprocess.run([sys.executable, "-m", "lib_attn", "bench", "--sparse", *args], cwd=ROOT,
@@ -77,3 +81,38 @@ def test_video_calls_are_scaled_on_their_grid():
     frames, h, w = grid
     assert frames == 21 and abs(frames * h * w - 75600 / 8) / (75600 / 8) < 0.1
     assert json.dumps(calls)  # plain data, for --json
+
+
+def test_the_chart_holds_error_against_share_for_both_designs_on_each_input(tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from lib_attn.commands import bench
+
+    shares = {name: [{"topk": t, "kept": t, "routed": 2.0 * base / t, "pooled": base / t} for t in (0.1, 0.2, 0.5)]
+              for name, base in (("local", 0.01), ("rope", 0.05), ("diffuse", 0.2))}
+    doc = {"dtype": "float32", "settings": sparse_bench.DEFAULT_SETTINGS + ", budget=0.06",
+           "results": [{"call": "1x2048x2x32", "shape": [1, 2048, 2, 32], "grid": [8, 16, 16], "share_errors": shares}]}
+    path = tmp_path / "sparse.png"
+    series = bench.plot_sparse(doc, str(path))
+    image = Image.open(path)
+    assert image.format == "PNG" and image.size[0] > 300
+    held = image.text["Series"].split("; ")
+    assert held == series and len(series) == 6
+    for name in shares:  # each kind of input, as the routed blocks alone and with the pooled term
+        assert {f"{name}: routed blocks alone", f"{name}: with the pooled term (block-sparse)"} <= set(held)
+
+
+def test_sparse_bench_writes_its_chart_from_the_command_line(tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    path = tmp_path / "run.png"
+    done = subprocess.run([sys.executable, "-m", "lib_attn", "bench", "--sparse", "--sparse-call", "1x1024x1x16",
+                           "--sparse-grid", "4x16x16", "--sparse-rounds", "1", "--sparse-settings", "block-sparse, min_tokens=1, dense=none, budget=0.5",
+                           "--plot", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 0, done.stderr
+    assert f"chart written to {path}" in done.stdout and "on grid 4x16x16" in done.stdout
+    series = Image.open(path).text["Series"].split("; ")
+    assert any(s.startswith("local: routed") for s in series) and any(s.startswith("diffuse: with the pooled") for s in series)

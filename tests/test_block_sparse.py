@@ -71,8 +71,14 @@ def pooled_reference(q, k, v, scale, routing) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("merged", [True, False], ids=["second-pass", "joined-keys"])
 @pytest.mark.parametrize("n, knob", [(512, Knob("topk", 0.3)), (700, Knob("threshold", 0.6)), (333, Knob("topk", 0.5))])
-def test_gather_counts_the_unrouted_blocks_through_their_pooled_term(n, knob):
+def test_gather_counts_the_unrouted_blocks_through_their_pooled_term(n, knob, merged, monkeypatch):
+    # both ways of the pooled term: a second pass merged by log-sum-exp (CPU, torch 2.3 and later), and the
+    # mean keys joined to the gathered ones under an additive mask (elsewhere)
+    if merged and not gather.merges_lse("cpu"):
+        pytest.skip("PyTorch's CPU SDPA operator returns its log-sum-exp and takes a mask from torch 2.3")
+    monkeypatch.setattr(gather, "merges_lse", lambda device_type: merged)
     block = 64
     q, k, v = make_qkv(2, 3, n, n, 16, torch.float64, seed=5)
     scale = 0.25
@@ -174,3 +180,17 @@ def test_a_compiler_that_fails_leaves_the_gather_design(monkeypatch, caplog):
     assert "no compiler" in backend.flex_failures[("cpu", torch.float64, 16)]
     assert backend.design("cpu", torch.float32, 16) == "flex"  # another dtype: not failed there
     assert "gather design serves" in caplog.text
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.float16, 3e-3), (torch.bfloat16, 2e-2)])
+def test_gather_second_pass_holds_half_and_single_precision_to_their_bounds(dtype, bound):
+    # the routed blocks in the call's dtype, the pooled pass and the merge in fp32: the error against float64
+    # is the dtype's, on a call whose last blocks are short (1,000 tokens, 64-token blocks)
+    if not gather.merges_lse("cpu"):
+        pytest.skip("PyTorch's CPU SDPA operator returns its log-sum-exp and takes a mask from torch 2.3")
+    q, k, v = make_qkv(1, 2, 1000, 1000, 32, torch.float64, seed=7)
+    routing = route(q, k, 0.2, 64, "topk", 0.3, pooled_rest=True)
+    exact = pooled_reference(q, k, v, 0.2, routing)
+    out = gather.run(*(t.to(dtype) for t in (q, k, v)), 0.2, routing, 64)
+    assert out.dtype == dtype and rel_err(out, exact) < bound
+

@@ -82,7 +82,7 @@ def test_a_knob_becomes_tau_or_topk_ratio_and_a_conditioning_prefix_its_sink_blo
 def test_calibration_goes_from_the_users_tau_down_to_denser_ones():
     assert [k.value for k in SOL.ladder(Knob("threshold", 1.3))] == [1.3, 1.0, 0.75, 0.5, 0.25, 0.0]
     assert [k.value for k in SOL.ladder(Knob("threshold", 4.0))][:3] == [4.0, 3.0, 2.5]
-    assert [k.value for k in SOL.ladder(Knob("topk", 0.2))] == [0.2, 0.3, 0.4, 0.5]
+    assert [k.value for k in SOL.ladder(Knob("topk", 0.2))] == [0.2, 0.25, 0.3, 0.4, 0.5]
     assert SOL.threshold_problem(1.0) == ""
     assert SOL.threshold_problem(4.5).startswith("threshold 4.5 is outside sol's range 0-4 (tau:")
 

@@ -176,6 +176,6 @@ def test_a_registered_sparse_backend_becomes_a_method():
 def test_ladder_runs_from_the_users_setting_toward_denser():
     from lib_attn.kernels import REGISTRY
     backend = REGISTRY["block-sparse"]
-    assert [k.value for k in backend.ladder(lib_attn.Knob("topk", 0.12))] == [0.12, 0.15, 0.2, 0.3, 0.4, 0.5]
+    assert [k.value for k in backend.ladder(lib_attn.Knob("topk", 0.12))] == [0.12, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5]
     assert [k.value for k in backend.ladder(lib_attn.Knob("threshold", 0.85))] == [0.85, 0.9, 0.95, 0.98, 0.99]
     assert [k.value for k in backend.ladder(lib_attn.Knob("topk", 0.6))] == [0.6]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import List, Optional
 
@@ -60,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="columns to time: auto and/or backend ids (default: auto + every "
                         "available backend)")
     b.add_argument("--json", dest="json_path", metavar="FILE", help="write all results as JSON")
-    b.add_argument("--plot", metavar="FILE.png", help="bar chart of ms per step (needs matplotlib)")
+    b.add_argument("--plot", metavar="FILE.png", help="bar chart of ms per step; with --sparse, error against the "
+                   "share of blocks kept (needs matplotlib)")
     _add_device(b)
     # --seconds, not --budget, so as not to read as sparse attention's error budget; --budget still works.
     b.add_argument("--seconds", "--budget", dest="budget", type=float, default=None, metavar="S",
@@ -83,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sparse-call", default=None, metavar="BxNxHxD",
                    help="with --sparse: one call of B items, N tokens (a sequence with local attention), H heads, "
                         "head dim D instead of the models' calls")
+    b.add_argument("--sparse-grid", default=None, metavar="FxHxW",
+                   help="with --sparse-call: lay its N tokens on this (frames, height, width) grid, as a video's "
+                        "latents (default: one sequence)")
     b.add_argument("--sparse-topk", type=float, default=0.2, metavar="F",
                    help="with --sparse: the keep fraction of the kernel column (default 0.2)")
     b.add_argument("--sparse-settings", default=None, metavar="TEXT",
@@ -208,7 +213,17 @@ def _sparse_bench(args, parser: argparse.ArgumentParser) -> int:
             b, n, h, d = (int(x) for x in args.sparse_call.lower().split("x"))
         except ValueError:
             parser.error(f"--sparse-call {args.sparse_call!r}: write BxNxHxD, e.g. 1x16384x4x128")
-        calls = [(f"{b}x{n}x{h}x{d}", b, h, d, (n,))]
+        grid = (n,)
+        if args.sparse_grid:
+            try:
+                grid = tuple(int(x) for x in args.sparse_grid.lower().split("x"))
+            except ValueError:
+                parser.error(f"--sparse-grid {args.sparse_grid!r}: write FxHxW, e.g. 15x32x32")
+            if math.prod(grid) != n or min(grid) < 1:
+                parser.error(f"--sparse-grid {args.sparse_grid}: holds {math.prod(grid)} tokens, the call {n}")
+        calls = [(f"{b}x{n}x{h}x{d}", b, h, d, grid)]
+    elif args.sparse_grid:
+        parser.error("--sparse-grid needs --sparse-call")
     else:
         models = [args.model] if args.model and args.model != "all" else list(shapes.VIDEO_MODELS)
         calls = sparse_bench.calls_for(models, args.res, factor)
@@ -217,6 +232,9 @@ def _sparse_bench(args, parser: argparse.ArgumentParser) -> int:
                          f"({', '.join(shapes.VIDEO_MODELS)}) or --sparse-call")
     doc = sparse_bench.run(calls, dtypes[0], device, max(1, args.sparse_rounds), args.sparse_topk, settings)
     _print(sparse_bench.render(doc))
+    if args.plot:
+        bench.plot_sparse(doc, args.plot)
+        _print(f"chart written to {args.plot}")
     if args.json_path:
         _save_json(doc, args.json_path)
         _print(f"\nJSON written to {args.json_path}")
@@ -224,12 +242,12 @@ def _sparse_bench(args, parser: argparse.ArgumentParser) -> int:
 
 
 def _bench(args, parser: argparse.ArgumentParser) -> int:
-    if args.sparse:
-        return _sparse_bench(args, parser)
     if args.plot:
         missing = bench.matplotlib_missing()
         if missing:
             parser.error(missing)
+    if args.sparse:
+        return _sparse_bench(args, parser)
     device = _device(args.device, parser)
     dtypes = _dtypes(args.dtype, parser)
     backends = _split(args.backends)

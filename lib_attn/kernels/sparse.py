@@ -34,7 +34,7 @@ from .base import Backend
 KNOBS = ("topk", "threshold")
 #: Keep fractions calibration tries, sparsest first: from the user's ``topk`` upward. Above the last
 #: one a sparse kernel computes more than half the scores and gains little over a dense one.
-TOPK_LADDER = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
+TOPK_LADDER = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ rounds, the run and its document), ``progress`` (stderr), ``text`` (the report) 
 from ..formats import fmt_sig, fmt_time, format_table
 from .cells import AUTO, Cell, finish_cell, per_step
 from .cells import finish_cell as _finish_cell  # noqa: F401 - the name it had before the split
-from .chart import matplotlib_missing, plot
+from .chart import matplotlib_missing, plot, plot_sparse
 from .inputs import make_inputs, output_error, reference_rows, sample_rows
 from .memory import measure_cpu_memory
 from .overhead import SCHEDULE, dispatch_cost, engine_overhead, measure_overhead, scheduled_overhead
@@ -40,7 +40,7 @@ from .text import Footnotes, render
 from .timing import OtherLoad, Timer, quantile, summarize
 
 __all__ = [
-    "SCHEMA", "AUTO", "BenchSettings", "resolve_columns", "run", "render", "plot", "matplotlib_missing",
+    "SCHEMA", "AUTO", "BenchSettings", "resolve_columns", "run", "render", "plot", "plot_sparse", "matplotlib_missing",
     "Cell", "finish_cell", "per_step", "make_inputs", "sample_rows", "reference_rows", "output_error",
     "measure_cpu_memory", "measure_overhead", "dispatch_cost", "engine_overhead", "scheduled_overhead", "SCHEDULE",
     "Progress",

@@ -1,5 +1,7 @@
-"""The bench's chart (``--plot FILE.png``, needs matplotlib): per model and dtype, bars of attention
-ms per step and of the largest peak extra memory of one call, per backend column."""
+"""The bench's charts (``--plot FILE.png``, needs matplotlib): per model and dtype, bars of attention
+ms per step and of the largest peak extra memory of one call, per backend column; with ``--sparse``, per
+call, the error against float64 by share of key blocks kept, for the routed blocks alone and with the
+pooled term for the rest, on each kind of input."""
 from __future__ import annotations
 
 import sys
@@ -48,6 +50,47 @@ def plot(doc: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+#: The two designs of the error-against-share chart: (the share table's key, label, line style).
+SPARSE_DESIGNS = (("routed", "routed blocks alone", "--"), ("pooled", "with the pooled term (block-sparse)", "-"))
+
+
+def plot_sparse(doc: dict, path: str) -> list:
+    """``bench --sparse``'s chart: per call, the error against float64 (log scale) by share of key blocks
+    kept, one line per kind of input and design, the engine's budget dotted. Returns the series drawn
+    (``inputs: design`` labels), which the PNG also holds in its ``Series`` text."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lib_attn import sparse
+
+    calls = [r for r in doc["results"] if r.get("share_errors")]
+    fig, axes = plt.subplots(1, max(1, len(calls)), figsize=(6.5 * max(1, len(calls)), 4.6), squeeze=False)
+    budget = sparse.parse(doc["settings"]).budget
+    series = []
+    for ax, res in zip(axes[0], calls):
+        for i, (inputs, entries) in enumerate(res["share_errors"].items()):
+            kept = [100 * e["kept"] for e in entries]
+            for key, label, style in SPARSE_DESIGNS:
+                name = f"{inputs}: {label}"
+                ax.plot(kept, [e[key] for e in entries], style, marker="o", markersize=3, color=f"C{i}", label=name)
+                series.append(name)
+        ax.axhline(budget, color="0.4", linestyle=":", linewidth=1, label=f"budget {budget:g}")
+        ax.set_yscale("log")
+        ax.set_xlabel("share of key blocks kept, %")
+        ax.set_ylabel("relative L2 error against float64")
+        b, n, h, d = res["shape"]
+        ax.set_title(f"{res['call']}: {n} tokens on {'x'.join(map(str, res['grid']))}, {h} heads, {d}; "
+                     f"{doc['dtype']}", fontsize=9, loc="left")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Series": "; ".join(series)})
+    plt.close(fig)
+    return series
 
 
 def _bars(ax, labels: List[str], values: List[float], texts: List[str], colors: List[str]) -> None:

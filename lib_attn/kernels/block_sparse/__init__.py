@@ -21,8 +21,9 @@ from .routing import route, scores
 log = logging.getLogger("lib_attn")
 #: Device types whose FlexAttention is compiled (elsewhere it would run eagerly, on the full scores).
 FLEX_DEVICES = ("cuda", "cpu")
-#: Where FlexAttention runs the pooled routing: PyTorch's C++ lowering for CPUs (2.13) fails to compile the
-#: pooled rows' score modifier once shapes go dynamic, so on a CPU the gather design runs it.
+#: Where FlexAttention runs the pooled routing. On a CPU the gather design runs it: PyTorch's C++ lowering
+#: (2.13) fails to compile the pooled rows' score modifier once shapes go dynamic, and compiled for fixed
+#: shapes (``dynamic=False``) it ran slower than the gather design's second pass (docs/sparse.md).
 POOLED_FLEX_DEVICES = ("cuda",)
 
 
