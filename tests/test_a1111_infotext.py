@@ -201,6 +201,56 @@ def test_passes_before_the_first_batch_and_on_each_image_count_in_an_image(webui
     assert sum(readout.last_report().fallbacks.values()) == 20
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_generation_run_on_a_copy_of_p_inside_one_leaves_the_outer_images_their_own_counts(webui_factory, mode):
+    """An extension that runs a generation of its own on each image (``process_images`` on ``copy(p)``, with
+    the scripts, from ``postprocess_image``): A1111's ``p`` is a dataclass, so the copy shares its
+    ``extra_generation_params`` and ``comments`` dicts. Each outer image still counts its batch and the pass
+    run on it, and the nested generation's readout lines stay off the outer's comments."""
+    import copy
+    webui_factory(mode).load_scripts()
+    tabs = Tabs(mode)
+    from modules import processing, scripts, shared
+
+    class Detailer(scripts.Script):   # a tiny extension of the test's own
+        inside = False
+
+        def show(self, is_img2img):
+            return scripts.AlwaysVisible
+
+        def postprocess_image(self, p, pp, *args):
+            if Detailer.inside:
+                return
+            Detailer.inside = True
+            try:
+                nested = copy.copy(p)
+                nested.n_iter, nested.sd_model = 1, batches_model([3])
+                processing.process_images(nested)
+            finally:
+                Detailer.inside = False
+
+    runner = tabs.runners["txt2img"]
+    detailer = Detailer()
+    detailer.args_from = detailer.args_to = 0
+    runner.alwayson_scripts.append(detailer)
+    shared.opts.set(stored.KEY_READOUT, True)
+    p = processing.StableDiffusionProcessingTxt2Img(prompt="a cat", n_iter=2, sd_model=batches_model([1, 2]))
+    p.scripts, p.script_args = runner, (0, "use setting", "use setting", "")
+    shared.state.begin(job="task(3)")
+    try:
+        processed = processing.process_images(p)
+    finally:
+        shared.state.end()
+        runner.alwayson_scripts.remove(detailer)
+    grid, first, second = [parse_infotext(text) for text in processed.infotexts]
+    assert first["Attention fallbacks"].startswith("flash-attn ×4: ")      # batch 1, the pass on its image 3
+    assert second["Attention fallbacks"].startswith("flash-attn ×5: ")     # batch 2, its pass 3
+    assert grid["Attention fallbacks"].startswith("flash-attn ×9: ")
+    assert sum(readout.last_report().fallbacks.values()) == 9
+    attention_lines = [line for line in processed.comments.splitlines() if line.startswith("Attention: ")]
+    assert len(attention_lines) == 1 and "×9" in processed.comments    # the outer generation's readout alone
+
+
 # --- 3: paste-back restores what was chosen; "Send to" carries it -----------------------------------------
 
 @pytest.mark.parametrize("mode", MODES)

@@ -324,6 +324,16 @@ def _notes(override: str | None, problem: str | None, route: voice.Routing, opts
     return tuple(notes)
 
 
+def _own_records(p) -> None:
+    """A generation run on a copy of an open generation's ``p`` (an extension's pass on each image made
+    with ``copy(p)``; A1111's ``p`` is a dataclass, and its copy shares the dicts) gets dicts of its own for
+    its infotext entries and readout lines, so that the open generation's images keep their counts."""
+    for attr in ("extra_generation_params", "comments"):
+        value = getattr(p, attr, None)
+        if isinstance(value, dict) and any(getattr(gen.p, attr, None) is value for gen in _open if gen.p is not p):
+            setattr(p, attr, dict(value))
+
+
 def before_process(p, *args):
     """Before the webui applies ``p.override_settings``: keep the settings they may replace."""
     with _lock:
@@ -360,6 +370,7 @@ def process(p, *args):
         refusal = stored.setting_sparse_problem(stored.read(opts))
     with _lock:
         _close_stale(job)
+        _own_records(p)
         restore = _restore_after(p)
         stored.apply_settings(opts)
         previous = layers.get_layer("generation")
