@@ -93,6 +93,12 @@ def test_route_refuses_bad_sparse_settings_before_anything_changes():
     assert lib_attn.config().sparse is None
 
 
+class JointPipeline(diffusers.DiffusionPipeline):
+    def __init__(self, transformer):
+        super().__init__()
+        self.register_modules(transformer=transformer)
+
+
 def _told(monkeypatch):
     """(layout, sequence length, the conditioning told) of each call route() sends to the engine."""
     seen = []
@@ -147,6 +153,12 @@ def test_joint_models_tell_their_text_tokens_first_or_last_to_their_joint_calls_
         # every other call is not a joint one: another length (cross, image-only, the text refiner's)
         assert all(n != image + text for n, kv, t in seen if t is None), (name, seen)
         assert conditioning.current(image + text) is None
+    # a pipeline's transformer, routed through the pipeline, tells them as the model alone does
+    model, kwargs, image, text, side, joint = _joint_models()[1]
+    seen = _told(monkeypatch)
+    with torch.no_grad(), route(JointPipeline(model), sparse="block-sparse, min_tokens=1, dense=none"):
+        model(**kwargs)
+    assert [t for *_, t in seen if t is not None] == [conditioning.Text(text, image + text, side)] * joint
     # without sparse attention nothing is hooked
     model, kwargs, image, text, _, _ = _joint_models()[0]
     seen = _told(monkeypatch)
