@@ -9,7 +9,8 @@
   model being sampled. An ``OUTER_SAMPLE`` wrapper puts the node's configuration in force while that
   model samples, says which model that is, and counts the run; while a schedule is in force it also
   has the model's blocks tell the engine where they start (``lib_attn.schedule.blocks``), and an
-  ``APPLY_MODEL`` wrapper tells it the step of each model call (``steps.model_call``).
+  ``APPLY_MODEL`` wrapper tells it the step of each model call (``steps.model_call``); while sparse
+  attention is on, its joint blocks tell their text tokens (``text``).
 * One VAE (the VAE attention backend node): VAE blocks store their function when built and no
   wrapper reaches them, so a class descriptor (``Patches.patch_stored``) gives them the engine's
   function while a routed VAE's encode or decode runs; the VAE object ComfyUI caches keeps its own.
@@ -34,6 +35,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import importlib
 import inspect
@@ -48,7 +50,7 @@ from host_attn import convention, voice
 from host_attn.patching import Patches
 from host_attn.rebind import copies, import_quietly
 
-from . import run, steps
+from . import run, steps, text
 from .calls import (SOURCE, _above, _consults, _foreign, _functions, _heads, _serving, consults_precision, describe,
                     function, make_override)
 
@@ -156,8 +158,10 @@ def _taken_after(guider, override):
 
 
 def _sample(executor, config, note_taken, *args, **kwargs):
-    with run.segment(config):
+    with run.segment(config), contextlib.ExitStack() as hooks:
         try:
+            if lib_attn.config().sparse is not None:  # joint blocks tell their text tokens (kept by sparse)
+                hooks.enter_context(text.told(executor.class_obj.model_patcher.model.diffusion_model))
             if lib_attn.config().positional is None:
                 return executor(*args, **kwargs)
             steps.leave()

@@ -6,8 +6,9 @@ for the signature carries, and which sends each call to the sparse backend or to
   on a sparse backend that takes it. Every other call runs the dense chain (the tuned dense decision
   the configuration makes for it), counted under its reason.
 * **Per call kind** (``Kind``: the signature, the model the call comes from, the block, the band of
-  steps, ``BANDS`` of them, and which model call of the step it is: CFG's cond and uncond passes, run
-  as two model calls, attend differently), the sparsest setting within the budget. The model is the
+  steps, ``BANDS`` of them, which model call of the step it is: CFG's cond and uncond passes, run
+  as two model calls, attend differently, and the conditioning tokens the host told: their blocks are
+  always kept), the sparsest setting within the budget. The model is the
   ``torch.nn.Module`` whose code made the call (``caller_module``) with its weights as they are
   (``model_token``): another model, or the same one with other weights loaded, is calibrated anew, and a
   module's kinds go with it. A kind is calibrated at its first call: the backend's ladder is measured on
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import check as _check
+from . import conditioning
 from . import guard as _guard
 from . import schedule as _schedule
 from . import scope as _scope
@@ -83,12 +85,15 @@ def band_text(band) -> str:
     return "" if band is None else f"{band * 100 // BANDS}-{(band + 1) * 100 // BANDS}%"
 
 
-def kind_label(block, band, call=None) -> str:
+def kind_label(block, band, call=None, text=None) -> str:
     """A call kind as the readout names it: ``block 3, 20-40%``; ``any`` when neither is known; a step's
-    later model calls (CFG's second pass) add ``call 2 of the step``."""
+    later model calls (CFG's second pass) add ``call 2 of the step``, a joint call whose conditioning
+    tokens the host told (``lib_attn.conditioning``) ``512 text tokens first``."""
     parts = ([f"block {block}"] if block is not None else []) + ([band_text(band)] if band is not None else [])
     if call:
         parts.append(f"call {call + 1} of the step")
+    if text is not None:
+        parts.append(text.text)
     return ", ".join(parts) or "any"
 
 
@@ -350,9 +355,10 @@ class Plan:
         """(output, the part of the time it counts under: ``sparse``, ``dense`` or ``calibration``)."""
         here = _scope.current().where
         block, band, call = here.block, band_of(here.progress), here.call
-        key = (self.identity, model_token(caller_module()), block, band, call)
+        text = conditioning.current(self.spec.q_len)  # the backend reads it too: its routing keeps them
+        key = (self.identity, model_token(caller_module()), block, band, call, text)
         kind, fresh = _claim(key)
-        label = kind_label(block, band, call)
+        label = kind_label(block, band, call, text)
         unknown = unknown_windows(self.windows, here, self.spec) if self.windows else ()
         if unknown:
             label = f"{label}; {unknown_text(unknown)}"

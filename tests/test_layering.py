@@ -11,10 +11,10 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-#: Bottom first: spec -> kernels -> schedule -> sparse settings -> output check -> sparse measurement -> tuning ->
+#: Bottom first: spec -> conditioning -> kernels -> schedule -> sparse settings -> output check -> sparse measurement -> tuning ->
 #: output guard -> chains -> decision -> sparse plans -> compile operator -> dispatch, then what uses the engine.
 LIB_ATTN_ORDER = [
-    "lib_attn._version", "lib_attn.scope", "lib_attn._compat", "lib_attn.device", "lib_attn.spec", "lib_attn.kernels", "lib_attn.schedule",
+    "lib_attn._version", "lib_attn.scope", "lib_attn._compat", "lib_attn.device", "lib_attn.spec", "lib_attn.conditioning", "lib_attn.kernels", "lib_attn.schedule",
     "lib_attn.sparse", "lib_attn.config", "lib_attn.sparse_report", "lib_attn.stats", "lib_attn.report", "lib_attn.readout", "lib_attn.file_lock", "lib_attn.shapes", "lib_attn.check", "lib_attn.sparse_measure", "lib_attn.tuning_file",
     "lib_attn.tune", "lib_attn.guard", "lib_attn.chains", "lib_attn.decision", "lib_attn.sparse_plan", "lib_attn.graph_op", "lib_attn.dispatch", "lib_attn", "lib_attn.integrations",
     "lib_attn.commands", "lib_attn.__main__",

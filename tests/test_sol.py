@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import lib_attn
+from lib_attn import conditioning
 from lib_attn.config import sparse_problem
 from lib_attn.device import DeviceInfo
 from lib_attn.kernels import REGISTRY, SPARSE_IDS, reset_probes, sol
@@ -64,19 +65,30 @@ def test_on_a_cpu_its_eager_reference_runs_only_when_named_and_within_its_own_li
         "cpu: Sol-Attn's eager reference would hold 8.0 GiB of scores (its limit: 4 GiB)"]
 
 
-def test_a_knob_becomes_tau_or_topk_ratio_and_a_conditioning_prefix_its_sink_blocks():
-    assert SOL.arguments(4096, Knob("threshold", 1.3)) == {"tau": 1.3, "sink_blocks": None}
-    assert SOL.arguments(4096, Knob("topk", 0.2)) == {"topk_ratio": 0.2, "sink_blocks": None}
-    with sol.conditioning_prefix(512):
-        assert SOL.arguments(4608, Knob("topk", 0.2))["sink_blocks"] == [0, 8]
-        with sol.conditioning_prefix(100):
+def test_a_knob_becomes_tau_or_topk_ratio_and_the_conditioning_tokens_its_sinks_first_or_last():
+    assert SOL.arguments(4096, Knob("threshold", 1.3)) == {"tau": 1.3, "sink_blocks": None, "sink_q": None}
+    assert SOL.arguments(4096, Knob("topk", 0.2)) == {"topk_ratio": 0.2, "sink_blocks": None, "sink_q": None}
+    with conditioning.text(512, total=4608):
+        assert SOL.arguments(4608, Knob("topk", 0.2)) == {"topk_ratio": 0.2, "sink_blocks": [0, 8], "sink_q": [0, 8]}
+        assert SOL.arguments(4096, Knob("topk", 0.2))["sink_blocks"] is None   # another call: not the joint one
+        with conditioning.text(100, total=4096):
             assert SOL.arguments(4096, Knob("topk", 0.2))["sink_blocks"] == [0, 2]  # 100 tokens touch 2 blocks
-        assert SOL.arguments(300, Knob("topk", 0.2))["sink_blocks"] == [0, 5]      # never past the sequence
+        assert SOL.arguments(4608, Knob("topk", 0.2))["sink_blocks"] == [0, 8]     # the outer one again
+    # HunyuanVideo's text after the video: the blocks from the one the text starts in to the last
+    with conditioning.text(256, total=4100, side="last"):
+        assert SOL.arguments(4100, Knob("threshold", 1.3))["sink_q"] == [60, 65]   # tokens 3844-4100
     assert SOL.arguments(4096, Knob("topk", 0.2))["sink_blocks"] is None
-    for bad in (-1, 1.5, "77", True):
-        with pytest.raises(ValueError, match=f"conditioning prefix {bad!r} is not a whole number"):
-            with sol.conditioning_prefix(bad):
+    for bad, what in ((-1, "tokens -1 is not a whole number"), (1.5, "tokens 1.5 is not a whole number"),
+                      ("77", "tokens '77' is not a whole number"), (True, "tokens True is not a whole number")):
+        with pytest.raises(ValueError, match=f"conditioning {what}"):
+            with conditioning.text(bad, total=4096):
                 pass
+    with pytest.raises(ValueError, match="conditioning side 'middle' is not one of first, last"):
+        with conditioning.text(10, total=4096, side="middle"):
+            pass
+    with pytest.raises(ValueError, match="conditioning tokens 5000 exceed the joint sequence's 4096"):
+        with conditioning.text(5000, total=4096):
+            pass
 
 
 def test_calibration_goes_from_the_users_tau_down_to_denser_ones():
@@ -107,12 +119,13 @@ def _token_level_routing(q, k, scale, knob, sinks):
     else:
         var = (centroid.pow(2) * kc.pow(2).mean(2, keepdim=True)).sum(-1, keepdim=True)
         exact = col > knob.value * torch.sqrt(var * (scale * sol.LOG2E) ** 2 + 1e-6)
-    return exact | ((idx.view(-1, 1) - idx.view(1, -1)).abs() <= 1) | sink
+    # sink_q, which the engine passes equal to the sinks: those query blocks attend every key block exactly
+    return exact | ((idx.view(-1, 1) - idx.view(1, -1)).abs() <= 1) | sink | sink.view(-1, 1)
 
 
 @pytest.mark.parametrize("knob", [Knob("threshold", 1.3), Knob("threshold", 0.25), Knob("topk", 0.2),
                                   Knob("topk", 0.5)])
-@pytest.mark.parametrize("sinks", [None, [0, 3]])
+@pytest.mark.parametrize("sinks", [None, [0, 3], [6, 8]])
 def test_the_share_of_blocks_it_reports_is_the_routings_share(knob, sinks):
     g = torch.Generator().manual_seed(7)
     pos = torch.arange(1280, dtype=torch.float64).view(-1, 1)
@@ -147,7 +160,7 @@ def _stand_in(monkeypatch, *, with_sol=True, version="0.2.40"):
         if q.shape[-1] != 128:
             raise ValueError("sol_attn: q: head_dim must be 128")
         calls.append({"shape": tuple(q.shape), "contiguous": q.is_contiguous(), "tau": tau, "scale": scale,
-                      "sink_blocks": sink_blocks, "topk_ratio": topk_ratio})
+                      "sink_blocks": sink_blocks, "sink_q": sink_q, "topk_ratio": topk_ratio})
         out = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2).float() for x in (q, k, v)),
                                                                scale=scale)
         return out.transpose(1, 2).to(v.dtype).contiguous()
@@ -189,10 +202,10 @@ def test_a_sparse_call_reaches_sol_attn_in_its_layout_with_scale_knob_and_sinks(
     qkv = torch.randn(1, 640, 3, 2, 128, generator=g)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     kept = [x.clone() for x in (q, k, v)]
-    with sol.conditioning_prefix(70):
+    with conditioning.text(70, total=640):
         result = SOL.run_sparse(q, k, v, 0.09, Knob("topk", 0.3))
     assert calls == [{"shape": (1, 640, 2, 128), "contiguous": False, "tau": 1.0, "scale": 0.09,
-                      "sink_blocks": [0, 2], "topk_ratio": 0.3}]
+                      "sink_blocks": [0, 2], "sink_q": [0, 2], "topk_ratio": 0.3}]
     assert result.lse is None and result.out.shape == q.shape
     assert rel_err(result.out, reference(q, k, v, None, 0.09, "bshd")) < 1e-5
     assert 0 < result.share() <= 1

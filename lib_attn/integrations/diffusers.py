@@ -48,7 +48,7 @@ from ..config import checked_sparse as _checked_sparse
 from ..config import current as _current_config
 from ..config import use as _use_config
 from ..dispatch import attention
-from . import diffusers_parallel as _split
+from . import diffusers_parallel as _split, diffusers_text as _joint_text
 
 log = logging.getLogger("lib_attn")
 
@@ -242,20 +242,17 @@ def _dispatcher_registry():
     registry = getattr(attention_dispatch, "_AttentionBackendRegistry", None)
     missing = [a for a in ("_backends", "_constraints", "_supported_arg_names", "_active_backend")
                if not hasattr(registry, a)]
+    since, before = (".".join(map(str, v)) for v in SUPPORTED)
     if version < SUPPORTED[0] or missing:
         raise RuntimeError(
             f"lib_attn cannot route attention dispatcher models on diffusers {diffusers.__version__}: its "
-            f"backend registry is not the one route() knows (diffusers {_text(SUPPORTED[0])} up to "
-            f"{_text(SUPPORTED[1])} excluded){'; missing ' + ', '.join(missing) if missing else ''}")
+            f"backend registry is not the one route() knows (diffusers {since} up to {before} "
+            f"excluded){'; missing ' + ', '.join(missing) if missing else ''}")
     if version >= SUPPORTED[1] and not _REGISTRY.warned:
         _REGISTRY.warned = True
         log.warning("lib_attn: diffusers %s is newer than the versions route() was tested with "
-                    "(before %s); routing its dispatcher anyway", diffusers.__version__, _text(SUPPORTED[1]))
+                    "(before %s); routing its dispatcher anyway", diffusers.__version__, before)
     return registry
-
-
-def _text(version: tuple) -> str:
-    return ".".join(map(str, version))
 
 
 # --- processors ---------------------------------------------------------------------------------
@@ -477,7 +474,8 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
 
     ``sparse`` (sparse settings as ``lib_attn.configure(sparse=...)`` takes them: text, a dict, True, a
     ``lib_attn.Sparse``, or "off") is put in force for the scope; bad ones, or a method that cannot run on
-    the models' device, raise ``SparseError`` first. Its dense windows make the scope tell step and block.
+    the models' device, raise ``SparseError`` first. Its dense windows, like a schedule, make the scope
+    tell the step and the block; joint models' blocks tell their text tokens (``diffusers_text``).
 
     ``parallel`` (a ``lib_attn.parallel.Parallel``, every rank running the same pipeline) splits the
     denoiser's sequence over the ranks and puts the configuration in force for the scope
@@ -537,6 +535,8 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
             scope.enter_context(_use_config(schedule=schedule, sparse=sparse, hosted=True))  # checked above
         if _current_config().positional is not None:
             _follow_sampling(scope, model_or_pipeline, models, pass_name)
+        if _current_config().sparse is not None:  # joint blocks tell their text tokens (kept by sparse routing)
+            scope.enter_context(_joint_text.told(models))
         try:
             if registry is not None:
                 _REGISTRY.enter(registry)

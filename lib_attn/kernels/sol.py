@@ -9,8 +9,10 @@ sol_attn.py``, ``constraints.py``):
   through one pooled term (mean key, summed values), so the whole sequence stays in the softmax
   denominator. Routing: a key block is exact when its score against the query block's centroid clears
   ``tau`` sigmas of that row's spread (higher ``tau``: fewer blocks), or, with ``topk_ratio > 0``, when it
-  is among the ``topk_ratio`` share of the row's blocks; the diagonal block and its neighbours and the
-  ``sink_blocks`` ``[start, end)`` are always exact.
+  is among the ``topk_ratio`` share of the row's other blocks (the sinks neither count toward nor use
+  that share); the diagonal block and its neighbours and the ``sink_blocks`` ``[start, end)`` are always
+  exact, and the query blocks ``sink_q`` ``[start, end)`` attend every key block exactly. The engine
+  passes a joint call's conditioning tokens' blocks as both (``lib_attn.conditioning``).
 * ``sol_attn_is_available(device)``: its compiled kernels, CUDA on sm80 and newer (the CUDA entry
   raises below sm80: "sub-sm_80 cubins return garbage") or the HIP build on AMD GPUs with WMMA matrix
   cores (RDNA3 and newer); bf16/fp16, 16-byte aligned tensors whose strides are multiples of 8.
@@ -25,12 +27,11 @@ scores and may differ at the margin).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 
 import torch
 
+from .. import conditioning
 from ..spec import HALF, CallSpec
 from .base import Status, default_scale
 from .kitchen import DIST, MATRIX_CORE_ARCHS, load
@@ -49,26 +50,12 @@ LOG2E = 1.4426950408889634
 HUB_REASON = ("no kernel hub build of Sol-Attn is known to the engine; comfy-kitchen's wheel carries it (compiled "
               "for NVIDIA sm80+ and AMD RDNA3+; elsewhere an eager reference, slower than dense)")
 
-_sink_tokens: contextvars.ContextVar[int] = contextvars.ContextVar("attn_sol_sink_tokens", default=0)
-
-
-@contextlib.contextmanager
-def conditioning_prefix(tokens: int):
-    """Calls inside this block have ``tokens`` conditioning tokens at the front of their sequence (a
-    joint text + image call): Sol-Attn attends their key blocks exactly for every query."""
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise ValueError(f"conditioning prefix {tokens!r} is not a whole number of tokens >= 0")
-    mark = _sink_tokens.set(tokens)
-    try:
-        yield
-    finally:
-        _sink_tokens.reset(mark)
-
-
 def sink_blocks(seq_len: int) -> list[int] | None:
-    """The key blocks ``[0, end)`` that hold the current conditioning prefix, or None."""
-    tokens = min(_sink_tokens.get(), seq_len)
-    return [0, math.ceil(tokens / BLOCK)] if tokens else None
+    """The 64-token blocks ``[start, end)`` that hold the conditioning tokens of a call over ``seq_len``
+    tokens (``lib_attn.conditioning``), first or last, or None: Sol-Attn's ``sink_blocks`` (every query
+    attends them exactly) and ``sink_q`` (they attend every key exactly)."""
+    told = conditioning.current(seq_len)
+    return None if told is None else list(told.blocks(BLOCK))
 
 
 def _topk_blocks(n: int, ratio: float) -> int:
@@ -99,8 +86,9 @@ def _block_means(x: torch.Tensor) -> torch.Tensor:
 
 def routed_blocks(qm, km, scale: float, knob: Knob, sinks: list[int] | None) -> torch.Tensor:
     """Which key blocks each query block computes exactly, (B, H, N, N) bool, from block means (B, H, N, D)
-    of q and k by the reference's rule: the diagonal and its neighbours and the sinks always; the rest by
-    ``tau`` sigmas of the row's spread, or the ``topk`` share of the row's other blocks."""
+    of q and k by the reference's rule: the diagonal and its neighbours and the sinks always (as key
+    blocks, and as query blocks over every key: ``sink_q``, which the engine passes equal to the sinks);
+    the rest by ``tau`` sigmas of the row's spread, or the ``topk`` share of the row's other blocks."""
     n = qm.shape[2]
     kc = km - km.mean(2, keepdim=True)  # a shift of every score in a row: routing is unchanged by it
     log2s = scale * LOG2E
@@ -115,7 +103,7 @@ def routed_blocks(qm, km, scale: float, knob: Knob, sinks: list[int] | None) -> 
     else:
         spread = (qm.pow(2) * kc.pow(2).mean(2, keepdim=True)).sum(-1, keepdim=True)
         exact = scores > knob.value * torch.sqrt(spread * log2s * log2s + 1e-6)
-    return exact | ((idx.view(-1, 1) - idx.view(1, -1)).abs() <= 1) | sink
+    return exact | ((idx.view(-1, 1) - idx.view(1, -1)).abs() <= 1) | sink | sink.view(-1, 1)
 
 
 def routed_share(q, k, scale: float, knob: Knob, sinks: list[int] | None) -> torch.Tensor:
@@ -234,8 +222,10 @@ class Sol(SparseBackend):
         return out
 
     def arguments(self, t: int, knob: Knob) -> dict:
-        """``sol_attn``'s routing arguments for ``knob`` on a sequence of ``t`` tokens."""
-        args = {"sink_blocks": sink_blocks(t)}
+        """``sol_attn``'s routing arguments for ``knob`` on a sequence of ``t`` tokens: the conditioning
+        tokens' blocks as sinks, keys every query attends and queries attending every key."""
+        sinks = sink_blocks(t)
+        args = {"sink_blocks": sinks, "sink_q": sinks}
         if knob.name == "topk":
             args["topk_ratio"] = float(knob.value)
         else:

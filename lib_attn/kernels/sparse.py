@@ -59,20 +59,28 @@ class Routing:
     ``counts``: (b, h, q_blocks) how many of a row's ``width`` entries are kept, or None when all are;
     ``key_blocks``: key blocks in all; ``block``: tokens per block; ``pooled``: every block a row does not
     keep still counts, through one pooled term (its mean key, whose score is raised by the log of its
-    token count, and its mean value), so the softmax keeps the whole sequence's mass."""
+    token count, and its mean value), so the softmax keeps the whole sequence's mass; ``exact_rows``: the
+    query blocks ``[start, stop)`` computed over every key instead (a joint call's conditioning tokens,
+    ``lib_attn.conditioning``), or None."""
 
     indices: torch.Tensor
     counts: torch.Tensor | None
     key_blocks: int
     block: int
     pooled: bool = False
+    exact_rows: tuple[int, int] | None = None
 
     @property
     def kept(self) -> torch.Tensor:
-        """The share of (query block, key block) pairs computed, a 0-d tensor."""
-        rows = self.indices.shape[:3].numel()
-        taken = self.counts.sum() if self.counts is not None else torch.tensor(rows * self.indices.shape[-1])
-        return taken.to(torch.float32) / float(rows * self.key_blocks)
+        """The share of (query block, key block) pairs computed, a 0-d tensor (the exact query blocks
+        count every key block)."""
+        b, h, nq, width = self.indices.shape
+        per_row = self.counts if self.counts is not None else torch.full((b, h, nq), width, device=self.indices.device)
+        if self.exact_rows is not None:
+            start, stop = self.exact_rows
+            per_row = per_row.clone()
+            per_row[..., start:stop] = self.key_blocks
+        return per_row.sum().to(torch.float32) / float(b * h * nq * self.key_blocks)
 
     def keeps(self, b: int, h: int, rows: torch.Tensor, kv: int) -> torch.Tensor:
         """(len(rows), kv) bool: the keys query ``rows`` of pair (b, h) attend to exactly."""
@@ -88,6 +96,9 @@ class Routing:
         else:
             taken = torch.arange(idx.shape[1], device=idx.device) < self.counts[b, h].index_select(0, q_blocks)[:, None]
             keep.scatter_(1, idx, taken)  # a row's entries are distinct blocks: the kept ones, then others
+        if self.exact_rows is not None:
+            start, stop = self.exact_rows
+            keep[(q_blocks >= start) & (q_blocks < stop)] = True
         return keep
 
 

@@ -196,6 +196,7 @@ def sol_case(release: str, root: str) -> None:
     sys.path.insert(0, root)
     import comfy_kitchen
 
+    from lib_attn import conditioning
     from lib_attn.kernels import REGISTRY, sol
     from lib_attn.kernels.sparse import Knob
 
@@ -210,19 +211,21 @@ def sol_case(release: str, root: str) -> None:
     cases = [("bf16, ComfyUI layout, default tau", "bshd", torch.bfloat16, None, None, 0),
              ("bf16, (b, h, s, d) views, scale given", "bhsd", torch.bfloat16, 0.07, None, 0),
              ("fp32 (a CPU's), tau 1.3", "bhsd", torch.float32, None, Knob("threshold", 1.3), 0),
-             ("bf16, top-k 20%, conditioning prefix", "bshd", torch.bfloat16, None, Knob("topk", 0.2), 300),
-             ("fp16, tau 0.5, prefix of one block", "bhsd", torch.float16, 0.1, Knob("threshold", 0.5), 64)]
-    for name, layout, dtype, scale, knob, prefix in cases:
+             ("bf16, top-k 20%, 300 text tokens first", "bshd", torch.bfloat16, None, Knob("topk", 0.2), (300, "first")),
+             ("fp16, tau 0.5, text of one block first", "bhsd", torch.float16, 0.1, Knob("threshold", 0.5), (64, "first")),
+             ("bf16, tau 1.3, 200 text tokens last", "bshd", torch.bfloat16, None, Knob("threshold", 1.3), (200, "last"))]
+    for name, layout, dtype, scale, knob, (tokens, side) in ((*c[:5], c[5] or (0, "first")) for c in cases):
         q, k, v = engine.inputs(b=2, h=3, n=1000, kv=1000, d=128, dtype=dtype, layout=layout, seed=len(name))
         before = [x.clone() for x in (q, k, v)]
         as_bshd = (lambda x: x) if layout == "bshd" else (lambda x: x.transpose(1, 2))
-        direct_args = {"scale": scale, "sink_blocks": [0, math.ceil(prefix / 64)] if prefix else None}
+        span = [0, math.ceil(tokens / 64)] if side == "first" else [(1000 - tokens) // 64, math.ceil(1000 / 64)]
+        direct_args = {"scale": scale, "sink_blocks": span if tokens else None, "sink_q": span if tokens else None}
         if knob is None or knob.name == "threshold":
             direct_args["tau"] = knob.value if knob else sol.DEFAULT_TAU
         else:
             direct_args["topk_ratio"] = knob.value
         direct = comfy_kitchen.sol_attn(*(as_bshd(x) for x in (q, k, v)), **direct_args)
-        with sol.conditioning_prefix(prefix):
+        with conditioning.text(tokens, total=1000, side=side):
             if knob is None:  # the dispatcher's own call: the backend named, in its layout, at its default
                 dec = engine.decision("sol", q, k, v, sm=90, layout=layout)
                 assert dec.backend == "sol", (name, dec.backend)
@@ -258,10 +261,10 @@ def sol_case(release: str, root: str) -> None:
     t, n = q.shape[1], math.ceil(q.shape[1] / 64)
     for knob, args in ((Knob("threshold", 1.3), {"tau": 1.3}), (Knob("threshold", 0.25), {"tau": 0.25}),
                        (Knob("topk", 0.2), {"topk_ratio": 0.2})):
-        for sinks in (None, [0, 3]):
+        for sinks in (None, [0, 3], [n - 3, n]):
             blocks = sol.routed_blocks(sol._block_means(q), sol._block_means(k), 128 ** -0.5, knob, sinks)
             keep = blocks.repeat_interleave(64, -1).repeat_interleave(64, -2)[..., :t, :t]
-            untailed = comfy_kitchen.sol_attn(q, k, v, tail=False, sink_blocks=sinks, **args)
+            untailed = comfy_kitchen.sol_attn(q, k, v, tail=False, sink_blocks=sinks, sink_q=sinks, **args)
             diff = _rel_l2(untailed, _exact(q, k, v, keep=keep))
             assert diff < 1e-5, f"{knob}, sinks {sinks}: the engine's routing is not the package's ({diff:.1e})"
             share = float(sol.routed_share(q, k, 128 ** -0.5, knob, sinks))

@@ -8,15 +8,17 @@ count of calls (``step``) and the calls its sampler is expected to make (``total
 step: during step i it still says i-1, so the denoiser's own count is the one used. A hires fix pass
 runs a sampler of its own: its count starts again at 0.
 
-A ``Follower`` exists only while a schedule is in force; per denoiser call it costs a few attribute
-reads, one ``sigma`` read from the device only when a rule asks for sigmas, and, when a rule asks for
-blocks, an identity check of the running model (the refiner swaps it).
+A ``Follower`` exists only while a schedule or sparse attention is in force; per denoiser call it costs a
+few attribute reads, one ``sigma`` read from the device only when a rule asks for sigmas, and, when a rule
+asks for blocks or sparse attention is on, an identity check of the running model (the refiner swaps it).
 """
 from __future__ import annotations
 
 import contextlib
 
 from lib_attn import schedule as schedules
+
+from . import text as joint_text
 
 
 def progress(params) -> tuple:
@@ -63,22 +65,27 @@ def running_denoiser(shared):
 
 
 class Follower:
-    """One generation's sampling position, told to ``lib_attn.schedule`` at each denoiser call."""
+    """One generation's sampling position, told to ``lib_attn.schedule`` at each denoiser call (``schedule``:
+    the rules in force that ask for it, or None), and, with ``text`` (sparse attention on), the running
+    model's joint blocks telling their text tokens (``text.told``)."""
 
-    def __init__(self, schedule: schedules.Schedule, shared):
+    def __init__(self, schedule: schedules.Schedule | None, shared, text: bool = False):
         self.shared = shared
-        self.sigma = schedule.asks_sigma
-        self.by_block = schedule.asks_blocks
+        self.positional = schedule is not None
+        self.sigma = self.positional and schedule.asks_sigma
+        self.by_block = self.positional and schedule.asks_blocks
+        self.text = text
         self.model = None
         self._hooks = contextlib.ExitStack()
         schedules.leave()
 
     def step(self, params) -> None:
-        step, total = progress(params)
-        sigma = sigma_of(params) if self.sigma else None
-        p = getattr(getattr(params, "denoiser", None), "p", None)
-        schedules.at_step(step, total, sigma, pass_name(p, self.shared))
-        if self.by_block:
+        if self.positional:
+            step, total = progress(params)
+            sigma = sigma_of(params) if self.sigma else None
+            p = getattr(getattr(params, "denoiser", None), "p", None)
+            schedules.at_step(step, total, sigma, pass_name(p, self.shared))
+        if self.by_block or self.text:
             self.follow(running_denoiser(self.shared))
 
     def follow(self, model) -> None:
@@ -87,8 +94,10 @@ class Follower:
             return
         self._hooks.close()
         self.model = model
-        if model is not None:
+        if model is not None and self.by_block:
             self._hooks.enter_context(schedules.blocks(model))
+        if model is not None and self.text:
+            self._hooks.enter_context(joint_text.told(model))
 
     def close(self) -> None:
         self._hooks.close()

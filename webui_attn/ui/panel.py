@@ -398,9 +398,10 @@ def process(p, *args):
             notes = (*notes, *(f"{what} {value.text!r} not applied: attention runs on {route.ran_on}"
                                for what, value in (("schedule", cfg.schedule), ("sparse attention", cfg.sparse))
                                if value is not None))
-        elif cfg is not None and cfg.positional is not None:
-            # the schedule's rules, then sparse attention's dense windows: both need where sampling is
-            follower = sampling.Follower(cfg.positional, shared)
+        elif cfg is not None and (cfg.positional is not None or cfg.sparse is not None):
+            # the schedule's rules, then sparse attention's dense windows: both need where sampling is; sparse
+            # attention's routing, the joint blocks' text tokens
+            follower = sampling.Follower(cfg.positional, shared, text=cfg.sparse is not None)
         context = lib_attn.recording()
         rec = context.__enter__()
         probe = None if readout.host_measures(p, shared) else readout.own_probe(shared).start()

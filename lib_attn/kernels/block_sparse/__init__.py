@@ -5,17 +5,20 @@ compiler fails (its reason is kept, per device type, dtype and head dim, and log
 
 Every key block a query block does not route still counts through one pooled term (its mean key, whose
 score is raised by the log of its token count, and its mean value), in both designs: the softmax keeps
-the whole sequence's mass, which the routed blocks alone would lose."""
+the whole sequence's mass, which the routed blocks alone would lose. A joint call's conditioning tokens
+(``lib_attn.conditioning``) are key blocks every query block keeps, and their query rows are computed
+over every key (``exact``)."""
 from __future__ import annotations
 
 import logging
 
 import torch
 
+from ... import conditioning
 from ...spec import FLOATS
 from ..base import Status, default_scale, failure_text, is_sticky
 from ..sparse import Knob, Routing, SparseBackend, SparseResult
-from . import flex, gather
+from . import exact, flex, gather
 from .routing import route, scores
 
 log = logging.getLogger("lib_attn")
@@ -69,25 +72,32 @@ class BlockSparse(SparseBackend):
     def gives_lse(self, spec) -> bool:
         return self._design_of(spec) == "flex" and flex.gives_lse(spec.device.type)
 
+    def _text(self, q):
+        """The blocks holding the call's conditioning tokens (``lib_attn.conditioning``), or None."""
+        told = conditioning.current(q.shape[2])
+        return None if told is None else told.blocks(self.block)
+
     def routing(self, q, k, scale, knob: Knob) -> Routing:
         with torch.no_grad():
-            return route(q, k, default_scale(scale, q.shape[-1]), self.block, knob.name, knob.value, self.pooled)
+            return route(q, k, default_scale(scale, q.shape[-1]), self.block, knob.name, knob.value, self.pooled,
+                         text=self._text(q))
 
     def routings(self, q, k, scale, knobs) -> list:
         """``routing`` at each of ``knobs``, from one set of pooled scores."""
         with torch.no_grad():
             scale = default_scale(scale, q.shape[-1])
-            s = scores(q, k, scale, self.block)
-            return [route(q, k, scale, self.block, kn.name, kn.value, self.pooled, s) for kn in knobs]
+            s, text = scores(q, k, scale, self.block), self._text(q)
+            return [route(q, k, scale, self.block, kn.name, kn.value, self.pooled, s, text) for kn in knobs]
 
     def run_sparse(self, q, k, v, scale, knob: Knob) -> SparseResult:
         scale = default_scale(scale, q.shape[-1])
         with torch.no_grad():
-            routing = route(q, k, scale, self.block, knob.name, knob.value, self.pooled)
+            routing = route(q, k, scale, self.block, knob.name, knob.value, self.pooled, text=self._text(q))
             where = (q.device.type, q.dtype, q.shape[-1])
             if self.design(*where) == "flex":
                 try:
                     out, lse = flex.run(q, k, v, scale, routing, self.block)
+                    exact.overwrite(out, lse, q, k, v, scale, routing)
                     return SparseResult(out, lse, routing.kept)
                 except Exception as exc:  # noqa: BLE001 - a compiler that fails here: the gather design serves
                     if is_sticky(exc):
@@ -97,4 +107,5 @@ class BlockSparse(SparseBackend):
                                 "design serves such calls from now on", where[0], str(where[1]).replace("torch.", ""),
                                 where[2], self.flex_failures[where])
             out = gather.run(q, k, v, scale, routing, self.block)
+            exact.overwrite(out, None, q, k, v, scale, routing)
         return SparseResult(out, None, routing.kept)
