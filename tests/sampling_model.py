@@ -6,6 +6,7 @@ each host's sampling reaches it through: A1111's ``sd_model.model.diffusion_mode
 from __future__ import annotations
 
 import importlib
+import zlib
 from types import SimpleNamespace
 
 import torch
@@ -50,18 +51,37 @@ class UNet(nn.Module):
 
 
 class Model:
-    """What sampling reads of ``shared.sd_model``; ``apply_model`` runs the denoiser where the host keeps it."""
+    """What sampling reads of ``shared.sd_model``; ``apply_model`` runs the denoiser where the host keeps it
+    (the Forge lines: ``forge_objects``, which Forge Neo deletes from a model it drops)."""
 
     def __init__(self, mode: str, unet: UNet, info):
+        self.mode = mode
         self.sd_checkpoint_info = info
         if mode == "a1111":
             self.model = SimpleNamespace(diffusion_model=unet)
         else:
-            self.forge_objects = SimpleNamespace(unet=SimpleNamespace(model=SimpleNamespace(diffusion_model=unet)))
+            self.forge_objects = SimpleNamespace(unet=SimpleNamespace(model=SimpleNamespace(diffusion_model=unet)),
+                                                 vae=SimpleNamespace(decode=lambda latent: decode(mode, latent)))
         self.unet = unet
 
     def apply_model(self, x, t, cond):
-        return self.unet(x, t, context=cond["c_crossattn"][0])
+        unet = self.unet if self.mode == "a1111" else self.forge_objects.unet.model.diffusion_model
+        return unet(x, t, context=cond["c_crossattn"][0])
+
+    def decode_first_stage(self, latent):
+        """The VAE's decode (the Forge lines' ``decode_first_stage`` reads ``forge_objects.vae``)."""
+        return decode(self.mode, latent) if self.mode == "a1111" else self.forge_objects.vae.decode(latent)
+
+    @staticmethod
+    def noise(seed: int):
+        """A batch's starting latent for ``seed`` (the webui's ``p.rng``)."""
+        return torch.randn(1, TOKENS, DIM, generator=torch.Generator().manual_seed(seed))
+
+    @staticmethod
+    def get_learned_conditioning(prompts):
+        """A prompt's conditioning, the same for every checkpoint here (fixed by its text)."""
+        return torch.cat([torch.randn(1, CONTEXT, DIM, generator=torch.Generator().manual_seed(zlib.crc32(text.encode())))
+                          for text in prompts])
 
 
 def build(mode: str, name: str = "base", seed: int = 0, dtype=torch.float32) -> Model:
@@ -74,6 +94,34 @@ def build(mode: str, name: str = "base", seed: int = 0, dtype=torch.float32) -> 
     model = Model(mode, unet, info)
     sd_models.loaded[info] = model
     return model
+
+
+def save_checkpoint(mode: str, name: str, seed: int = 0):
+    """A checkpoint file for the Forge lines' job doubles (``tests/doubles/forge_jobs``): registered as the
+    webui lists the files it finds, and built anew by ``backend.loader.forge_loader`` at every load, with
+    the weights ``seed`` fixes. Returns its ``CheckpointInfo``."""
+    from backend import loader
+    from modules import sd_models
+
+    def load():
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            unet = UNet(importlib.import_module(ATTENTION[mode]))
+        return Model(mode, unet, None)
+
+    info = sd_models.CheckpointInfo(f"{name}.safetensors")
+    loader.files[info.filename] = load
+    info.register()
+    return info
+
+
+def select(name: str):
+    """The checkpoint chosen at the top of the page (``main_entry.checkpoint_change``) and loaded."""
+    from modules import sd_models
+    from modules_forge import main_entry
+
+    main_entry.checkpoint_change(name)
+    return sd_models.forge_model_reload()[0]
 
 
 def decode(mode: str, latent):

@@ -39,10 +39,11 @@ def _clean(monkeypatch):
     lib_attn.reset()
 
 
-def start(webui_factory, mode="a1111", argv=(), optimization=None):
+def start(webui_factory, mode="a1111", argv=(), optimization=None, jobs=False):
     """Start a double as the webui does: scripts, optimizer list, the model's optimizer applied (A1111),
-    the settings page and the txt2img tab (script UI, then the output panel)."""
-    webui = webui_factory(mode, argv=list(argv))
+    the settings page and the txt2img tab (script UI, then the output panel). ``jobs``: the Forge line's
+    own job path (``tests/doubles/forge_jobs``)."""
+    webui = webui_factory(mode, argv=list(argv), jobs=jobs)
     webui.load_scripts()
     from modules import script_callbacks, scripts, sd_hijack, shared, ui_common
     if mode == "a1111":

@@ -39,6 +39,8 @@ FORGE_ROOT = os.path.join(HERE, "forge")
 NEO_ROOT = os.path.join(HERE, "neo")
 REFORGE_ROOT = os.path.join(HERE, "reforge")
 CLASSIC_ROOT = os.path.join(HERE, "classic")
+FORGE_JOBS_ROOT = os.path.join(HERE, "forge_jobs")
+NEO_JOBS_ROOT = os.path.join(HERE, "neo_jobs")
 #: mode -> (roots in front of A1111's, ``modules`` overlays, ``modules.*`` the host does not have)
 MODES = {
     "a1111": ((), (), ()),
@@ -47,6 +49,9 @@ MODES = {
     "reforge": ((REFORGE_ROOT,), (os.path.join(REFORGE_ROOT, "modules"),), ()),
     "classic": ((CLASSIC_ROOT,), (os.path.join(CLASSIC_ROOT, "modules"),), ("modules.sd_hijack_optimizations",)),
 }
+#: mode -> the job path's roots (``jobs=True``): Forge's and Neo's processing, model reload, refiner and
+#: ``main_entry`` in place of the A1111 double's (which the other Forge-line tests keep using)
+JOBS = {"forge": (FORGE_JOBS_ROOT,), "neo": (NEO_JOBS_ROOT, FORGE_JOBS_ROOT)}
 REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
 EXTENSION_NAME = "sd-webui-flash-attention"
 DOUBLE_PACKAGES = ("modules", "ldm", "sgm", "backend", "launch", "ldm_patched", "modules_forge")
@@ -87,10 +92,13 @@ def _drop_double_modules():
 
 
 @contextlib.contextmanager
-def webui_double(mode: str = "a1111", argv=()):
-    """Context manager behind ``webui_factory``; yields a ``Webui``."""
+def webui_double(mode: str = "a1111", argv=(), jobs: bool = False):
+    """Context manager behind ``webui_factory``; yields a ``Webui``. ``jobs``: the host's own job path
+    (``JOBS``; Forge and Forge Neo)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    if jobs and mode not in JOBS:
+        raise ValueError(f"no job path double for {mode!r}; there is one for {', '.join(JOBS)}")
     if _active:
         raise RuntimeError("a webui double is already installed")
     saved_path, saved_argv = list(sys.path), list(sys.argv)
@@ -103,7 +111,9 @@ def webui_double(mode: str = "a1111", argv=()):
     _active.append(mode)
     try:
         roots, overlays, absent = MODES[mode]
-        sys.path[:0] = [*roots, A1111_ROOT]
+        job_roots = JOBS[mode] if jobs else ()
+        overlays = (*(os.path.join(root, "modules") for root in job_roots), *overlays)
+        sys.path[:0] = [*job_roots, *roots, A1111_ROOT]
         sys.argv = ["webui.py", *argv]
         import modules
         modules.__path__[:0] = [o for o in overlays if os.path.isdir(o)]
@@ -140,11 +150,12 @@ def webui_double(mode: str = "a1111", argv=()):
 
 @pytest.fixture
 def webui_factory():
-    """``webui_factory(mode="a1111"|"forge"|"neo"|"reforge"|"classic", argv=())`` -> Webui; uninstalled after the test."""
+    """``webui_factory(mode="a1111"|"forge"|"neo"|"reforge"|"classic", argv=(), jobs=False)`` -> Webui;
+    uninstalled after the test."""
     stack = contextlib.ExitStack()
 
-    def make(mode: str = "a1111", argv=()):
-        return stack.enter_context(webui_double(mode, argv))
+    def make(mode: str = "a1111", argv=(), jobs: bool = False):
+        return stack.enter_context(webui_double(mode, argv, jobs))
 
     with stack:
         yield make

@@ -103,5 +103,14 @@ def get_free_memory(dev=None, torch_free_too=False):
     return (free, free) if torch_free_too else free
 
 
+#: The models loaded on the device (``LoadedModel``s in the host); a test's model is never placed there.
+current_loaded_models = []
+
+
+def unload_all_models():
+    """What a model reload calls first (``forge_model_reload``): every loaded model off the device."""
+    current_loaded_models.clear()
+
+
 def soft_empty_cache(force=False):
     pass
