@@ -32,6 +32,7 @@ import pytest
 import torch
 
 import lib_attn
+from engine_helpers import reference, rel_err
 from lib_attn import schedule as sched
 from lib_attn.integrations.diffusers import route
 
@@ -262,12 +263,25 @@ def check_sparse_settings(code, flux_pipeline):
     assert off is None and lib_attn.config().sparse is None
 
 
+def check_sparse_text(code, flux_pipeline):
+    """A script tells a joint call's text tokens: the call kind names them and their rows are exact."""
+    n = 512 + 1024
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, 32, generator=g) for _ in range(3))
+    settings = "block-sparse, budget=1, min_tokens=1024, topk=0.2, dense=none, calibrate=off"
+    with lib_attn.use(sparse=settings), lib_attn.recording() as rec:
+        namespace, _ = _run(code, {"q": q, "k": k, "v": v})
+    kinds = [kind for _, _, kind, _ in lib_attn.Report.from_recording(rec).sparse.kinds]
+    assert kinds == ["512 text tokens first"]
+    assert rel_err(namespace["out"][:, :, :512], reference(q, k, v)[:, :, :512]) < 1e-5
+
+
 #: Each python block of the pages, in order, and its check.
 RUNS = {
     "README.md": [check_readme_route],
     "docs/diffusers.md": [check_diffusers_route, check_diffusers_schedule],
     "docs/schedules.md": [check_schedules_loop],
-    "docs/sparse.md": [check_sparse_settings],
+    "docs/sparse.md": [check_sparse_settings, check_sparse_text],
 }
 
 
