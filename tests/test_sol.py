@@ -190,8 +190,8 @@ def test_the_probe_finds_sol_attn_or_says_what_is_missing(monkeypatch):
     found = SOL.probe()
     assert not found.available and found.reason.startswith("ModuleNotFoundError")
     assert found.reason.endswith("hub: no kernel hub build of Sol-Attn is known to the engine; comfy-kitchen's "
-                                 "wheel carries it (compiled for NVIDIA sm80+ and AMD RDNA3+; elsewhere an eager "
-                                 "reference, slower than dense)")
+                                 "wheel carries it (compiled for NVIDIA Ampere and newer and AMD RDNA3 and newer; "
+                                 "elsewhere an eager reference, slower than dense)")
 
 
 def test_a_sparse_call_reaches_sol_attn_in_its_layout_with_scale_knob_and_sinks(monkeypatch):

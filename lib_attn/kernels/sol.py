@@ -48,7 +48,7 @@ LOG2E = 1.4426950408889634
 
 #: Why the kernel hub does not serve Sol-Attn here.
 HUB_REASON = ("no kernel hub build of Sol-Attn is known to the engine; comfy-kitchen's wheel carries it (compiled "
-              "for NVIDIA sm80+ and AMD RDNA3+; elsewhere an eager reference, slower than dense)")
+              "for NVIDIA Ampere and newer and AMD RDNA3 and newer; elsewhere an eager reference, slower than dense)")
 
 def sink_blocks(seq_len: int) -> list[int] | None:
     """The 64-token blocks ``[start, end)`` that hold the conditioning tokens of a call over ``seq_len``
