@@ -39,6 +39,7 @@ import contextlib
 import contextvars
 import importlib
 import inspect
+import itertools
 import os
 import re
 import sys
@@ -361,12 +362,15 @@ def _held(module_name: str, module, namespace: dict, ids: set) -> list[str]:
     through those reach ComfyUI's function, which no rebinding of a name reaches, so the report names them."""
     shown = re.split(r"[\\/]", module_name)[-1]
     where = []
+    # Values are told apart by their type alone: ``isinstance`` and ``getattr`` ask the value itself, which a
+    # proxy outside its context or a lazy object answers by raising; and a dict's first entries only are read.
     for name, value in list(namespace.items()):
-        if isinstance(value, dict):
-            where.extend(f"{shown}.{name}[{key!r}]" for key, held in list(value.items())[:MAX_HELD] if id(held) in ids)
-        elif isinstance(value, type) and getattr(value, "__module__", None) == getattr(module, "__name__", None):
+        if issubclass(type(value), dict):
+            entries = itertools.islice(dict.items(value), MAX_HELD)
+            where.extend(f"{shown}.{name}[{key!r}]" for key, held in list(entries) if id(held) in ids)
+        elif issubclass(type(value), type) and vars(value).get("__module__") == namespace.get("__name__"):
             for attr, held in list(vars(value).items()):
-                if id(getattr(held, "__func__", held)) in ids:
+                if id(held.__func__ if type(held) in (staticmethod, classmethod) else held) in ids:
                     where.append(f"{shown}.{name}.{attr}")
     return where
 

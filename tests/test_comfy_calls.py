@@ -257,6 +257,45 @@ def test_a_packs_copy_in_a_dict_or_class_attribute_is_named_in_the_report_where_
     assert "SIZES" not in line
 
 
+#: A pack whose module also holds what a read for copies must pass over without asking it anything: an object
+#: whose class cannot be asked (a context-local proxy outside its context), a class attribute that raises on
+#: any attribute, and a table far larger than a registry whose first entries hold no function.
+AWKWARD_PACK = HOLDING_PACK + '''
+
+class _Unbound:
+    @property
+    def __class__(self):
+        raise RuntimeError("working outside of a request context")
+
+
+class _Lazy:
+    def __getattr__(self, name):
+        raise RuntimeError(f"not loaded: {name}")
+
+
+request = _Unbound()
+Attention.loader = _Lazy()
+TABLE = dict.fromkeys(range(2_000_000), 0)
+TABLE["late"] = optimized_attention
+'''
+
+
+def test_a_packs_awkward_values_neither_stop_the_sampling_nor_hide_its_copies(comfy_factory, tmp_path):
+    """Reading a pack's module for copies asks its values nothing they could raise on, and reads a dict's first
+    entries only (``MAX_HELD``), not the whole table: the sampling runs and the report names the copies."""
+    comfy = comfy_factory(argv=("--cpu",))
+    pack = load_pack(tmp_path, AWKWARD_PACK)
+    assert comfy.load_node()
+    import nodes
+    (routed,) = node(nodes, "FlashAttentionBackend", model=pack_patcher(pack), tune="auto", **BACKEND)
+    sample(routed, steps=1)
+    out = sample(routed, steps=1)
+    (line,) = [line for line in node(nodes, "FlashAttentionReport", images=out)["ui"]["text"]
+               if "cannot put its own" in line]
+    assert "KERNELS['comfy']" in line and "Attention.kernel" in line
+    assert "TABLE" not in line and "loader" not in line and "request" not in line
+
+
 @pytest.mark.parametrize("before", [True, False])
 def test_under_the_global_route_a_packs_unreachable_copies_are_named_in_each_samplings_report(comfy_factory,
                                                                                              tmp_path, before):
