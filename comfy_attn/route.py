@@ -85,6 +85,9 @@ _vae_config: contextvars.ContextVar = contextvars.ContextVar("lib_attn_vae_confi
 _model_call: contextvars.ContextVar = contextvars.ContextVar("lib_attn_comfy_model_call", default=None)
 _blocks = Patches("comfy-vae")
 _names = Patches("comfy-names")
+#: The end of each prompt (``_prompts_end_with_a_report``): no attention runs there, so it is neither what is
+#: routed nor part of whether the routing is intact (packs wrap ``PromptExecutor.execute`` too, to time prompts).
+_prompts = Patches("comfy-prompts")
 _everything = [False]   # the global route is on
 _scanned = [0]          # len(sys.modules) when the names were last looked for
 _read: set = set()      # the modules _renamed has read
@@ -516,8 +519,8 @@ def _prompts_end_with_a_report() -> None:
     execution, _ = import_quietly("execution")   # ComfyUI's main.py has it loaded before the custom nodes
     cls = getattr(execution, "PromptExecutor", None)
     method = cls.__dict__.get("execute") if cls is not None else None
-    if method is not None and not _names.is_patched(cls, "execute"):
-        _names.patch(cls, "execute", _ends_with_a_report(method))
+    if method is not None and not _prompts.is_patched(cls, "execute"):
+        _prompts.patch(cls, "execute", _ends_with_a_report(method))
 
 
 def _ends_with_a_report(method):
@@ -566,4 +569,4 @@ def undo() -> int:
     _unreachable.clear()
     _functions.clear()   # they hold the precision rule of the ComfyUI they were made for
     _consults.clear()
-    return _names.undo() + _blocks.undo()
+    return _names.undo() + _blocks.undo() + _prompts.undo()

@@ -610,6 +610,39 @@ def test_under_the_global_route_a_cached_prompt_without_a_report_node_sends_the_
     assert "(prompt p5)" in data["text"][-1]
 
 
+def test_under_the_global_route_a_pack_timing_each_prompt_neither_unroutes_nor_silences_it(comfy_factory,
+                                                                                            monkeypatch):
+    """A pack loaded after this package wraps ``PromptExecutor.execute`` (to time each prompt, as packs do):
+    attention is still routed and said to be (the status route's ``routing``), a cached prompt still sends the
+    cache note, and the pack's wrapper keeps working after this package's undo."""
+    comfy = comfy_factory(argv=("--cpu",), env={"ATTN_COMFY_ROUTE": "auto"})
+    assert comfy.load_node()
+    import execution
+    import nodes
+    from comfy_attn import route
+    monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, "TestDecoder", _Decoder)
+    timed = []
+    inner = execution.PromptExecutor.execute
+
+    def execute(self, prompt, prompt_id, *args, **kwargs):     # the pack's wrapper
+        timed.append(prompt_id)
+        return inner(self, prompt, prompt_id, *args, **kwargs)
+
+    monkeypatch.setattr(execution.PromptExecutor, "execute", execute)
+    assert route.routing().routed
+    executor = execution.PromptExecutor(comfy.server)
+    graph = {"1": {"class_type": "TestDecoder", "inputs": {"seed": 1}}}
+    executor.execute(graph, "p1", {"client_id": "page-1"})
+    executor.execute(graph, "p2", {"client_id": "page-1"})
+    assert executor.ran == [] and timed == ["p1", "p2"]
+    (data,) = [data for event, data, _ in comfy.server.sent if event == "flash-attention.report"
+               and data["prompt_id"] == "p2"]
+    assert "(prompt p1)" in data["text"][-1]
+    route.undo()
+    executor.execute(graph, "p3", {"client_id": "page-1"})
+    assert timed[-1] == "p3"
+
+
 def test_a_prompt_ended_outside_the_global_route_sends_nothing_more(comfy_factory, monkeypatch):
     comfy = comfy_factory(argv=("--cpu",))
     assert comfy.load_node()
