@@ -39,6 +39,7 @@ import contextlib
 import contextvars
 import importlib
 import inspect
+import itertools
 import os
 import re
 import sys
@@ -84,6 +85,9 @@ _vae_config: contextvars.ContextVar = contextvars.ContextVar("lib_attn_vae_confi
 _model_call: contextvars.ContextVar = contextvars.ContextVar("lib_attn_comfy_model_call", default=None)
 _blocks = Patches("comfy-vae")
 _names = Patches("comfy-names")
+#: The end of each prompt (``_prompts_end_with_a_report``): no attention runs there, so it is neither what is
+#: routed nor part of whether the routing is intact (packs wrap ``PromptExecutor.execute`` too, to time prompts).
+_prompts = Patches("comfy-prompts")
 _everything = [False]   # the global route is on
 _scanned = [0]          # len(sys.modules) when the names were last looked for
 _read: set = set()      # the modules _renamed has read
@@ -361,12 +365,15 @@ def _held(module_name: str, module, namespace: dict, ids: set) -> list[str]:
     through those reach ComfyUI's function, which no rebinding of a name reaches, so the report names them."""
     shown = re.split(r"[\\/]", module_name)[-1]
     where = []
+    # Values are told apart by their type alone: ``isinstance`` and ``getattr`` ask the value itself, which a
+    # proxy outside its context or a lazy object answers by raising; and a dict's first entries only are read.
     for name, value in list(namespace.items()):
-        if isinstance(value, dict):
-            where.extend(f"{shown}.{name}[{key!r}]" for key, held in list(value.items())[:MAX_HELD] if id(held) in ids)
-        elif isinstance(value, type) and getattr(value, "__module__", None) == getattr(module, "__name__", None):
+        if issubclass(type(value), dict):
+            entries = itertools.islice(dict.items(value), MAX_HELD)
+            where.extend(f"{shown}.{name}[{key!r}]" for key, held in list(entries) if id(held) in ids)
+        elif issubclass(type(value), type) and vars(value).get("__module__") == namespace.get("__name__"):
             for attr, held in list(vars(value).items()):
-                if id(getattr(held, "__func__", held)) in ids:
+                if id(held.__func__ if type(held) in (staticmethod, classmethod) else held) in ids:
                     where.append(f"{shown}.{name}.{attr}")
     return where
 
@@ -512,8 +519,8 @@ def _prompts_end_with_a_report() -> None:
     execution, _ = import_quietly("execution")   # ComfyUI's main.py has it loaded before the custom nodes
     cls = getattr(execution, "PromptExecutor", None)
     method = cls.__dict__.get("execute") if cls is not None else None
-    if method is not None and not _names.is_patched(cls, "execute"):
-        _names.patch(cls, "execute", _ends_with_a_report(method))
+    if method is not None and not _prompts.is_patched(cls, "execute"):
+        _prompts.patch(cls, "execute", _ends_with_a_report(method))
 
 
 def _ends_with_a_report(method):
@@ -562,4 +569,4 @@ def undo() -> int:
     _unreachable.clear()
     _functions.clear()   # they hold the precision rule of the ComfyUI they were made for
     _consults.clear()
-    return _names.undo() + _blocks.undo()
+    return _names.undo() + _blocks.undo() + _prompts.undo()

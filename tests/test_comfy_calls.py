@@ -257,6 +257,45 @@ def test_a_packs_copy_in_a_dict_or_class_attribute_is_named_in_the_report_where_
     assert "SIZES" not in line
 
 
+#: A pack whose module also holds what a read for copies must pass over without asking it anything: an object
+#: whose class cannot be asked (a context-local proxy outside its context), a class attribute that raises on
+#: any attribute, and a table far larger than a registry whose first entries hold no function.
+AWKWARD_PACK = HOLDING_PACK + '''
+
+class _Unbound:
+    @property
+    def __class__(self):
+        raise RuntimeError("working outside of a request context")
+
+
+class _Lazy:
+    def __getattr__(self, name):
+        raise RuntimeError(f"not loaded: {name}")
+
+
+request = _Unbound()
+Attention.loader = _Lazy()
+TABLE = dict.fromkeys(range(2_000_000), 0)
+TABLE["late"] = optimized_attention
+'''
+
+
+def test_a_packs_awkward_values_neither_stop_the_sampling_nor_hide_its_copies(comfy_factory, tmp_path):
+    """Reading a pack's module for copies asks its values nothing they could raise on, and reads a dict's first
+    entries only (``MAX_HELD``), not the whole table: the sampling runs and the report names the copies."""
+    comfy = comfy_factory(argv=("--cpu",))
+    pack = load_pack(tmp_path, AWKWARD_PACK)
+    assert comfy.load_node()
+    import nodes
+    (routed,) = node(nodes, "FlashAttentionBackend", model=pack_patcher(pack), tune="auto", **BACKEND)
+    sample(routed, steps=1)
+    out = sample(routed, steps=1)
+    (line,) = [line for line in node(nodes, "FlashAttentionReport", images=out)["ui"]["text"]
+               if "cannot put its own" in line]
+    assert "KERNELS['comfy']" in line and "Attention.kernel" in line
+    assert "TABLE" not in line and "loader" not in line and "request" not in line
+
+
 @pytest.mark.parametrize("before", [True, False])
 def test_under_the_global_route_a_packs_unreachable_copies_are_named_in_each_samplings_report(comfy_factory,
                                                                                              tmp_path, before):
@@ -569,6 +608,39 @@ def test_under_the_global_route_a_cached_prompt_without_a_report_node_sends_the_
     executor.execute(prompt(seed=3, prefix="c", report=True), "p6", {"client_id": "page-1"})
     ((data, _),) = reports("p6")                                                     # its report node was cached
     assert "(prompt p5)" in data["text"][-1]
+
+
+def test_under_the_global_route_a_pack_timing_each_prompt_neither_unroutes_nor_silences_it(comfy_factory,
+                                                                                            monkeypatch):
+    """A pack loaded after this package wraps ``PromptExecutor.execute`` (to time each prompt, as packs do):
+    attention is still routed and said to be (the status route's ``routing``), a cached prompt still sends the
+    cache note, and the pack's wrapper keeps working after this package's undo."""
+    comfy = comfy_factory(argv=("--cpu",), env={"ATTN_COMFY_ROUTE": "auto"})
+    assert comfy.load_node()
+    import execution
+    import nodes
+    from comfy_attn import route
+    monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, "TestDecoder", _Decoder)
+    timed = []
+    inner = execution.PromptExecutor.execute
+
+    def execute(self, prompt, prompt_id, *args, **kwargs):     # the pack's wrapper
+        timed.append(prompt_id)
+        return inner(self, prompt, prompt_id, *args, **kwargs)
+
+    monkeypatch.setattr(execution.PromptExecutor, "execute", execute)
+    assert route.routing().routed
+    executor = execution.PromptExecutor(comfy.server)
+    graph = {"1": {"class_type": "TestDecoder", "inputs": {"seed": 1}}}
+    executor.execute(graph, "p1", {"client_id": "page-1"})
+    executor.execute(graph, "p2", {"client_id": "page-1"})
+    assert executor.ran == [] and timed == ["p1", "p2"]
+    (data,) = [data for event, data, _ in comfy.server.sent if event == "flash-attention.report"
+               and data["prompt_id"] == "p2"]
+    assert "(prompt p1)" in data["text"][-1]
+    route.undo()
+    executor.execute(graph, "p3", {"client_id": "page-1"})
+    assert timed[-1] == "p3"
 
 
 def test_a_prompt_ended_outside_the_global_route_sends_nothing_more(comfy_factory, monkeypatch):
