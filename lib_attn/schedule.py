@@ -258,22 +258,21 @@ def parse(text) -> Schedule | None:
                                      f"takes every call this one would: join their backends in one rule")
         shadow = shadowing(rules, rule)
         if shadow:
-            raise _fail(i + 1, part, f"never holds: {_rule_names(shadow)} take{'s' if len(shadow) == 1 else ''} "
-                                     f"every call it would first; move it before rule {shadow[0].index + 1}, or "
-                                     "narrow it")
+            raise _fail(i + 1, part, f"never holds: {_rule_names(shadow)} every call it would first; move it "
+                                     f"before rule {shadow[0].index + 1}, or narrow it")
         shadow = shadowing(rules, rule, known_step=True)
         if shadow:
-            names = _rule_names(shadow)
             _warn_once(f"schedule rule {i + 1} ({part.strip()!r}) takes only calls made where no sampling step is "
-                       f"known: {names} take every call of it at a known step first; move it before rule "
+                       f"known: {_rule_names(shadow)} every call of it at a known step first; move it before rule "
                        f"{shadow[0].index + 1} for it to hold while sampling")
         rules.append(rule)
     return Schedule(tuple(rules))
 
 
 def _rule_names(rules: list) -> str:
+    """The rules named, with ``take`` agreeing: ``rule 1 ('0-50%') takes``, ``rule 1 (…) and rule 2 (…) take``."""
     names = [f"rule {r.index + 1} ({r.label!r})" for r in rules]
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+    return f"{names[0]} takes" if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]} take"
 
 
 @functools.lru_cache(maxsize=64)

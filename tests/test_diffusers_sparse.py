@@ -113,6 +113,29 @@ def test_route_refuses_a_sparse_method_that_cannot_run_on_the_models_device(monk
     assert lib_attn.config().sparse is None
 
 
+def test_route_checks_sparse_where_the_models_run_not_where_their_weights_wait(monkeypatch):
+    # model CPU offload (Accelerate's hook on the model: weights on the CPU, calls on the GPU) and
+    # sequential offload (weights on the meta device): the check looks at the execution device
+    config_module = sys.modules["lib_attn.config"]
+    real, asked = config_module.sparse_problem, []
+
+    def recorded(settings, device=None):
+        asked.append(device)
+        return real(settings, None if device is not None and device.type == "cuda" else device)
+
+    monkeypatch.setattr(config_module, "sparse_problem", recorded)
+    offloaded = flux()
+    offloaded._hf_hook = type("CpuOffload", (), {"execution_device": torch.device("cuda", 0)})()
+    for target in (offloaded, JointPipeline(offloaded)):
+        with route(target, sparse="block-sparse"):
+            assert lib_attn.config().sparse.method == "block-sparse"
+    assert asked == [torch.device("cuda", 0)] * 2
+    on_meta = flux().to("meta")
+    with route(on_meta, sparse="block-sparse"):  # this machine's default device decides
+        assert lib_attn.config().sparse.method == "block-sparse"
+    assert asked[-1] is None
+
+
 class JointPipeline(diffusers.DiffusionPipeline):
     def __init__(self, transformer):
         super().__init__()

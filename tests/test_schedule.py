@@ -190,6 +190,15 @@ def test_a_rule_with_no_window_behind_windows_that_cover_every_step_is_kept_with
     assert got == {("cross", "sdpa-math"): 1, ("0-20%", "sdpa"): 2, ("20-80%", "math"): 6, ("80-100%", "sdpa"): 2}
 
 
+def test_the_warning_names_one_shadowing_rule_in_the_singular(caplog):
+    with caplog.at_level(logging.WARNING, logger="lib_attn"):
+        parse("0-100%: sdpa; cross: math")
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == ("schedule rule 2 ('cross: math') takes only calls made where no sampling step is known: rule 1 "
+                    "('0-100%') takes every call of it at a known step first; move it before rule 1 for it to hold "
+                    "while sampling")
+
+
 def test_a_rule_with_no_window_behind_kinds_whose_windows_cover_every_step_is_kept_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="lib_attn"):
         parse("0-100% self: sdpa; 0-100% cross: sage; unet: math")

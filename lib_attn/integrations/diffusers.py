@@ -48,7 +48,7 @@ from ..config import checked_sparse as _checked_sparse
 from ..config import current as _current_config
 from ..config import use as _use_config
 from ..dispatch import attention
-from . import diffusers_parallel as _split, diffusers_text as _joint_text
+from . import diffusers_device as _where, diffusers_parallel as _split, diffusers_text as _joint_text
 
 log = logging.getLogger("lib_attn")
 
@@ -492,9 +492,8 @@ def route(model_or_pipeline, role: str | None = None, schedule=None, pass_name: 
     if pass_name is not None and pass_name not in _schedule.PASSES:
         raise ValueError(f"pass {pass_name!r} is not one of {', '.join(_schedule.PASSES)}")
     models = _models(model_or_pipeline, role)
-    if sparse is not None:  # refused where its method cannot run on the device of the models' weights
-        weights = next((p for model, _ in models for p in model.parameters()), None)
-        sparse = _checked_sparse(sparse, None if weights is None else weights.device) or "off"
+    if sparse is not None:  # refused where its method cannot run on the device the models run on
+        sparse = _checked_sparse(sparse, _where.run_device(model_or_pipeline, models)) or "off"
     routing = Routing()
     plan, seen = [], set()
     as_sdpa, differ = _split.same_as_sdpa(models, processor_kind) if parallel is None else ({}, {})
