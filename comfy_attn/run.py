@@ -25,9 +25,10 @@ import time
 import weakref
 
 import lib_attn
+from lib_attn import readout
 from lib_attn.report import Report, VramProbe
 
-from lib_attn import readout
+from host_attn import voice
 
 MESSAGE = "flash-attention.report"
 
@@ -186,7 +187,10 @@ def send(report: Report, prompt_id=None) -> None:
     server = getattr(getattr(sys.modules.get("server"), "PromptServer", None), "instance", None)
     client = getattr(server, "client_id", None)
     if server is not None and client is not None:
-        server.send_sync(MESSAGE, {**readout.to_json(report), "prompt_id": prompt_id}, client)
+        try:
+            server.send_sync(MESSAGE, {**readout.to_json(report), "prompt_id": prompt_id}, client)
+        except Exception as exc:  # noqa: BLE001 - a report that cannot go out must not end ComfyUI's prompt worker
+            voice.log_once(("comfy-report-send", type(exc).__name__), f"report not sent to the page: {exc!r}")
 
 
 def reset() -> None:

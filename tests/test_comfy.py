@@ -389,6 +389,24 @@ def test_chained_vae_nodes_the_last_wins_with_one_segment_per_decode(comfy_facto
     assert rec.calls == {("vae", "math"): 1}
 
 
+def test_a_report_the_server_cannot_send_ends_neither_the_decode_nor_the_prompt(comfy_factory, monkeypatch, capsys):
+    """ComfyUI's send_sync queues onto the server's event loop (call_soon_threadsafe), which raises once the loop
+    is closed (shutdown): the decode still returns, and the log says the report did not go out."""
+    comfy, nodes = loaded(comfy_factory)
+    from comfy.sd import VAE
+    (vae,) = node(nodes, "FlashAttentionVAEBackend", vae=VAE(), **dict(BACKEND, backend="math"))
+
+    def closed(event, data, sid=None):
+        raise RuntimeError("Event loop is closed")
+
+    monkeypatch.setattr(comfy.server, "client_id", "client-1")
+    monkeypatch.setattr(comfy.server, "send_sync", closed)
+    with lib_attn.recording() as rec:
+        out = vae.decode(torch.randn(1, 4, 8, 8))
+    assert out is not None and rec.calls == {("vae", "math"): 1}
+    assert "report not sent to the page: RuntimeError('Event loop is closed')" in capsys.readouterr().out
+
+
 class _ModelLoader:
     """A checkpoint loader as a user's graph has one: the same model object for the same name."""
     loaded = {}
