@@ -225,7 +225,8 @@ _kinds: dict = {}
 
 #: Frames looked through, from the engine's own outwards, for the ``torch.nn.Module`` a call comes from.
 CALLER_FRAMES = 12
-_ENGINE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The engine's own folder (``lib_attn/``): its frames are never the caller.
+_ENGINE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 #: module -> [model token, its weights' (parameter id, version)]: a module whose weights are replaced or
 #: loaded again (a checkpoint switch, a LoRA) gets a new token, as does a new module.
 _models: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -229,3 +229,15 @@ def test_measured_error_is_float64s_on_the_drawn_rows():
     rows = s.rows[0]
     expected = rel_err(out[0, 0, rows], exact[0, 0, rows])
     assert measure.output_error(out, q, k, v, None, "bhsd", s) == pytest.approx(expected, rel=1e-4)
+
+
+def test_the_model_a_call_comes_from_is_found_in_any_file_outside_the_engine():
+    """Only the engine's own frames are passed over: a model defined beside it (a host adapter of this
+    package, these tests) is the caller, whether or not torch's ``Module.__call__`` frame is on the stack."""
+    class Beside(torch.nn.Module):
+        def forward(self):
+            return sparse_plan.caller_module()
+
+    model = Beside()
+    assert Beside.forward(model) is model    # no torch frame between
+    assert model() is model
