@@ -79,6 +79,22 @@ def spy(monkeypatch, backend_id):
 SAGE_IDS = ("sage", "sage-triton", "sage-cuda", "sage-fp8", "sage-fp8pp")
 
 
+def told_calls(monkeypatch) -> list:
+    """(sequence length, the conditioning told) of each call that reaches ``lib_attn.attention`` from now on."""
+    from lib_attn import conditioning
+
+    seen = []
+    real = lib_attn.attention
+
+    def watching(q, k, v, *, layout="bhsd", **kwargs):
+        n = q.shape[1 if layout == "bshd" else 2]
+        seen.append((n, conditioning.current(n)))
+        return real(q, k, v, layout=layout, **kwargs)
+
+    monkeypatch.setattr(lib_attn, "attention", watching)
+    return seen
+
+
 def sage_release(version="2.2.0", **fields):
     """The facts an installed SageAttention release shows the engine (``sage_facts.read``), with stand-in
     kernels: 1.x has only its Triton kernel; a 2.x release has every kernel compiled; from 2.2.0 the

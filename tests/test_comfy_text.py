@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import lib_attn
+from engine_helpers import told_calls
 from lib_attn import conditioning
 from tests.doubles.comfy_fixtures import comfy_factory  # noqa: F401
 from tests.test_comfy import BACKEND, loaded, node, sample
@@ -20,18 +21,6 @@ def fresh():
     lib_attn.reset()
 
 
-def _told(monkeypatch):
-    """(sequence length, the conditioning told) of each call the node's functions send to the engine."""
-    seen = []
-    real = lib_attn.attention
-
-    def watching(q, k, v, *, layout="bhsd", **kwargs):
-        n = q.shape[1 if layout == "bshd" else 2]
-        seen.append((n, conditioning.current(n)))
-        return real(q, k, v, layout=layout, **kwargs)
-
-    monkeypatch.setattr(lib_attn, "attention", watching)
-    return seen
 
 
 def _patcher(make):
@@ -47,7 +36,7 @@ def test_joint_blocks_tell_their_text_first_to_their_joint_calls(comfy_factory, 
     from comfy.ldm.flux.model import FluxBlocks
     from comfy.ldm.modules.diffusionmodules.mmdit import MMDiT
     make = FluxBlocks if family == "flux" else MMDiT
-    seen = _told(monkeypatch)
+    seen = told_calls(monkeypatch)
     (model,) = node(nodes, "FlashAttentionBackend", model=_patcher(make), tune="auto",
                     sparse="block-sparse, min_tokens=1, dense=none", **BACKEND)
     with lib_attn.recording() as rec:
@@ -63,7 +52,7 @@ def test_joint_blocks_tell_their_text_first_to_their_joint_calls(comfy_factory, 
 def test_without_sparse_attention_nothing_is_told(comfy_factory, monkeypatch):
     _, nodes = loaded(comfy_factory)
     from comfy.ldm.flux.model import FluxBlocks
-    seen = _told(monkeypatch)
+    seen = told_calls(monkeypatch)
     (model,) = node(nodes, "FlashAttentionBackend", model=_patcher(FluxBlocks), tune="auto", sparse="off", **BACKEND)
     sample(model, steps=1)
     assert seen == [(71, None)] * 4

@@ -8,22 +8,12 @@ import types
 import torch
 
 import lib_attn
+from engine_helpers import told_calls
 from lib_attn import conditioning
 from tests.doubles.fixtures import webui_factory  # noqa: F401
 from webui_attn.routing import sampling, text
 
 
-def _told(monkeypatch):
-    seen = []
-    real = lib_attn.attention
-
-    def watching(q, k, v, *, layout="bhsd", **kwargs):
-        n = q.shape[1 if layout == "bshd" else 2]
-        seen.append((n, conditioning.current(n)))
-        return real(q, k, v, layout=layout, **kwargs)
-
-    monkeypatch.setattr(lib_attn, "attention", watching)
-    return seen
 
 
 class NeoFlux(torch.nn.Module):
@@ -55,7 +45,7 @@ def test_neo_flux_blocks_tell_their_text_and_the_follower_keeps_them_on_the_runn
     img, txt = torch.randn(1, 20, 32), torch.randn(1, 6, 32)
     shared = types.SimpleNamespace(sd_model=types.SimpleNamespace(forge_objects=types.SimpleNamespace(
         unet=types.SimpleNamespace(model=types.SimpleNamespace(diffusion_model=model)))))
-    seen = _told(monkeypatch)
+    seen = told_calls(monkeypatch)
     follower = sampling.Follower(None, shared, text=True)       # sparse on, no dense window asks for a position
     params = types.SimpleNamespace(denoiser=None, sampling_step=0, total_sampling_steps=1, sigma=None)
     with torch.no_grad():
