@@ -53,13 +53,8 @@ BLOCK_LISTS = ("double_blocks", "single_blocks", "joint_blocks")
 
 def joint_blocks(diffusion_model) -> list:
     """(block, reader) for each block of ``diffusion_model`` whose class ``READERS`` knows."""
-    found = []
-    for name in BLOCK_LISTS:
-        for block in getattr(diffusion_model, name, None) or ():
-            read = READERS.get((type(block).__module__, type(block).__name__))
-            if read is not None:
-                found.append((block, read))
-    return found
+    return conditioning.readers(diffusion_model, BLOCK_LISTS,
+                                lambda block: READERS.get((type(block).__module__, type(block).__name__)))
 
 
 @contextlib.contextmanager

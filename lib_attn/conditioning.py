@@ -68,6 +68,13 @@ def current(seq_len: int) -> Text | None:
     return found[0]
 
 
+def current_blocks(seq_len: int, block: int) -> tuple[int, int] | None:
+    """The blocks of ``block`` tokens ``[first, end)`` that hold the conditioning of a call over ``seq_len``
+    tokens (``current``), or None."""
+    told = current(seq_len)
+    return None if told is None else told.blocks(block)
+
+
 @contextlib.contextmanager
 def text(tokens: int, total: int, side: str = FIRST):
     """Calls inside this block over ``total`` tokens are joint calls with ``tokens`` conditioning tokens at
@@ -93,6 +100,18 @@ def joint_reader(image: tuple[str, int], text_at: tuple[str, int], side: str):
         img, txt = (int(t.shape[1]) for t in found)
         return Text(txt, img + txt, side)
     return read
+
+
+def readers(model, lists, reader_of) -> list:
+    """(block, reader) for each block in ``model``'s block lists named ``lists`` for which ``reader_of(block)``
+    gives a reader (else the block is passed over)."""
+    found = []
+    for name in lists:
+        for block in getattr(model, name, None) or ():
+            read = reader_of(block)
+            if read is not None:
+                found.append((block, read))
+    return found
 
 
 @contextlib.contextmanager

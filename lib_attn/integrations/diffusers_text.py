@@ -40,7 +40,7 @@ def joint_blocks(model) -> list:
     """(block, reader) for each joint block of ``model`` (a model class of ``MODELS``; else none)."""
     names, side = MODELS.get(type(model).__name__, ((), FIRST))
     read = conditioning.joint_reader(IMAGE, TEXT, side)
-    return [(block, read) for name in names for block in (getattr(model, name, None) or ())]
+    return conditioning.readers(model, names, lambda block: read)
 
 
 @contextlib.contextmanager

@@ -54,8 +54,8 @@ def sink_blocks(seq_len: int) -> list[int] | None:
     """The 64-token blocks ``[start, end)`` that hold the conditioning tokens of a call over ``seq_len``
     tokens (``lib_attn.conditioning``), first or last, or None: Sol-Attn's ``sink_blocks`` (every query
     attends them exactly) and ``sink_q`` (they attend every key exactly)."""
-    told = conditioning.current(seq_len)
-    return None if told is None else list(told.blocks(BLOCK))
+    found = conditioning.current_blocks(seq_len, BLOCK)
+    return None if found is None else list(found)
 
 
 def _topk_blocks(n: int, ratio: float) -> int:

@@ -42,15 +42,14 @@ def _single(args, kwargs):
 READERS = {"DoubleStreamBlock": _double, "SingleStreamBlock": _single}
 
 
+def _reader(block):
+    """The reader of a Forge-line Flux or Chroma block's call, or None for any other block."""
+    return READERS.get(type(block).__name__) if type(block).__module__ in MODULES else None
+
+
 def joint_blocks(model) -> list:
     """(block, reader) for the double then single blocks of a Forge-line Flux or Chroma ``model``."""
-    found = []
-    for name in ("double_blocks", "single_blocks"):
-        for block in getattr(model, name, None) or ():
-            read = READERS.get(type(block).__name__)
-            if read is not None and type(block).__module__ in MODULES:
-                found.append((block, read))
-    return found
+    return conditioning.readers(model, ("double_blocks", "single_blocks"), _reader)
 
 
 @contextlib.contextmanager

@@ -74,8 +74,7 @@ class BlockSparse(SparseBackend):
 
     def _text(self, q):
         """The blocks holding the call's conditioning tokens (``lib_attn.conditioning``), or None."""
-        told = conditioning.current(q.shape[2])
-        return None if told is None else told.blocks(self.block)
+        return conditioning.current_blocks(q.shape[2], self.block)
 
     def routing(self, q, k, scale, knob: Knob) -> Routing:
         with torch.no_grad():
