@@ -330,10 +330,15 @@ def _dimensions(earlier: list, rule: Rule) -> list:
             _step_atoms(earlier, rule), _sigma_atoms(earlier, rule), _block_atoms(earlier, rule)]
 
 
+def _cuts(lo: float, hi: float, windows) -> list:
+    """``lo``, ``hi`` and every bound of ``windows`` (pairs, or None) strictly between them, in order."""
+    return sorted({lo, hi} | {x for w in windows if w for x in w if lo < x < hi})
+
+
 def _step_atoms(earlier: list, rule: Rule) -> tuple:
     # [A, B) windows cut where any rule's starts or ends; a window up to 100% also takes 100% (the atom 1.0)
     lo, hi = rule.steps or (0.0, 1.0)
-    cuts = sorted({lo, hi} | {x for r in earlier if r.steps for x in r.steps if lo < x < hi})
+    cuts = _cuts(lo, hi, (r.steps for r in earlier))
     atoms = frozenset(zip(cuts, cuts[1:])) | ({1.0} if hi == 1.0 else set()) | (
         {_UNKNOWN} if rule.steps is None else set())
 
@@ -351,7 +356,7 @@ def _sigma_atoms(earlier: list, rule: Rule) -> tuple:
     if rule.sigmas is None:
         return frozenset({_UNKNOWN}), lambda r: frozenset({_UNKNOWN}) if r.sigmas is None else frozenset()
     lo, hi = rule.sigmas
-    cuts = sorted({lo, hi} | {x for r in earlier if r.sigmas for x in r.sigmas if lo < x < hi})
+    cuts = _cuts(lo, hi, (r.sigmas for r in earlier))
     atoms = frozenset([(x, x) for x in cuts] + [(a, b, "open") for a, b in zip(cuts, cuts[1:])])
     return atoms, lambda r: atoms if r.sigmas is None else frozenset(
         a for a in atoms if r.sigmas[0] <= a[0] and a[1] <= r.sigmas[1])
