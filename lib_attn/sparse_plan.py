@@ -49,12 +49,12 @@ from . import conditioning
 from . import guard as _guard
 from . import schedule as _schedule
 from . import scope as _scope
+from . import sparse_measure as measure
 from . import stats
 from .decision import verdict
 from .kernels import REGISTRY, SPARSE_IDS, status
 from .kernels.base import failure_text
 from .spec import NO_MASK
-from . import sparse_measure as measure
 
 log = logging.getLogger("lib_attn")
 
