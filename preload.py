@@ -75,7 +75,7 @@ FLAGS = (
         metavar="TEXT", default=None,
         help="Default sparse attention for long self-attention calls, held to an error budget, on one line: a "
              "method (auto, sol, block-sparse) then name=value fields, e.g. 'sol, budget=0.15, min_tokens=12288, "
-             "topk=0.2, dense=0-20%%; first 1'. budget: the largest relative error of a call against exact "
+             "topk=0.1, dense=0-20%%; first 1'. budget: the largest relative error of a call against exact "
              "attention, in (0, 1]; min_tokens: shorter calls stay dense; topk or threshold: the routing; "
              "dense: windows that stay dense. A call kind over the budget falls back to dense attention, counted "
              "with its reason. Bad settings are reported at startup naming the value, and the "

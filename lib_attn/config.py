@@ -203,7 +203,7 @@ def configure(preference=None, fp32=None, strict=None, tune=None, avoid=None, gu
     sampling progress, block and role, as one line of text (``"0-20%: sdpa; 20-80%: sage; 80-100%: sdpa"``)
     or a ``Schedule``; ``""`` for none (see ``lib_attn.schedule``). ``sparse``: sparse attention for
     long self-attention calls, held to an error budget: one line of text
-    (``"block-sparse, budget=0.15, min_tokens=12288, topk=0.2, dense=0-20%; first 1"``), a dict of
+    (``"block-sparse, budget=0.15, min_tokens=12288, topk=0.1, dense=0-20%; first 1"``), a dict of
     its fields, True (every default) or a ``lib_attn.sparse.Sparse``; ``""``, ``"off"`` or False for
     none (see ``lib_attn.sparse``); a method that cannot run on this machine's default device (not
     installed, or not on this device) raises ``SparseError`` saying why, what to do and the methods that

@@ -1170,7 +1170,7 @@ def test_the_node_puts_its_sparse_settings_in_force_while_its_model_samples(comf
     with lib_attn.recording() as rec:
         sample(model, steps=2)
         sample(off, steps=2)
-    assert seen[0].text == "block-sparse, budget=0.1, min_tokens=4096, topk=0.2, dense=0-20%; first 1"
+    assert seen[0].text == "block-sparse, budget=0.1, min_tokens=4096, topk=0.1, dense=0-20%; first 1"
     assert seen[1] == ""
     assert rec.calls == {("unet", "sdpa"): 8}                                  # short calls: dense, as without
     assert lib_attn.config().sparse is None                                    # the node's settings end with its run

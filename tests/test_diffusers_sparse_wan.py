@@ -45,7 +45,7 @@ def test_a_wan_run_at_12288_tokens_goes_sparse_where_it_may_and_its_errors_are_f
                      "block 1, 60-80%, call 2 of the step": 1}
     assert not sparse.replaced and sparse.measured == 4  # each kind's one call calibrated it, measured
     text = readout.text(result["report"])
-    assert "sparse ×4 (block-sparse, budget=0.15, min_tokens=12288, topk=0.2, dense=0-20%; first 1)" in text
+    assert "sparse ×4 (block-sparse, budget=0.15, min_tokens=12288, topk=0.1, dense=0-20%; first 1)" in text
     # every self-attention call seen by the hooks: 12,288 tokens; the dense ones exact, the sparse ones
     # within the budget against float64, each agreeing with what the readout measured for its kind
     calls = result["calls"]

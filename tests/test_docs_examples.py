@@ -258,7 +258,7 @@ def check_sparse_settings(code, flux_pipeline):
         _run(code)
     first, second, off = seen
     assert first == lib_attn.sparse.make("block-sparse")          # "every default below"
-    assert first.text == "block-sparse, budget=0.15, min_tokens=12288, topk=0.2, dense=0-20%; first 1"
+    assert first.text == "block-sparse, budget=0.15, min_tokens=12288, topk=0.1, dense=0-20%; first 1"
     assert second.text == "block-sparse, budget=0.2, min_tokens=16384, topk=0.1, dense=0-30%; first 2"
     assert off is None and lib_attn.config().sparse is None
 

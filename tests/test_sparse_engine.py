@@ -476,5 +476,5 @@ def test_out_of_memory_in_a_sparse_run_is_one_dense_call(gated):
 def test_sol_named_without_a_setting_runs_tau_1_3():
     settings = lib_attn.sparse.make("sol")
     assert settings.knob == lib_attn.Knob("threshold", 1.3) and "threshold=1.3" in settings.text
-    assert lib_attn.sparse.make("block-sparse").knob == lib_attn.Knob("topk", 0.2)
+    assert lib_attn.sparse.make("block-sparse").knob == lib_attn.Knob("topk", 0.1)
     assert lib_attn.sparse.make("sol", topk=0.2).knob == lib_attn.Knob("topk", 0.2)

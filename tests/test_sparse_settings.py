@@ -20,8 +20,8 @@ def fresh():
 def test_defaults_are_the_documented_ones():
     s = sparse.parse("block-sparse")
     assert (s.method, s.budget, s.min_tokens, s.topk, s.threshold, s.dense, s.calibrate) == \
-        ("block-sparse", 0.15, 12288, 0.2, None, "0-20%; first 1", True)
-    assert s.knob == lib_attn.Knob("topk", 0.2)
+        ("block-sparse", 0.15, 12288, 0.1, None, "0-20%; first 1", True)
+    assert s.knob == lib_attn.Knob("topk", 0.1)
     assert [(w.steps, w.blocks) for w in s.windows] == [((0.0, 0.2), None), (None, ("first", 1))]
     assert sparse.parse(True) == sparse.make()
 

@@ -13,7 +13,7 @@ from tests.test_preload import parser_with_flags
 from webui_attn.settings import flags, layers, stored
 
 SETTINGS = "block-sparse, budget=0.2, min_tokens=4096"
-CANONICAL = "block-sparse, budget=0.2, min_tokens=4096, topk=0.2, dense=0-20%; first 1"
+CANONICAL = "block-sparse, budget=0.2, min_tokens=4096, topk=0.1, dense=0-20%; first 1"
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +89,7 @@ def test_sparse_for_one_generation_is_recorded_pasted_back_and_below_its_minimum
     runner = launch(webui_factory, mode)
     _, _, plain = generate(runner, mode)
     processed, info, sparse = generate(runner, mode, ["use setting", "use setting", "", LONG_ONLY])
-    canonical = LONG_ONLY + ", topk=0.2, dense=0-20%; first 1"
+    canonical = LONG_ONLY + ", topk=0.1, dense=0-20%; first 1"
     assert parse_infotext(processed.info)["Sparse attention"] == canonical
     assert info["extra_generation_params"]["Sparse attention"] == canonical
     for part in (0, 1):                                     # the latent, the VAE's output: the same, bit for bit

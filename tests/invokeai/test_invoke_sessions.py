@@ -248,9 +248,9 @@ def test_sparse_settings_in_the_node_reach_the_session_and_its_metadata(host, ca
     plain = host.run_graph(txt2img_graph(seed=14))
     item = host.run_graph(_with_nodes(txt2img_graph(seed=14), _attention(sparse=text)))
     assert item.status == "completed", item.error_traceback
-    assert seen and all(s.text == text + ", topk=0.2, dense=0-20%; first 1" for s in seen)
+    assert seen and all(s.text == text + ", topk=0.1, dense=0-20%; first 1" for s in seen)
     attention = host.images.get_metadata(host.output(item, "l2i").image.image_name).root["attention"]
-    assert attention["configuration"][0]["sparse"] == text + ", topk=0.2, dense=0-20%; first 1"
+    assert attention["configuration"][0]["sparse"] == text + ", topk=0.1, dense=0-20%; first 1"
     # every call below min_tokens: dense, the same pixels as without the node's sparse settings
     assert np.array_equal(_pixels(host, plain), _pixels(host, item))
     assert lib_attn.config().sparse is None
