@@ -1,8 +1,9 @@
 """A sparse call's error against exact attention, on sampled query rows.
 
 The rows (``draw``) change from one measurement to the next: at most ``check.PAIRS`` (batch, head) pairs,
-drawn at random when the call has more, and in each pair about ``check.SAMPLES / pairs`` rows, one drawn
-at random in each of as many equal stretches of the sequence. Every row of the call is equally likely
+drawn at random when the call has more, and in each pair about ``check.SAMPLES / pairs`` rows
+(``CALIBRATION_ROWS / pairs`` for a calibration), one drawn at random in each of as many equal
+stretches of the sequence. Every row of the call is equally likely
 to be measured, so the error measured is an unbiased sample of the whole output's, and every query
 block is measured over a kind's measurements, not only fixed rows (a frame's corners, say).
 
@@ -13,9 +14,11 @@ Two measurements, both without a copy of q, k or v:
   that ran sparse.
 * ``routed_errors``: for a backend whose output is exact attention over its routed blocks, the error of
   every setting of a calibration ladder at once: the sampled rows' scores are computed once, against
-  every key, and each setting's routing masks them. Memory: the scores of at most ``ROW_BYTES`` of rows
-  at a time, and for half inputs ``KEY_STEP`` keys or values cast at a time; time: one pass over the
-  keys for the scores, then one over the values per setting.
+  every key, and split by key block (``_BlockSums``), from which each setting's output is a weighted
+  sum. Memory: the scores of at most ``ROW_BYTES`` of rows at a time, twice, and their values per key
+  block (the scores' size times head dim / block), and for half inputs ``KEY_STEP`` keys or values cast
+  at a time; time: one pass over the keys for the scores and one over the values, then (rows x blocks x
+  head dim) per setting.
 """
 from __future__ import annotations
 
@@ -27,6 +30,13 @@ import torch
 from . import check as _check
 from .kernels.base import default_scale
 
+#: Rows a calibration measures. A sparse output's error is spread unevenly over its rows (on local
+#: video-like inputs at top-k 0.25, 1% of the rows hold 40-50% of the squared error), so a few hundred
+#: rows read it loosely: for a true 0.045 (15,360 tokens, 4 heads), the 95% bound over 40 draws of 512
+#: rows ran 0.035-0.110, of 4,096 rows 0.043-0.057, and a budget of 0.06 took top-k 0.3 in 28% of the
+#: draws where 4,096 rows took 0.25 in all. A calibration is made once per kind; the calls measured
+#: later (``check.SAMPLES`` rows) only watch it.
+CALIBRATION_ROWS = 4096
 #: Scores of the sampled rows held at once by ``routed_errors``.
 ROW_BYTES = 8 * 2**20
 #: Keys cast (half inputs) or multiplied at once by ``routed_errors``: few, large matrix products.
@@ -55,14 +65,15 @@ def _times_values(p, v2, compute):
     return out
 
 
-def draw(q, layout: str, rng) -> _check.Samples:
+def draw(q, layout: str, rng, rows: int | None = None) -> _check.Samples:
     """The rows one measurement looks at for a call whose queries are ``q`` (in ``layout``), drawn with
-    ``rng`` (a ``random.Random``): ``rows`` is (pairs, rows per pair), each pair its own rows."""
+    ``rng`` (a ``random.Random``), about ``rows`` in all (default ``check.SAMPLES``; calibration's
+    ``CALIBRATION_ROWS``): ``rows`` is (pairs, rows per pair), each pair its own rows."""
     b, h, n = _bhsd(q, layout).shape[:3]
     total = b * h
     pairs = sorted(rng.sample(range(total), _check.PAIRS)) if total > _check.PAIRS else list(range(total))
     pairs = torch.tensor(pairs, dtype=torch.long)
-    m = min(n, max(1, _check.SAMPLES // len(pairs)))
+    m = min(n, max(1, (rows or _check.SAMPLES) // len(pairs)))
     edges = torch.div(torch.arange(m + 1) * n, m, rounding_mode="floor")
     gen = torch.Generator().manual_seed(rng.getrandbits(62))
     jitter = torch.rand((len(pairs), m), generator=gen, dtype=torch.float64)
@@ -75,16 +86,16 @@ def _pair_rows(samples, i: int):
     return samples.rows[i] if samples.rows.dim() == 2 else samples.rows
 
 
-def _exact_rows(q, k, v, scale, samples):
-    """For each (b, h) pair and chunk of its sampled rows, in order: (b, h, rows, scores, exact output),
-    q, k, v in (b, h, n, d), scores scaled, both in fp32 (fp64 for fp64 inputs)."""
+def _scored_rows(q, k, scale, samples):
+    """For each (b, h) pair and chunk of its sampled rows, in order: (b, h, rows, scores), q and k in
+    (b, h, n, d), the scores scaled, in fp32 (fp64 for fp64 inputs)."""
     compute = _compute(q.dtype)
     scale = default_scale(scale, q.shape[-1])
     kv = k.shape[2]
     per_chunk = max(1, ROW_BYTES // (kv * (torch.finfo(compute).bits // 8)))
     for i, (b, h) in enumerate(zip(samples.batch.tolist(), samples.head.tolist())):
         rows = _pair_rows(samples, i).to(q.device)
-        k2, v2 = k[b, h], v[b, h]
+        k2 = k[b, h]
         for start in range(0, len(rows), per_chunk):
             chunk = rows[start:start + per_chunk]
             q_rows = q[b, h].index_select(0, chunk).to(compute).mul_(scale)
@@ -94,7 +105,7 @@ def _exact_rows(q, k, v, scale, samples):
                 scores = torch.empty((len(chunk), kv), dtype=compute, device=q.device)
                 for at in range(0, kv, KEY_STEP):
                     scores[:, at:at + KEY_STEP] = q_rows @ k2[at:at + KEY_STEP].to(compute).T
-            yield b, h, chunk, scores, _times_values(torch.softmax(scores, dim=-1), v2, compute)
+            yield b, h, chunk, scores
 
 
 #: One-sided z of the bound calibration holds a setting to (``bound=True``): the error on the drawn
@@ -126,7 +137,8 @@ def output_error(out, q, k, v, scale, layout: str, samples=None, bound: bool = F
     s = samples if samples is not None else _check.samples(q, "bhsd")
     diffs, norms = [], []
     with _exact_off(q.device.type), torch.no_grad():
-        for b, h, rows, _, exact in _exact_rows(q, k, v, scale, s):
+        for b, h, rows, scores in _scored_rows(q, k, scale, s):
+            exact = _times_values(torch.softmax(scores, dim=-1), v[b, h], _compute(q.dtype))
             got = out[b, h].index_select(0, rows).to(exact.dtype)
             diffs.append((got - exact).square().sum(-1))
             norms.append(exact.square().sum(-1))
@@ -143,42 +155,84 @@ def _block_means(x, block: int, compute) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _routed(scores, keep_blocks, routing, v_rows, v_means, compute):
-    """Attention of the rows whose exact ``scores`` (r, kv) are given over the key blocks they keep
-    (``keep_blocks`` (r, blocks) bool), and, for a routing with ``pooled``, every other block through one
-    term: its mean score plus the log of its token count, and its mean value."""
-    block, kv = routing.block, scores.shape[1]
-    keep = keep_blocks.repeat_interleave(block, dim=1)[:, :kv]
-    tokens = scores.masked_fill(~keep, float("-inf"))
-    if not routing.pooled:
-        return _times_values(torch.softmax(tokens, dim=-1), v_rows, compute)
-    nk = keep_blocks.shape[1]
-    sizes = torch.full((nk,), float(block), dtype=compute, device=scores.device)
-    sizes[-1] = kv - (nk - 1) * block
-    padded = torch.nn.functional.pad(scores, (0, nk * block - kv))
-    means = padded.unflatten(1, (nk, block)).sum(-1) / sizes
-    pooled = (means + sizes.log()).masked_fill(keep_blocks, float("-inf"))
-    top = torch.maximum(tokens.amax(-1, keepdim=True), pooled.amax(-1, keepdim=True))
-    p_tokens, p_pooled = (tokens - top).exp(), (pooled - top).exp()
-    total = p_tokens.sum(-1, keepdim=True) + p_pooled.sum(-1, keepdim=True)
-    return (_times_values(p_tokens, v_rows, compute) + p_pooled @ v_means) / total
+def _per_row(w, weighted):
+    """(r, blocks) weights times (r, blocks, d) -> (r, d)."""
+    return torch.bmm(w.unsqueeze(1), weighted).squeeze(1)
+
+
+class _BlockSums:
+    """The sampled rows' attention split by key block, from their exact scores (r, kv): per row and
+    block the largest score ``top``, ``mass`` the sum of exp(score - top) over the block, ``weighted``
+    the values weighted the same way (r, blocks, d), and ``pooled`` the block's mean score plus the log
+    of its token count (the pooled term's score). Any routing's output on the rows is a weighted sum of
+    these, so every setting of a ladder costs (rows x blocks x d) once the one pass over the keys is
+    made, where masking the scores anew would cost (rows x keys x d) per setting."""
+
+    def __init__(self, scores, v2, block: int, compute):
+        r, kv = scores.shape
+        nk = -(-kv // block)
+        padded = torch.nn.functional.pad(scores, (0, nk * block - kv), value=float("-inf")).unflatten(1, (nk, block))
+        sizes = torch.full((nk,), float(block), dtype=compute, device=scores.device)
+        sizes[-1] = kv - (nk - 1) * block
+        self.pooled = _block_means(scores.T, block, compute).T + sizes.log()
+        self.top = padded.amax(-1)
+        p = padded.sub_(self.top[..., None]).exp_().transpose(0, 1)  # (blocks, r, block); the padding's 0
+        self.mass = p.sum(-1).T
+        # one batched product per group of blocks, each block's values cast once, then laid out per row
+        # for the settings' (1 x blocks) @ (blocks x d) products
+        weighted = torch.empty((nk, r, v2.shape[-1]), dtype=compute, device=scores.device)
+        step = max(1, KEY_STEP // block)
+        for at in range(0, nk, step):
+            values = v2[at * block:(at + step) * block].to(compute)
+            if values.shape[0] < min(step, nk - at) * block:  # the last block's missing rows weigh 0
+                values = torch.nn.functional.pad(values, (0, 0, 0, min(step, nk - at) * block - values.shape[0]))
+            torch.bmm(p[at:at + step], values.unflatten(0, (-1, block)), out=weighted[at:at + step])
+        self.weighted = weighted.transpose(0, 1).contiguous()
+
+    def exact(self):
+        """Exact attention on the rows."""
+        w = (self.top - self.top.amax(-1, keepdim=True)).exp()
+        return _per_row(w, self.weighted) / (w * self.mass).sum(-1, keepdim=True)
+
+    def routed(self, keep_blocks, pooled: bool, v_means):
+        """Attention of the rows over the key blocks they keep (``keep_blocks`` (r, blocks) bool), and
+        with ``pooled`` every other block through its pooled term (``v_means``: the blocks' mean values)."""
+        kept = self.top.masked_fill(~keep_blocks, float("-inf"))
+        ref = kept.amax(-1, keepdim=True)
+        if pooled:
+            rest = self.pooled.masked_fill(keep_blocks, float("-inf"))
+            ref = torch.maximum(ref, rest.amax(-1, keepdim=True))
+        w = (kept - ref).exp()
+        out = _per_row(w, self.weighted)
+        total = (w * self.mass).sum(-1, keepdim=True)
+        if pooled:
+            w_rest = (rest - ref).exp()
+            out = out + w_rest @ v_means
+            total = total + w_rest.sum(-1, keepdim=True)
+        return out / total
 
 
 def routed_errors(q, k, v, scale, layout: str, routings: list, samples=None, bound: bool = False) -> list[float]:
     """The relative L2 error on the sampled rows of attention over each routing's blocks (with the pooled
     term where the routing has one), q, k, v in ``layout``, against exact attention: one float per
-    routing (``bound``: its upper bound, see ``BOUND_Z``)."""
+    routing (``bound``: its upper bound, see ``BOUND_Z``). The routings share one block size."""
     q, k, v = (_bhsd(t, layout) for t in (q, k, v))
     s = samples if samples is not None else _check.samples(q, "bhsd")
     compute = _compute(q.dtype)
+    block = routings[0].block
+    if any(r.block != block for r in routings):
+        raise ValueError(f"routings of block sizes {sorted({r.block for r in routings})}: measured together they share one")
     diffs = [[] for _ in routings]
     norms = []
     pooled = any(r.pooled for r in routings)
     with _exact_off(q.device.type), torch.no_grad():
-        for b, h, rows, scores, exact in _exact_rows(q, k, v, scale, s):
+        for b, h, rows, scores in _scored_rows(q, k, scale, s):
+            sums = _BlockSums(scores, v[b, h], block, compute)
+            del scores
+            exact = sums.exact()
             norms.append(exact.square().sum(-1))
-            v_means = _block_means(v[b, h], routings[0].block, compute) if pooled else None
+            v_means = _block_means(v[b, h], block, compute) if pooled else None
             for i, routing in enumerate(routings):
-                got = _routed(scores, routing.kept_blocks(b, h, rows), routing, v[b, h], v_means, compute)
+                got = sums.routed(routing.kept_blocks(b, h, rows), routing.pooled, v_means)
                 diffs[i].append((got - exact).square().sum(-1))
     return [_error(d, norms, bound) for d in diffs]

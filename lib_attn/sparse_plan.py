@@ -400,7 +400,7 @@ class Plan:
         """Calibrate ``kind`` on this call (its first, or one whose measurement was over the budget) and
         return the call's output: sparse at the setting found, measured within the budget, else dense."""
         try:
-            samples = measure.draw(q, self.spec.layout, _random)
+            samples = measure.draw(q, self.spec.layout, _random, measure.CALIBRATION_ROWS)
             kind.knob, kind.reason, kind.rungs, kind.due = None, "", (), False
             out = self._calibrate(kind, q, k, v, scale, samples)
             if kind.reason == NOT_MEASURED:

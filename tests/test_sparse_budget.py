@@ -5,6 +5,7 @@ may return an output over 1.1 x the budget, and each run still goes sparse where
 from __future__ import annotations
 
 import gc
+import math
 import random
 
 import pytest
@@ -241,3 +242,73 @@ def test_the_model_a_call_comes_from_is_found_in_any_file_outside_the_engine():
     model = Beside()
     assert Beside.forward(model) is model    # no torch frame between
     assert model() is model
+
+
+def _float64_routed_error(q, k, v, scale, routing, samples) -> float:
+    """The relative L2 error on the drawn rows of attention over ``routing``'s blocks (with its pooled term
+    when it has one) against exact attention, all in float64."""
+    from tests.test_block_sparse import pooled_reference, routed_mask
+    n, kv = q.shape[2], k.shape[2]
+    exact = reference(q, k, v, scale=scale)
+    got = (pooled_reference(q, k, v, scale, routing) if routing.pooled
+           else reference(q, k, v, mask=routed_mask(routing, n, kv, routing.block), scale=scale))
+    diff = norm = 0.0
+    for i, (b, h) in enumerate(zip(samples.batch.tolist(), samples.head.tolist())):
+        rows = samples.rows[i]
+        diff += float((got[b, h, rows] - exact[b, h, rows]).square().sum())
+        norm += float(exact[b, h, rows].square().sum())
+    return (diff / norm) ** 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pooled", [True, False], ids=["pooled", "routed-only"])
+def test_every_setting_of_a_ladder_is_measured_as_float64_attention_over_its_blocks(dtype, pooled, monkeypatch):
+    # a ragged last key block (700 tokens in blocks of 64), values cast two blocks at a time (the last
+    # group one block, part-filled) and rows scored a few at a time: every path of the block split
+    from lib_attn.kernels.block_sparse.routing import route
+    monkeypatch.setattr(measure, "KEY_STEP", 128)
+    monkeypatch.setattr(measure, "ROW_BYTES", 24 * 700 * 4)
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 2, 700, 16, generator=gen).to(dtype) for _ in range(3))
+    scale = 0.4
+    routings = [route(q.float(), k.float(), scale, 64, "topk", t, pooled_rest=pooled) for t in (0.1, 0.3, 0.6)]
+    samples = measure.draw(q, "bhsd", random.Random(4), rows=300)
+    got = measure.routed_errors(q, k, v, scale, "bhsd", routings, samples)
+    expected = [_float64_routed_error(q, k, v, scale, r, samples) for r in routings]
+    assert got[0] > got[1] > got[2] > 0
+    assert got == pytest.approx(expected, rel=1e-4)  # fp32 arithmetic on the inputs' own values
+
+
+def test_a_setting_that_leaves_out_a_rows_largest_scores_is_measured_without_overflow():
+    # sharp attention (scores spanning hundreds): a row's largest score can sit in a block it does not keep,
+    # so no one shift of the exponent suits every setting
+    from lib_attn.kernels.block_sparse.routing import route
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(1, 2, 512, 16, generator=gen) for _ in range(3))
+    scale = 12.0
+    routings = [route(q, k, scale, 64, "topk", t, pooled_rest=p) for t in (0.125, 0.5) for p in (True, False)]
+    samples = measure.draw(q, "bhsd", random.Random(6), rows=256)
+    got = measure.routed_errors(q, k, v, scale, "bhsd", routings, samples)
+    expected = [_float64_routed_error(q, k, v, scale, r, samples) for r in routings]
+    assert all(map(math.isfinite, got)) and got == pytest.approx(expected, rel=1e-4)
+
+
+def test_calibration_measures_its_ladder_on_more_rows_than_a_later_check():
+    seen = []
+    real_draw = measure.draw
+
+    def draw(q, layout, rng, rows=None):
+        samples = real_draw(q, layout, rng, rows)
+        seen.append(samples.rows.numel())
+        return samples
+
+    q, k, v = local_inputs(1, 2, (4, 32, 32), 32, torch.float32, CPU, seed=5, strength=1.0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(measure, "draw", draw)
+        lib_attn.configure(sparse={"method": "block-sparse", "min_tokens": 1024, "dense": "none", "budget": 0.5})
+        with lib_attn.recording() as rec:
+            for _ in range(2 * sparse_plan.RECHECK_EVERY):
+                lib_attn.attention(q, k, v, role="dit")
+    assert rec.sparse.calls == 2 * sparse_plan.RECHECK_EVERY and not rec.sparse.dense
+    assert seen[0] == measure.CALIBRATION_ROWS and len(seen) >= 2            # 2 heads of 4,096 rows: 2,048 each
+    assert set(seen[1:]) == {lib_attn.check.SAMPLES}                         # the later measured calls
