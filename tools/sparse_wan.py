@@ -185,7 +185,7 @@ class Calls:
         self.model, self.rows = model, rows
         self.gen = torch.Generator().manual_seed(seed)
         self.found: list = []  # (model call, block, error)
-        self.seconds = 0.0  # spent measuring, left out of the step times
+        self.seconds = 0.0  # spent in the hooks (q, k, v made again; float64), left out of the step times
         self.model_calls = -1
         self._qkv = None
         self.last = None  # the last call's (q, k, v), (batch, tokens, heads, head dim)
@@ -196,10 +196,12 @@ class Calls:
             self.model_calls += 1
 
         def inputs(attn, args, kwargs):
+            started = time.perf_counter()
             hidden, rotary = args[0], kwargs.get("rotary_emb", args[3] if len(args) > 3 else None)
             q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (
                 attn.norm_q(attn.to_q(hidden)), attn.norm_k(attn.to_k(hidden)), attn.to_v(hidden)))
             self._qkv = (_rotated(q, *rotary), _rotated(k, *rotary), v)
+            self.seconds += time.perf_counter() - started
 
         def output(i):
             def hook(proj, args):
@@ -236,12 +238,9 @@ def run(args, sparse) -> dict:
     pipe = pipeline(model)
     calls = Calls(model, args.rows)
     marks = [time.perf_counter()]
-    measuring = [0.0]
 
     def on_step(pipe, i, t, tensors):
-        now = time.perf_counter()
-        marks.append(now - (calls.seconds - measuring[0]))
-        measuring[0] = calls.seconds
+        marks.append(time.perf_counter() - calls.seconds)  # every measurement so far left out
 
     with torch.no_grad(), route(pipe, sparse=sparse), lib_attn.recording() as rec, calls.watching():
         sample(pipe, args.frames, args.height, args.width, args.steps, on_step=on_step)
