@@ -36,10 +36,10 @@ DEFAULT_BUDGET = 0.15
 DEFAULT_MIN_TOKENS = 12288
 #: The sparsest keep fraction calibration may try. Calibration keeps a call kind at the sparsest
 #: setting within the budget, so the floor only bounds how far down it looks: on local video-like
-#: inputs (15,360 tokens, 128-token blocks) top-k 0.1 / 0.15 / 0.2 give 0.17 / 0.09 / 0.05 against
-#: float64, so under the default budget such a kind runs at 15% of the blocks, where a floor of 0.2
-#: (the top-k published for Sol-Attn) would hold it at 20%. Below 0.1 a query block of a 12,288-token
-#: call keeps fewer than 10 of its 96 key blocks, and the error climbs fast (0.41 at 0.05).
+#: inputs (15,360 tokens, 128-token blocks) top-k 0.1 / 0.15 / 0.2 give 0.18 / 0.105 / 0.06 against
+#: float64 over every row, so under the default budget such a kind runs at 15% of the blocks, where a
+#: floor of 0.2 (the top-k published for Sol-Attn) would hold it at 20%. Below 0.1 a query block of a 12,288-token
+#: call keeps fewer than 10 of its 96 key blocks, and the error climbs fast (0.40 at 0.05).
 DEFAULT_TOPK = 0.1
 #: The published dense prefix: the first 20% of the steps, and the first block.
 DEFAULT_DENSE = "0-20%; first 1"

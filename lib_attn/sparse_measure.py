@@ -16,9 +16,9 @@ Two measurements, both without a copy of q, k or v:
   every setting of a calibration ladder at once: the sampled rows' scores are computed once, against
   every key, and split by key block (``_BlockSums``), from which each setting's output is a weighted
   sum. Memory: the scores of at most ``ROW_BYTES`` of rows at a time, twice, and their values per key
-  block (the scores' size times head dim / block), and for half inputs ``KEY_STEP`` keys or values cast
-  at a time; time: one pass over the keys for the scores and one over the values, then (rows x blocks x
-  head dim) per setting.
+  block (the scores' size times head dim / block), and ``KEY_STEP`` keys at a time: their keys and values
+  cast (half inputs) and the rows' weighted values; time: one pass over the keys for the scores and one
+  over the values, then (rows x blocks x head dim) per setting.
 """
 from __future__ import annotations
 
@@ -106,6 +106,7 @@ def _scored_rows(q, k, scale, samples):
                 for at in range(0, kv, KEY_STEP):
                     scores[:, at:at + KEY_STEP] = q_rows @ k2[at:at + KEY_STEP].to(compute).T
             yield b, h, chunk, scores
+            del scores  # the caller's are the only ones: gone before the next chunk's are computed
 
 
 #: One-sided z of the bound calibration holds a setting to (``bound=True``): the error on the drawn
@@ -178,25 +179,29 @@ class _BlockSums:
         self.top = padded.amax(-1)
         p = padded.sub_(self.top[..., None]).exp_().transpose(0, 1)  # (blocks, r, block); the padding's 0
         self.mass = p.sum(-1).T
-        # one batched product per group of blocks, each block's values cast once, then laid out per row
-        # for the settings' (1 x blocks) @ (blocks x d) products
-        weighted = torch.empty((nk, r, v2.shape[-1]), dtype=compute, device=scores.device)
+        # one batched product per group of blocks, each block's values cast once and laid out per row for
+        # the settings' (1 x blocks) @ (blocks x d) products; the blocks' mean values (the pooled term's)
+        # from the same cast
+        d = v2.shape[-1]
+        self.weighted = torch.empty((r, nk, d), dtype=compute, device=scores.device)
+        self.v_means = torch.empty((nk, d), dtype=compute, device=scores.device)
         step = max(1, KEY_STEP // block)
         for at in range(0, nk, step):
             values = v2[at * block:(at + step) * block].to(compute)
             if values.shape[0] < min(step, nk - at) * block:  # the last block's missing rows weigh 0
                 values = torch.nn.functional.pad(values, (0, 0, 0, min(step, nk - at) * block - values.shape[0]))
-            torch.bmm(p[at:at + step], values.unflatten(0, (-1, block)), out=weighted[at:at + step])
-        self.weighted = weighted.transpose(0, 1).contiguous()
+            values = values.unflatten(0, (-1, block))
+            self.v_means[at:at + step] = values.sum(1) / sizes[at:at + step, None]
+            self.weighted[:, at:at + step] = torch.bmm(p[at:at + step], values).transpose(0, 1)
 
     def exact(self):
         """Exact attention on the rows."""
         w = (self.top - self.top.amax(-1, keepdim=True)).exp()
         return _per_row(w, self.weighted) / (w * self.mass).sum(-1, keepdim=True)
 
-    def routed(self, keep_blocks, pooled: bool, v_means):
+    def routed(self, keep_blocks, pooled: bool):
         """Attention of the rows over the key blocks they keep (``keep_blocks`` (r, blocks) bool), and
-        with ``pooled`` every other block through its pooled term (``v_means``: the blocks' mean values)."""
+        with ``pooled`` every other block through its pooled term."""
         kept = self.top.masked_fill(~keep_blocks, float("-inf"))
         ref = kept.amax(-1, keepdim=True)
         if pooled:
@@ -207,7 +212,7 @@ class _BlockSums:
         total = (w * self.mass).sum(-1, keepdim=True)
         if pooled:
             w_rest = (rest - ref).exp()
-            out = out + w_rest @ v_means
+            out = out + w_rest @ self.v_means
             total = total + w_rest.sum(-1, keepdim=True)
         return out / total
 
@@ -224,15 +229,14 @@ def routed_errors(q, k, v, scale, layout: str, routings: list, samples=None, bou
         raise ValueError(f"routings of block sizes {sorted({r.block for r in routings})}: measured together they share one")
     diffs = [[] for _ in routings]
     norms = []
-    pooled = any(r.pooled for r in routings)
     with _exact_off(q.device.type), torch.no_grad():
         for b, h, rows, scores in _scored_rows(q, k, scale, s):
             sums = _BlockSums(scores, v[b, h], block, compute)
             del scores
             exact = sums.exact()
             norms.append(exact.square().sum(-1))
-            v_means = _block_means(v[b, h], block, compute) if pooled else None
             for i, routing in enumerate(routings):
-                got = sums.routed(routing.kept_blocks(b, h, rows), routing.pooled, v_means)
+                got = sums.routed(routing.kept_blocks(b, h, rows), routing.pooled)
                 diffs[i].append((got - exact).square().sum(-1))
+            del sums  # before the next chunk's scores
     return [_error(d, norms, bound) for d in diffs]

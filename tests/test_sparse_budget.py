@@ -293,6 +293,38 @@ def test_a_setting_that_leaves_out_a_rows_largest_scores_is_measured_without_ove
     assert all(map(math.isfinite, got)) and got == pytest.approx(expected, rel=1e-4)
 
 
+def _peak_bytes(fn) -> int:
+    """The most bytes torch's CPU allocator held at once while ``fn`` ran, over what it held before."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    now = peak = 0
+    for event in prof.profiler.kineto_results.events():
+        if event.name() == "[memory]":  # one allocation (bytes > 0) or release (< 0), in the order made
+            now += event.nbytes()
+            peak = max(peak, now)
+    return peak
+
+
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 128), (torch.float16, 256)])
+def test_measuring_a_ladder_holds_one_chunk_of_rows_scores_twice_and_their_values_per_block(dtype, head_dim):
+    # three chunks of rows: a chunk's scores and block sums are gone before the next chunk's scores are
+    # made, and the values per block are laid out once (at head dim 256 they are twice the scores)
+    from lib_attn.kernels.block_sparse.routing import route
+    n, block = 8192, 128
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(1, 1, n, head_dim, generator=gen).to(dtype) for _ in range(3))
+    routings = [route(q.float(), k.float(), head_dim ** -0.5, block, "topk", t, pooled_rest=True) for t in (0.1, 0.3)]
+    rows = measure.ROW_BYTES // (n * 4)
+    samples = measure.draw(q, "bhsd", random.Random(3), rows=3 * rows)
+    peak = _peak_bytes(lambda: measure.routed_errors(q, k, v, None, "bhsd", routings, samples))
+    scores = rows * n * 4
+    weighted = scores * head_dim // block
+    # a group of KEY_STEP keys at a time: its keys and values cast (half inputs), its rows' weighted values
+    group = 2 * measure.KEY_STEP * head_dim * 4 + rows * measure.KEY_STEP // block * head_dim * 4
+    assert peak <= 2 * scores + weighted + group + 2**20, f"{peak / 2**20:.1f} MiB"
+
+
 def test_calibration_measures_its_ladder_on_more_rows_than_a_later_check():
     seen = []
     real_draw = measure.draw
