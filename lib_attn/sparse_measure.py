@@ -137,6 +137,11 @@ def _error(diffs: list, norms: list, bound: bool) -> float:
 def output_error(out, q, k, v, scale, layout: str, samples=None, bound: bool = False) -> float:
     """Relative L2 error of ``out`` on the sampled rows against exact attention (``bound``: its upper
     bound); inf when ``out`` is non-finite there, nan when exact attention is (non-finite inputs)."""
+    return output_errors(out, q, k, v, scale, layout, samples)[1 if bound else 0]
+
+
+def output_errors(out, q, k, v, scale, layout: str, samples=None) -> tuple[float, float]:
+    """``output_error`` and its upper bound, from one pass over the sampled rows."""
     q, k, v, out = (_bhsd(t, layout) for t in (q, k, v, out))
     s = samples if samples is not None else _check.samples(q, "bhsd")
     diffs, norms = [], []
@@ -146,7 +151,7 @@ def output_error(out, q, k, v, scale, layout: str, samples=None, bound: bool = F
             got = out[b, h].index_select(0, rows).to(exact.dtype)
             diffs.append((got - exact).square().sum(-1))
             norms.append(exact.square().sum(-1))
-    return _error(diffs, norms, bound)
+    return _error(diffs, norms, False), _error(diffs, norms, True)
 
 
 def _block_means(x, block: int, compute) -> torch.Tensor:

@@ -402,7 +402,7 @@ class Plan:
         try:
             samples = measure.draw(q, self.spec.layout, _random, measure.CALIBRATION_ROWS)
             kind.knob, kind.reason, kind.rungs, kind.due = None, "", (), False
-            out = self._calibrate(kind, q, k, v, scale, samples)
+            out, error = self._calibrate(kind, q, k, v, scale, samples)
             if kind.reason == NOT_MEASURED:
                 return self._unsettled(key, q, k, v, scale, recordings)
             if kind.knob is None:
@@ -411,7 +411,7 @@ class Plan:
                 out = self._sparse(kind, q, k, v, scale)
                 if out is None:  # a fault: the plan is dense from now on
                     return self._dense(self.reason, q, k, v, None, scale, recordings)
-            error = measure.output_error(out.out, q, k, v, scale, self.spec.layout, samples)
+                error = measure.output_error(out.out, q, k, v, scale, self.spec.layout, samples)
             if math.isnan(error):
                 return self._unsettled(key, q, k, v, scale, recordings)
             if not error <= self.budget:
@@ -443,7 +443,8 @@ class Plan:
 
     def _calibrate(self, kind: Kind, q, k, v, scale, samples):
         """Put ``kind`` at the sparsest setting of the ladder within the budget on ``samples`` (or dense);
-        returns the call's sparse result when calibration ran the kernel at that setting, else None."""
+        returns the call's sparse result and its error on ``samples`` when calibration ran the kernel at
+        that setting, else (None, None)."""
         ladder = self._ladder()
         routings = self._routings(ladder, q, k, scale)
         if routings is not None:
@@ -451,28 +452,28 @@ class Plan:
             for i, error in enumerate(errors):
                 if math.isnan(error):
                     kind.reason = NOT_MEASURED
-                    return None
+                    return None, None
                 if error <= self.budget:
                     kind.knob, kind.rungs = ladder[i], ladder[i + 1:]
-                    return None
+                    return None, None
             kind.reason = over_budget(errors[-1], self.budget)
-            return None
+            return None, None
         error = math.inf
         for i, knob in enumerate(ladder):
             kind.knob = knob
             result = self._sparse(kind, q, k, v, scale)
             if result is None:
                 kind.knob, kind.reason = None, self.reason
-                return None
-            error = measure.output_error(result.out, q, k, v, scale, self.spec.layout, samples, bound=True)
+                return None, None
+            measured, error = measure.output_errors(result.out, q, k, v, scale, self.spec.layout, samples)
             if math.isnan(error):
                 kind.knob, kind.reason = None, NOT_MEASURED
-                return None
+                return None, None
             if error <= self.budget:
                 kind.rungs = ladder[i + 1:]
-                return result
+                return result, measured
         kind.knob, kind.reason = None, over_budget(error, self.budget)
-        return None
+        return None, None
 
     def _routings(self, ladder, q, k, scale):
         """Each setting's routing (q, k as the kernel sees them), or None when the backend states none."""

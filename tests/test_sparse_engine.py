@@ -255,17 +255,22 @@ class Opaque(lib_attn.SparseBackend):
         return REGISTRY["block-sparse"].run_sparse(q, k, v, scale, knob)
 
 
-def test_a_backend_without_routing_is_calibrated_by_running_it(drawn):
+def test_a_backend_without_routing_is_calibrated_by_running_it(drawn, monkeypatch):
     backend = Opaque()
     lib_attn.register_backend(backend)
+    passes = []
+    scored_rows = measure._scored_rows
+    monkeypatch.setattr(measure, "_scored_rows", lambda *a: passes.append(1) or scored_rows(*a))
     try:
         lib_attn.configure(sparse="opaque-sparse, min_tokens=1024, dense=none, topk=0.05, budget=0.15")
         q, k, v = local()
         with lib_attn.recording() as rec:
             out = lib_attn.attention(q, k, v, role="dit")
         (_, _, _, setting), = rec.sparse.kinds
-        # the probe's run, then the ladder from 0.05 up to the first setting within the budget
+        # the probe's run, then the ladder from 0.05 up to the first setting within the budget, each
+        # output measured once (the one returned is not measured again)
         assert backend.runs[0] == "topk 0.05" and backend.runs[-1] == setting
+        assert len(backend.runs) > 2 and len(passes) == len(backend.runs) - 1
         assert rec.sparse.error_max() == pytest.approx(sampled_error64(out, q, k, v, drawn[-1]), rel=1e-3)
         assert rec.sparse.error_max() <= 0.15
     finally:
