@@ -225,26 +225,33 @@ class _BlockSums:
         return out / total
 
 
-def routed_errors(q, k, v, scale, layout: str, routings: list, samples=None, bound: bool = False) -> list[float]:
+def routed_errors(q, k, v, scale, layout: str, routings, samples=None, bound: bool = False) -> list[float]:
     """The relative L2 error on the sampled rows of attention over each routing's blocks (with the pooled
     term where the routing has one), q, k, v in ``layout``, against exact attention: one float per
-    routing (``bound``: its upper bound, see ``BOUND_Z``). The routings share one block size."""
+    routing (``bound``: its upper bound, see ``BOUND_Z``). ``routings``: the routings of the whole call,
+    or a function of a (batch item, head) pair giving that pair's alone (indexed as pair (0, 0)), made
+    only for the pairs drawn, one at a time. The routings share one block size."""
     q, k, v = (_bhsd(t, layout) for t in (q, k, v))
     s = samples if samples is not None else _check.samples(q, "bhsd")
     compute = _compute(q.dtype)
-    block = routings[0].block
-    if any(r.block != block for r in routings):
-        raise ValueError(f"routings of block sizes {sorted({r.block for r in routings})}: measured together they share one")
-    diffs = [[] for _ in routings]
-    norms = []
+    per_pair = callable(routings)
+    diffs, norms, pair = None, [], None
     with _exact_off(q.device.type), torch.no_grad():
         for b, h, rows, scores in _scored_rows(q, k, scale, s):
+            if (b, h) != pair:
+                pair, current = (b, h), routings(b, h) if per_pair else routings
+                at = (0, 0) if per_pair else pair
+                block = current[0].block
+                if any(r.block != block for r in current):
+                    raise ValueError(f"routings of block sizes {sorted({r.block for r in current})}: measured "
+                                     "together they share one")
+                diffs = diffs or [[] for _ in current]
             sums = _BlockSums(scores, v[b, h], block, compute)
             del scores
             exact = sums.exact()
             norms.append(exact.square().sum(-1))
-            for i, routing in enumerate(routings):
-                got = sums.routed(routing.kept_blocks(b, h, rows), routing.pooled)
+            for i, routing in enumerate(current):
+                got = sums.routed(routing.kept_blocks(*at, rows), routing.pooled)
                 diffs[i].append((got - exact).square().sum(-1))
             del sums  # before the next chunk's scores
     return [_error(d, norms, bound) for d in diffs]

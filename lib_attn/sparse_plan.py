@@ -446,9 +446,9 @@ class Plan:
         returns the call's sparse result and its error on ``samples`` when calibration ran the kernel at
         that setting, else (None, None)."""
         ladder = self._ladder()
-        routings = self._routings(ladder, q, k, scale)
-        if routings is not None:
-            errors = measure.routed_errors(q, k, v, scale, self.spec.layout, routings, samples, bound=True)
+        if self.kernel.states_routing:
+            errors = measure.routed_errors(q, k, v, scale, self.spec.layout, self._pair_routings(ladder, q, k, scale),
+                                           samples, bound=True)
             for i, error in enumerate(errors):
                 if math.isnan(error):
                     kind.reason = NOT_MEASURED
@@ -474,6 +474,17 @@ class Plan:
                 return result, measured
         kind.knob, kind.reason = None, over_budget(error, self.budget)
         return None, None
+
+    def _pair_routings(self, ladder, q, k, scale):
+        """A function of a (batch item, head) pair giving each setting's routing of that pair alone: the
+        routings of a whole call hold an index per kept block for every pair and setting (404 MiB at Wan
+        2.1's 720p call with CFG batched, 80 pairs, seven settings), of which calibration reads the pairs
+        it drew."""
+        heads = 2 if self.spec.layout == "bshd" else 1
+
+        def of(b: int, h: int):
+            return self._routings(ladder, *(t[b:b + 1].narrow(heads, h, 1) for t in (q, k)), scale)
+        return of
 
     def _routings(self, ladder, q, k, scale):
         """Each setting's routing (q, k as the kernel sees them), or None when the backend states none."""

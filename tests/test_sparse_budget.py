@@ -344,3 +344,30 @@ def test_calibration_measures_its_ladder_on_more_rows_than_a_later_check():
     assert rec.sparse.calls == 2 * sparse_plan.RECHECK_EVERY and not rec.sparse.dense
     assert seen[0] == measure.CALIBRATION_ROWS and len(seen) >= 2            # 2 heads of 4,096 rows: 2,048 each
     assert set(seen[1:]) == {lib_attn.check.SAMPLES}                         # the later measured calls
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_calibration_routes_only_the_pairs_it_drew_one_at_a_time(layout, monkeypatch):
+    # Wan's CFG-batched call has 80 (batch item, head) pairs, more than a measurement draws: each drawn
+    # pair is routed alone, when its rows are measured, and the errors are those of the whole call's routings
+    kernel = BlockSparse()
+    seen = []
+    whole = kernel.routings
+    monkeypatch.setattr(BlockSparse, "routings", lambda self, q, k, scale, knobs: seen.append(q.shape[:2]) or
+                        whole(q, k, scale, knobs))
+    gen = torch.Generator().manual_seed(13)
+    shape = (2, 1024, 40, 16) if layout == "bshd" else (2, 40, 1024, 16)
+    q, k, v = (torch.randn(*shape, generator=gen) for _ in range(3))
+    with lib_attn.recording() as rec:
+        lib_attn.attention(q, k, v, role="dit", layout=layout)
+    assert rec.sparse.dense and seen == [(1, 1)] * 64  # calibrated (random inputs: over the budget)
+    seen.clear()
+    plan = sparse_plan.Plan.__new__(sparse_plan.Plan)
+    plan.kernel, plan.cast = kernel, None
+    plan.spec = type("S", (), {"layout": layout})()
+    ladder = kernel.ladder(lib_attn.Knob("topk", 0.1))
+    samples = measure.draw(q, layout, random.Random(8), measure.CALIBRATION_ROWS)
+    by_pair = measure.routed_errors(q, k, v, None, layout, plan._pair_routings(ladder, q, k, None), samples)
+    assert seen == [(1, 1)] * 64 and len(samples.batch) == 64
+    as_whole = measure.routed_errors(q, k, v, None, layout, plan._routings(ladder, q, k, None), samples)
+    assert by_pair == pytest.approx(as_whole, rel=1e-6)
