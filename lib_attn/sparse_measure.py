@@ -225,12 +225,13 @@ class _BlockSums:
         return out / total
 
 
-def routed_errors(q, k, v, scale, layout: str, routings, samples=None, bound: bool = False) -> list[float]:
+def routed_errors(q, k, v, scale, layout: str, routings, samples=None, bound: bool = False) -> list[float] | None:
     """The relative L2 error on the sampled rows of attention over each routing's blocks (with the pooled
     term where the routing has one), q, k, v in ``layout``, against exact attention: one float per
     routing (``bound``: its upper bound, see ``BOUND_Z``). ``routings``: the routings of the whole call,
     or a function of a (batch item, head) pair giving that pair's alone (indexed as pair (0, 0)), made
-    only for the pairs drawn, one at a time. The routings share one block size."""
+    only for the pairs drawn, one at a time, and None where the backend states no routing for the call:
+    then None. The routings share one block size."""
     q, k, v = (_bhsd(t, layout) for t in (q, k, v))
     s = samples if samples is not None else _check.samples(q, "bhsd")
     compute = _compute(q.dtype)
@@ -239,7 +240,13 @@ def routed_errors(q, k, v, scale, layout: str, routings, samples=None, bound: bo
     with _exact_off(q.device.type), torch.no_grad():
         for b, h, rows, scores in _scored_rows(q, k, scale, s):
             if (b, h) != pair:
-                pair, current = (b, h), routings(b, h) if per_pair else routings
+                if per_pair:
+                    current = routings(b, h)
+                    if current is None:
+                        return None
+                else:
+                    current = routings
+                pair = (b, h)
                 at = (0, 0) if per_pair else pair
                 block = current[0].block
                 if any(r.block != block for r in current):

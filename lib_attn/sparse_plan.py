@@ -446,9 +446,11 @@ class Plan:
         returns the call's sparse result and its error on ``samples`` when calibration ran the kernel at
         that setting, else (None, None)."""
         ladder = self._ladder()
-        if self.kernel.states_routing:
+        errors = None
+        if self.kernel.states_routing:  # its ``routing`` may still give none for this call: then it is run
             errors = measure.routed_errors(q, k, v, scale, self.spec.layout, self._pair_routings(ladder, q, k, scale),
                                            samples, bound=True)
+        if errors is not None:
             for i, error in enumerate(errors):
                 if math.isnan(error):
                     kind.reason = NOT_MEASURED

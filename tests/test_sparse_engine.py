@@ -278,6 +278,33 @@ def test_a_backend_without_routing_is_calibrated_by_running_it(drawn, monkeypatc
         lib_attn.unregister_backend("opaque-sparse")
 
 
+class Unstated(Opaque):
+    """block-sparse's kernel with a ``routing`` that states none for these calls (its contract: None where
+    the output is not exact attention over routed blocks), so the engine must run it to calibrate."""
+    id = "unstated-sparse"
+    label = "test: block-sparse stating no routing for a call"
+
+    def routing(self, q, k, scale, knob):
+        return None
+
+
+def test_a_backend_whose_routing_states_none_for_a_call_is_calibrated_by_running_it(drawn):
+    backend = Unstated()
+    lib_attn.register_backend(backend)
+    try:
+        lib_attn.configure(sparse="unstated-sparse, min_tokens=1024, dense=none, topk=0.05, budget=0.15")
+        q, k, v = local()
+        with lib_attn.recording() as rec:
+            out = lib_attn.attention(q, k, v, role="dit")
+        (_, _, _, setting), = rec.sparse.kinds
+        assert backend.states_routing and backend.runs[0] == "topk 0.05" and backend.runs[-1] == setting
+        assert len(backend.runs) > 2 and rec.sparse.error_max() <= 0.15
+        assert rec.sparse.error_max() == pytest.approx(sampled_error64(out, q, k, v, drawn[-1]), rel=1e-3)
+    finally:
+        lib_attn.reset()
+        lib_attn.unregister_backend("unstated-sparse")
+
+
 def test_the_report_carries_the_readout_and_reads_it_back(monkeypatch):
     monkeypatch.setattr(sparse_plan.Kind, "measured_now", lambda self: False)  # only calibrations measure
     on(budget=0.15)
