@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from . import _compat
 from . import check as _check
 from .kernels.base import default_scale
 
@@ -225,23 +226,31 @@ class _BlockSums:
         return out / total
 
 
+def _as_called(device_type: str, dtype):
+    """The caller's autocast (``dtype``, or None when it was off) again, inside ``_exact_off``."""
+    return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
 def routed_errors(q, k, v, scale, layout: str, routings, samples=None, bound: bool = False) -> list[float] | None:
     """The relative L2 error on the sampled rows of attention over each routing's blocks (with the pooled
     term where the routing has one), q, k, v in ``layout``, against exact attention: one float per
     routing (``bound``: its upper bound, see ``BOUND_Z``). ``routings``: the routings of the whole call,
     or a function of a (batch item, head) pair giving that pair's alone (indexed as pair (0, 0)), made
-    only for the pairs drawn, one at a time, and None where the backend states no routing for the call:
-    then None. The routings share one block size."""
+    only for the pairs drawn, one at a time, under the caller's autocast as the kernel's own routing is
+    made (autocast computes its pooled scores in half precision), and None where the backend states no
+    routing for the call: then None. The routings share one block size."""
     q, k, v = (_bhsd(t, layout) for t in (q, k, v))
     s = samples if samples is not None else _check.samples(q, "bhsd")
     compute = _compute(q.dtype)
     per_pair = callable(routings)
+    called = _compat.autocast_dtype(q.device.type)
     diffs, norms, pair = None, [], None
     with _exact_off(q.device.type), torch.no_grad():
         for b, h, rows, scores in _scored_rows(q, k, scale, s):
             if (b, h) != pair:
                 if per_pair:
-                    current = routings(b, h)
+                    with _as_called(q.device.type, called):
+                        current = routings(b, h)
                     if current is None:
                         return None
                 else:

@@ -4,6 +4,7 @@ second model with the same shapes, and the same model with other weights loaded.
 may return an output over 1.1 x the budget, and each run still goes sparse where its inputs are local."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import random
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import lib_attn
+from lib_attn import conditioning
 from lib_attn import schedule as sched
 from lib_attn.commands.bench.inputs import local_inputs
 from lib_attn.kernels.block_sparse import BlockSparse
@@ -362,12 +364,71 @@ def test_calibration_routes_only_the_pairs_it_drew_one_at_a_time(layout, monkeyp
         lib_attn.attention(q, k, v, role="dit", layout=layout)
     assert rec.sparse.dense and seen == [(1, 1)] * 64  # calibrated (random inputs: over the budget)
     seen.clear()
-    plan = sparse_plan.Plan.__new__(sparse_plan.Plan)
-    plan.kernel, plan.cast = kernel, None
-    plan.spec = type("S", (), {"layout": layout})()
+    plan = _routing_plan(kernel, layout)
     ladder = kernel.ladder(lib_attn.Knob("topk", 0.1))
     samples = measure.draw(q, layout, random.Random(8), measure.CALIBRATION_ROWS)
     by_pair = measure.routed_errors(q, k, v, None, layout, plan._pair_routings(ladder, q, k, None), samples)
     assert seen == [(1, 1)] * 64 and len(samples.batch) == 64
     as_whole = measure.routed_errors(q, k, v, None, layout, plan._routings(ladder, q, k, None), samples)
     assert by_pair == pytest.approx(as_whole, rel=1e-6)
+
+
+def _routing_plan(kernel, layout: str, cast=None):
+    """A plan of calls in ``layout`` on ``kernel`` (computing in ``cast``), as far as routing reads it."""
+    plan = sparse_plan.Plan.__new__(sparse_plan.Plan)
+    plan.kernel, plan.cast = kernel, cast
+    plan.spec = type("S", (), {"layout": layout})()
+    return plan
+
+
+def _packed(qkv, layout: str):
+    """q, k, v as the strided views of one (b, n, 3, h, d) buffer that Flux's attention passes, in ``layout``."""
+    b, h, n, d = qkv[0].shape
+    packed = torch.empty(b, n, 3, h, d)
+    for i, t in enumerate(qkv):
+        packed[:, :, i] = t.transpose(1, 2)
+    return tuple(packed[:, :, i] if layout == "bshd" else packed[:, :, i].transpose(1, 2) for i in range(3))
+
+
+@pytest.mark.parametrize("text", [None, "first", "last"])
+@pytest.mark.parametrize("knob", [lib_attn.Knob("topk", 0.1), lib_attn.Knob("threshold", 0.8)], ids=str)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("b, heads, grid, cast", [(2, 3, (5, 12, 20), None), (3, 2, (4, 16, 16), torch.bfloat16)],
+                         ids=["ragged", "cast"])
+def test_each_pair_routed_alone_keeps_the_blocks_the_whole_call_routes_it(b, heads, grid, cast, layout, knob, text):
+    # one routing per pair against the whole call's: ragged last blocks (1,200 tokens), a cast, the diagonal,
+    # q, k, v strided views of one packed buffer in either layout, and a joint call's text blocks (told
+    # for a call of exactly that many tokens) at either end
+    kernel = BlockSparse()
+    q, k, v = _packed(local_inputs(b, heads, grid, 16, torch.float32, CPU, seed=17, strength=1.0), layout)
+    n = q.shape[1 if layout == "bshd" else 2]
+    plan = _routing_plan(kernel, layout, cast)
+    ladder = kernel.ladder(knob)
+    samples = measure.draw(q, layout, random.Random(9), rows=600)
+    told = conditioning.text(40, n, text) if text else contextlib.nullcontext()
+    with told:
+        whole = plan._routings(ladder, q, k, None)
+        of = plan._pair_routings(ladder, q, k, None)
+        by_pair = measure.routed_errors(q, k, v, None, layout, of, samples)
+        as_whole = measure.routed_errors(q, k, v, None, layout, whole, samples)
+        for i, (bi, hi) in enumerate(zip(samples.batch.tolist(), samples.head.tolist())):
+            rows = samples.rows[i]
+            for alone, routing in zip(of(bi, hi), whole):
+                assert torch.equal(alone.kept_blocks(0, 0, rows), routing.kept_blocks(bi, hi, rows))
+                assert alone.exact_rows == routing.exact_rows and (routing.exact_rows is not None) == bool(text)
+    assert len(set(by_pair)) > 1 and by_pair == pytest.approx(as_whole, rel=1e-12)
+
+
+def test_each_pair_is_routed_as_the_kernel_routes_under_the_hosts_autocast():
+    # the hosts run attention under autocast, whose matmuls give the kernel's pooled scores in half
+    # precision: the ladder is measured on those routings, not on ones made with autocast off
+    kernel = BlockSparse()
+    q, k, v = local_inputs(2, 3, (4, 16, 32), 32, torch.float32, CPU, seed=1, strength=1.0)
+    plan = _routing_plan(kernel, "bhsd")
+    ladder = kernel.ladder(lib_attn.Knob("topk", 0.1))
+    samples = measure.draw(q, "bhsd", random.Random(3), rows=2048)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        run = [kernel.routing(q, k, None, knob) for knob in ladder]  # as ``run_sparse`` routes the call
+        by_pair = measure.routed_errors(q, k, v, None, "bhsd", plan._pair_routings(ladder, q, k, None), samples)
+    as_run = measure.routed_errors(q, k, v, None, "bhsd", run, samples)
+    assert by_pair == pytest.approx(as_run, rel=1e-12)
