@@ -286,6 +286,10 @@ def _groups_case(seed: int) -> dict:
     # A group torch destroyed is dropped and made anew under a new name; the configuration works.
     par = parallel.Parallel(ring=2, group=pair, timeout=30)
     before = c10d._world.pg_names[par.comm_group]
+    # Destroyed once both members have used it, as a program does: a member that destroys a group it has
+    # just made, while its peer still connects to it, resets that connection (gloo on torch 2.1), and the
+    # peer fails to make the group after it while this member waits in its making.
+    dist.barrier(group=par.comm_group)
     dist.destroy_process_group(par.comm_group)
     del par
     again = parallel.Parallel(ring=2, group=pair, timeout=30)
